@@ -1,0 +1,3 @@
+//! Types of the objects users write: the `Proxy` resource.
+
+pub mod proxy;

@@ -1,0 +1,362 @@
+//! The providers config as typed serde structs.
+//!
+//! Field names are camelCase so the YAML reads like a Kubernetes object. Every struct
+//! refuses unknown fields, so a typo (`bridg:`) is an error with its path rather than a
+//! silently ignored setting. Ranges and patterns repeated here as schemars attributes only
+//! help editors; the authority is [`super::validate`], which the loader always runs.
+
+use schemars::JsonSchema;
+use serde::{Deserialize, Serialize};
+
+use super::validate::limits;
+use crate::validation::{
+    DNS1123_LABEL_MAX, DNS1123_LABEL_PATTERN, FILE_PATH_MAX, INTERFACE_NAME_PATTERN,
+    LIBVIRT_OBJECT_NAME_PATTERN, SHA256_PATTERN, SOCKET_PATH_PATTERN, UNIX_SOCKET_PATH_MAX,
+    URL_MAX, USER_NAME_PATTERN,
+};
+
+/// Default libvirt socket on a host (Debian, Fedora and RHEL all use this path).
+pub const DEFAULT_LIBVIRT_SOCKET: &str = "/var/run/libvirt/libvirt-sock";
+/// Default SSH port.
+pub const DEFAULT_SSH_PORT: u16 = 22;
+
+/// The operator's providers config, mounted from a ConfigMap.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize, JsonSchema)]
+#[serde(rename_all = "camelCase", deny_unknown_fields)]
+#[schemars(title = "egress-operator providers config")]
+pub struct ProvidersConfig {
+    /// Identifies this operator's cluster in the mark it writes into every domain it owns,
+    /// so two clusters sharing a host never collect each other's VMs. A DNS-1123 label.
+    #[schemars(length(min = 1, max = DNS1123_LABEL_MAX), pattern(DNS1123_LABEL_PATTERN))]
+    pub cluster_id: String,
+    /// The KVM/libvirt-over-SSH provider.
+    pub kvm2: Kvm2Config,
+    /// Garbage collection of orphaned domains.
+    #[serde(default)]
+    pub gc: GcConfig,
+    /// Periodic provider health checks.
+    #[serde(default)]
+    pub health_check: HealthCheckConfig,
+}
+
+/// The kvm2 provider: libvirt hosts reached over SSH.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize, JsonSchema)]
+#[serde(rename_all = "camelCase", deny_unknown_fields)]
+pub struct Kvm2Config {
+    /// How to log in to every host.
+    pub ssh: SshConfig,
+    /// The libvirt hosts proxies may run on.
+    pub hosts: Vec<HostConfig>,
+    /// Base images, cached per host in its storage pool.
+    pub images: Vec<ImageConfig>,
+    /// Machine types a Proxy may ask for.
+    pub machine_types: Vec<MachineTypeConfig>,
+    /// What a Proxy gets when it names no machine type or image.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub defaults: Option<DefaultsConfig>,
+    /// Template plugins that render the domain XML and the cloud-init vendor-data.
+    pub templates: TemplatesConfig,
+}
+
+/// SSH login shared by all hosts. The key and known_hosts come from a mounted Secret.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize, JsonSchema)]
+#[serde(rename_all = "camelCase", deny_unknown_fields)]
+pub struct SshConfig {
+    /// Remote user; it needs access to the libvirt socket (e.g. member of `libvirt`).
+    #[schemars(pattern(USER_NAME_PATTERN))]
+    pub user: String,
+    /// Private key file (OpenSSH format). Relative paths are resolved against the
+    /// directory of the config file.
+    #[schemars(length(min = 1, max = FILE_PATH_MAX))]
+    pub private_key_file: String,
+    /// known_hosts file every host key is verified against. Relative paths are resolved
+    /// against the directory of the config file.
+    #[schemars(length(min = 1, max = FILE_PATH_MAX))]
+    pub known_hosts_file: String,
+    /// How long a TCP connect plus SSH handshake may take.
+    #[serde(default = "defaults::connect_timeout_seconds")]
+    #[schemars(range(min = limits::CONNECT_TIMEOUT_SECONDS.0, max = limits::CONNECT_TIMEOUT_SECONDS.1))]
+    pub connect_timeout_seconds: u32,
+    /// Interval between SSH keepalives.
+    #[serde(default = "defaults::keepalive_interval_seconds")]
+    #[schemars(range(min = limits::KEEPALIVE_INTERVAL_SECONDS.0, max = limits::KEEPALIVE_INTERVAL_SECONDS.1))]
+    pub keepalive_interval_seconds: u32,
+    /// Unanswered keepalives after which the link is declared dead.
+    #[serde(default = "defaults::keepalive_max_missed")]
+    #[schemars(range(min = limits::KEEPALIVE_MAX_MISSED.0, max = limits::KEEPALIVE_MAX_MISSED.1))]
+    pub keepalive_max_missed: u32,
+}
+
+/// Which libvirt driver to talk to behind the socket.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize, Deserialize, JsonSchema)]
+#[serde(rename_all = "lowercase")]
+pub enum LibvirtDriver {
+    /// QEMU/KVM: real VMs.
+    #[default]
+    Qemu,
+    /// libvirt's in-memory test driver: for tests and dry runs only.
+    Test,
+}
+
+/// One libvirt host.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize, JsonSchema)]
+#[serde(rename_all = "camelCase", deny_unknown_fields)]
+pub struct HostConfig {
+    /// Host name used in placement, status and metrics. A DNS-1123 label.
+    #[schemars(length(min = 1, max = DNS1123_LABEL_MAX), pattern(DNS1123_LABEL_PATTERN))]
+    pub name: String,
+    /// SSH address, `host:port` (`[v6]:port` for IPv6); the port defaults to 22.
+    pub address: String,
+    /// Path of libvirtd's unix socket on the host.
+    #[serde(default = "defaults::libvirt_socket")]
+    #[schemars(length(min = 1, max = UNIX_SOCKET_PATH_MAX), pattern(SOCKET_PATH_PATTERN))]
+    pub libvirt_socket: String,
+    /// libvirt driver behind the socket.
+    #[serde(default)]
+    pub driver: LibvirtDriver,
+    /// Storage pool holding base images, overlays and seed ISOs.
+    #[schemars(pattern(LIBVIRT_OBJECT_NAME_PATTERN))]
+    pub storage_pool: String,
+    /// Existing bridge the proxy NICs attach to.
+    #[schemars(pattern(INTERFACE_NAME_PATTERN))]
+    pub bridge: String,
+    /// Most proxy domains this host may carry.
+    #[serde(default = "defaults::max_domains")]
+    #[schemars(range(min = limits::MAX_DOMAINS.0, max = limits::MAX_DOMAINS.1))]
+    pub max_domains: u32,
+    /// Most Creates running at once on this host (image uploads are heavy).
+    #[serde(default = "defaults::max_concurrent_creates")]
+    #[schemars(range(min = limits::MAX_CONCURRENT_CREATES.0, max = limits::MAX_CONCURRENT_CREATES.1))]
+    pub max_concurrent_creates: u32,
+    /// Skip host-key verification for this host. Unsafe: every dial logs a warning.
+    #[serde(default)]
+    pub insecure_ignore_host_key: bool,
+}
+
+/// Disk image format of a base image.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize, JsonSchema)]
+#[serde(rename_all = "lowercase")]
+pub enum ImageFormat {
+    /// QEMU copy-on-write v2.
+    Qcow2,
+    /// Raw disk image.
+    Raw,
+}
+
+/// A base image, downloaded once per host and verified by its sha256.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize, JsonSchema)]
+#[serde(rename_all = "camelCase", deny_unknown_fields)]
+pub struct ImageConfig {
+    /// Image name a Proxy refers to. A DNS-1123 label.
+    #[schemars(length(min = 1, max = DNS1123_LABEL_MAX), pattern(DNS1123_LABEL_PATTERN))]
+    pub name: String,
+    /// Where to download it: https, or http where `allowHttp` is set.
+    #[schemars(length(min = 1, max = URL_MAX), pattern("^https?://"))]
+    pub url: String,
+    /// Expected sha256 of the image file, 64 hex digits.
+    #[schemars(pattern(SHA256_PATTERN))]
+    pub sha256: String,
+    /// Format of the file at `url`.
+    pub format: ImageFormat,
+    /// Refuse downloads larger than this many MiB.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[serde(rename = "maxSizeMiB")]
+    #[schemars(range(min = limits::IMAGE_MAX_SIZE_MIB.0, max = limits::IMAGE_MAX_SIZE_MIB.1))]
+    pub max_size_mib: Option<u64>,
+    /// Accept a plain-http URL (the sha256 still protects the content).
+    #[serde(default)]
+    pub allow_http: bool,
+    /// Accept URLs that resolve to loopback, link-local, private or metadata addresses.
+    #[serde(default)]
+    pub allow_private_addresses: bool,
+}
+
+/// Guest firmware.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize, Deserialize, JsonSchema)]
+#[serde(rename_all = "lowercase")]
+pub enum Firmware {
+    /// Legacy BIOS (SeaBIOS).
+    #[default]
+    Bios,
+    /// UEFI (OVMF); the loader and NVRAM template come from the domain plugin's settings.
+    Efi,
+}
+
+/// A machine type: the size of a proxy VM.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize, JsonSchema)]
+#[serde(rename_all = "camelCase", deny_unknown_fields)]
+pub struct MachineTypeConfig {
+    /// Machine type name a Proxy refers to. A DNS-1123 label.
+    #[schemars(length(min = 1, max = DNS1123_LABEL_MAX), pattern(DNS1123_LABEL_PATTERN))]
+    pub name: String,
+    /// Virtual CPUs.
+    #[schemars(range(min = limits::VCPUS.0, max = limits::VCPUS.1))]
+    pub vcpus: u32,
+    /// Memory in MiB.
+    #[serde(rename = "memoryMiB")]
+    #[schemars(range(min = limits::MEMORY_MIB.0, max = limits::MEMORY_MIB.1))]
+    pub memory_mib: u64,
+    /// Size of the root disk (the overlay over the base image) in GiB.
+    #[serde(rename = "diskGiB")]
+    #[schemars(range(min = limits::DISK_GIB.0, max = limits::DISK_GIB.1))]
+    pub disk_gib: u64,
+    /// Guest firmware.
+    #[serde(default)]
+    pub firmware: Firmware,
+}
+
+/// Defaults for a Proxy that leaves a field out.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize, JsonSchema)]
+#[serde(rename_all = "camelCase", deny_unknown_fields)]
+pub struct DefaultsConfig {
+    /// Machine type name; must be one of `machineTypes`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub machine_type: Option<String>,
+    /// Image name; must be one of `images`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub image: Option<String>,
+}
+
+/// The two template plugins.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize, JsonSchema)]
+#[serde(rename_all = "camelCase", deny_unknown_fields)]
+pub struct TemplatesConfig {
+    /// Renders the libvirt domain XML.
+    pub domain: TemplateConfig,
+    /// Renders the cloud-init vendor-data.
+    pub vendor_data: TemplateConfig,
+}
+
+/// One template plugin: where it comes from, its settings and its limits.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize, JsonSchema)]
+#[serde(rename_all = "camelCase", deny_unknown_fields)]
+pub struct TemplateConfig {
+    /// Local component file (e.g. mounted from a volume). Relative paths are resolved
+    /// against the directory of the config file. Exactly one of `path` and `url`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[schemars(length(min = 1, max = FILE_PATH_MAX))]
+    pub path: Option<String>,
+    /// https URL of the component. Exactly one of `path` and `url`; needs `sha256`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[schemars(length(min = 1, max = URL_MAX), pattern("^https://"))]
+    pub url: Option<String>,
+    /// sha256 of the component; mandatory with `url`, checked before compiling. With
+    /// `path` it is optional and, when given, checked too.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[schemars(pattern(SHA256_PATTERN))]
+    pub sha256: Option<String>,
+    /// Plugin-specific settings, validated against the JSON Schema the plugin exports.
+    #[serde(default = "defaults::settings")]
+    #[schemars(extend("default" = {}))]
+    pub settings: serde_json::Value,
+    /// Wall-clock budget of one render.
+    #[serde(default = "defaults::template_timeout_millis")]
+    #[schemars(range(min = limits::TEMPLATE_TIMEOUT_MILLIS.0, max = limits::TEMPLATE_TIMEOUT_MILLIS.1))]
+    pub timeout_millis: u32,
+    /// Linear memory cap of one render.
+    #[serde(default = "defaults::template_max_memory_mib", rename = "maxMemoryMiB")]
+    #[schemars(range(min = limits::TEMPLATE_MAX_MEMORY_MIB.0, max = limits::TEMPLATE_MAX_MEMORY_MIB.1))]
+    pub max_memory_mib: u32,
+}
+
+/// Garbage collection of domains we own that no Proxy owns any more.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize, JsonSchema)]
+#[serde(rename_all = "camelCase", deny_unknown_fields)]
+pub struct GcConfig {
+    /// How often to sweep all hosts.
+    #[serde(default = "defaults::gc_period_seconds")]
+    #[schemars(range(min = limits::GC_PERIOD_SECONDS.0, max = limits::GC_PERIOD_SECONDS.1))]
+    pub period_seconds: u32,
+    /// A domain younger than this is never collected, so a Create in flight is safe.
+    #[serde(default = "defaults::gc_grace_period_seconds")]
+    #[schemars(range(min = limits::GC_GRACE_PERIOD_SECONDS.0, max = limits::GC_GRACE_PERIOD_SECONDS.1))]
+    pub grace_period_seconds: u32,
+}
+
+impl Default for GcConfig {
+    fn default() -> Self {
+        Self {
+            period_seconds: defaults::gc_period_seconds(),
+            grace_period_seconds: defaults::gc_grace_period_seconds(),
+        }
+    }
+}
+
+/// Provider health checks, written to each provider's `ProviderHealth`.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize, JsonSchema)]
+#[serde(rename_all = "camelCase", deny_unknown_fields)]
+pub struct HealthCheckConfig {
+    /// How often to check every host.
+    #[serde(default = "defaults::health_period_seconds")]
+    #[schemars(range(min = limits::HEALTH_PERIOD_SECONDS.0, max = limits::HEALTH_PERIOD_SECONDS.1))]
+    pub period_seconds: u32,
+    /// Budget of one host's check; must be shorter than the period.
+    #[serde(default = "defaults::health_timeout_seconds")]
+    #[schemars(range(min = limits::HEALTH_TIMEOUT_SECONDS.0, max = limits::HEALTH_TIMEOUT_SECONDS.1))]
+    pub timeout_seconds: u32,
+}
+
+impl Default for HealthCheckConfig {
+    fn default() -> Self {
+        Self {
+            period_seconds: defaults::health_period_seconds(),
+            timeout_seconds: defaults::health_timeout_seconds(),
+        }
+    }
+}
+
+/// Default values, as functions because serde's `default = "..."` needs a path.
+pub mod defaults {
+    /// Long enough for a TLS-less SSH handshake over a slow WAN link.
+    pub fn connect_timeout_seconds() -> u32 {
+        10
+    }
+    /// OpenSSH's ServerAliveInterval in common production configs.
+    pub fn keepalive_interval_seconds() -> u32 {
+        15
+    }
+    /// Three misses: a dead link is noticed within about 45 s by default.
+    pub fn keepalive_max_missed() -> u32 {
+        3
+    }
+    /// libvirt's default socket path.
+    pub fn libvirt_socket() -> String {
+        super::DEFAULT_LIBVIRT_SOCKET.to_string()
+    }
+    /// A conservative per-host cap; sites raise it to fit their hardware.
+    pub fn max_domains() -> u32 {
+        32
+    }
+    /// Two Creates at once keep image uploads from saturating a host's disk.
+    pub fn max_concurrent_creates() -> u32 {
+        2
+    }
+    /// Settings default to an empty object; the plugin supplies its own defaults.
+    pub fn settings() -> serde_json::Value {
+        serde_json::Value::Object(serde_json::Map::new())
+    }
+    /// A render is pure computation over a few KB: a few hundred ms is generous.
+    pub fn template_timeout_millis() -> u32 {
+        250
+    }
+    /// Enough for any sane template, small enough that a memory bomb is cheap.
+    pub fn template_max_memory_mib() -> u32 {
+        64
+    }
+    /// Sweep every five minutes.
+    pub fn gc_period_seconds() -> u32 {
+        300
+    }
+    /// Ten minutes: longer than a slow Create including an image download.
+    pub fn gc_grace_period_seconds() -> u32 {
+        600
+    }
+    /// Check hosts every minute.
+    pub fn health_period_seconds() -> u32 {
+        60
+    }
+    /// A check that takes longer than this counts as a failure.
+    pub fn health_timeout_seconds() -> u32 {
+        10
+    }
+}

@@ -1,0 +1,12 @@
+//! egress-operator: keeps a fleet of egress proxy VMs running on remote KVM/libvirt hosts.
+//!
+//! The binary (`src/main.rs`) only parses the command line and calls [`cli::run`];
+//! everything testable lives here.
+
+pub mod api;
+pub mod cli;
+pub mod config;
+pub mod error;
+pub mod validation;
+
+pub use error::{Classified, ErrorClass};

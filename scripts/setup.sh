@@ -1,0 +1,108 @@
+#!/usr/bin/env bash
+# Installs exactly what the build and the tests need, and nothing else.
+#
+# Idempotent and fast when everything is already there: it asks dpkg and rustup
+# first and only touches apt when something is missing. Runs as root on Debian 12
+# (bookworm); every other case gets a clear message instead of a half-done install.
+set -euo pipefail
+
+# Packages from bookworm itself.
+#   pkg-config, libvirt-dev      build the `virt` crate (libvirt client library)
+#   libvirt-daemon-system,       libvirtd + virtlogd for the integration tests
+#   libvirt-clients              virsh, virt-xml-validate
+#   libxml2-utils                xmllint, which virt-xml-validate runs
+#   openssh-server               sshd for the SSH transport tests
+#   xorriso                      reads seed ISOs back in tests
+#   iproute2                     network namespaces and bridges for test VMs
+BOOKWORM_PKGS=(pkg-config libvirt-dev libvirt-daemon-system libvirt-clients libxml2-utils
+  openssh-server xorriso iproute2)
+# qemu-utils 10 from bookworm-backports is preinstalled on our machines, so the
+# emulator must come from the same suite or apt refuses the mix.
+BACKPORTS_PKGS=(qemu-system-x86)
+RUST_TARGETS=(wasm32-wasip2)
+BACKPORTS_LIST=/etc/apt/sources.list.d/bookworm-backports.sources
+
+log() { printf 'setup: %s\n' "$*"; }
+
+missing_pkgs() {
+  local p
+  for p in "$@"; do
+    dpkg-query -W -f='${db:Status-Status}' "$p" 2>/dev/null | grep -qx installed || printf '%s\n' "$p"
+  done
+}
+
+ensure_backports_source() {
+  if grep -rqs 'bookworm-backports' /etc/apt/sources.list /etc/apt/sources.list.d/; then
+    return
+  fi
+  log "adding bookworm-backports to apt sources"
+  cat >"$BACKPORTS_LIST" <<'EOF'
+Types: deb
+URIs: http://deb.debian.org/debian
+Suites: bookworm-backports
+Components: main
+Signed-By: /usr/share/keyrings/debian-archive-keyring.gpg
+EOF
+}
+
+apt_update() {
+  # Third-party sources on some images are unreachable here; apt keeps going
+  # without them, and a missing Debian index shows up as an install failure below.
+  apt-get update -qq || log "apt-get update reported errors (continuing; install will fail loudly if Debian's indexes are missing)"
+}
+
+install_apt() {
+  local main_missing bp_missing
+  mapfile -t main_missing < <(missing_pkgs "${BOOKWORM_PKGS[@]}")
+  mapfile -t bp_missing < <(missing_pkgs "${BACKPORTS_PKGS[@]}")
+  if [ ${#main_missing[@]} -eq 0 ] && [ ${#bp_missing[@]} -eq 0 ]; then
+    log "Debian packages present"
+    return
+  fi
+  if [ "$(id -u)" -ne 0 ]; then
+    log "missing packages: ${main_missing[*]} ${bp_missing[*]}; run 'make setup' as root" >&2
+    exit 1
+  fi
+  ensure_backports_source
+  apt_update
+  # Keep package scripts from starting system daemons: there is no init system
+  # here, and tests start their own isolated daemons anyway.
+  local policy=/usr/sbin/policy-rc.d created_policy=0
+  if [ ! -e "$policy" ]; then
+    printf '#!/bin/sh\nexit 101\n' >"$policy"
+    chmod 0755 "$policy"
+    created_policy=1
+  fi
+  local rc=0
+  export DEBIAN_FRONTEND=noninteractive
+  if [ ${#bp_missing[@]} -gt 0 ]; then
+    log "installing from bookworm-backports: ${bp_missing[*]}"
+    apt-get install -y -qq --no-install-recommends -t bookworm-backports "${bp_missing[@]}" || rc=$?
+  fi
+  if [ $rc -eq 0 ] && [ ${#main_missing[@]} -gt 0 ]; then
+    log "installing: ${main_missing[*]}"
+    apt-get install -y -qq --no-install-recommends "${main_missing[@]}" || rc=$?
+  fi
+  [ $created_policy -eq 1 ] && rm -f "$policy"
+  if [ $rc -ne 0 ]; then
+    log "apt-get install failed with exit code $rc" >&2
+    exit $rc
+  fi
+}
+
+install_rust_targets() {
+  local t installed
+  installed=$(rustup target list --installed)
+  for t in "${RUST_TARGETS[@]}"; do
+    if grep -qx "$t" <<<"$installed"; then
+      log "rust target $t present"
+    else
+      log "adding rust target $t"
+      rustup target add "$t"
+    fi
+  done
+}
+
+install_apt
+install_rust_targets
+log "done"
