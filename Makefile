@@ -5,7 +5,14 @@ SHELL := /bin/bash
 CARGO ?= cargo
 BIN := target/debug/egress-operator
 
-.PHONY: all setup build lint fmt generate test demo clean
+# Template plugins (and the hostile test plugins) are wasm32-wasip2 components; they are
+# copied to target/plugins/ under the file names the sample config uses.
+PLUGINS := domain-default vendor-data-default
+TEST_PLUGINS :=
+WASM_DIR := target/wasm32-wasip2/release
+PLUGIN_DIR := target/plugins
+
+.PHONY: all setup build plugins lint fmt generate test demo clean
 
 all: build
 
@@ -13,9 +20,16 @@ all: build
 setup:
 	@bash scripts/setup.sh
 
-## build: build the workspace
-build:
+## build: build the workspace and the plugins
+build: plugins
 	$(CARGO) build --workspace --all-targets --locked
+
+## plugins: build the template plugins for wasm32-wasip2 into target/plugins/
+plugins:
+	$(CARGO) build --locked --release --target wasm32-wasip2 $(addprefix -p ,$(PLUGINS) $(TEST_PLUGINS))
+	@mkdir -p $(PLUGIN_DIR)
+	@for p in $(PLUGINS) $(TEST_PLUGINS); do cp $(WASM_DIR)/$${p//-/_}.wasm $(PLUGIN_DIR)/$$p.wasm; done
+	@ls -l $(PLUGIN_DIR)
 
 ## lint: formatting and clippy, warnings denied
 lint:
@@ -31,16 +45,19 @@ generate:
 	$(CARGO) run --quiet --locked -p egress-operator -- config-schema > config/schema/providers-config.schema.json
 
 ## test: setup, lint, docs, then every test
-test: setup lint
+test: setup lint plugins
 	RUSTDOCFLAGS="-D warnings" $(CARGO) doc --workspace --no-deps --locked --quiet
 	@mkdir -p target
 	set -o pipefail; $(CARGO) test --workspace --locked 2>&1 | tee target/test.log
 	@bash scripts/test-summary.sh target/test.log
 
-## demo: the main job on local defaults (today: validate the sample config and Proxy)
-demo: setup
+## demo: the main job on local defaults (today: validate the samples, then render the
+## sample Proxy's domain XML and vendor-data with the default plugins)
+demo: setup plugins
 	$(CARGO) build --locked -p egress-operator
 	$(BIN) validate-config config/samples/providers-config.yaml --proxy config/samples/proxy_kvm2.yaml
+	$(BIN) render --config config/samples/providers-config.yaml --proxy config/samples/proxy_kvm2.yaml \
+		--plugin-dir $(PLUGIN_DIR) --cache-dir target/plugin-cache
 
 clean:
 	$(CARGO) clean

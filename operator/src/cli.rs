@@ -33,6 +33,45 @@ pub enum Command {
         #[arg(long = "proxy", value_name = "FILE")]
         proxies: Vec<PathBuf>,
     },
+    /// Render the domain XML and vendor-data of a Proxy with the configured template
+    /// plugins, exactly as the operator would, and print them (or write them to --out).
+    Render(RenderArgs),
+}
+
+/// Arguments of `render`.
+#[derive(Debug, clap::Args)]
+pub struct RenderArgs {
+    /// The providers config (YAML).
+    #[arg(long)]
+    pub config: PathBuf,
+    /// The Proxy manifest (YAML).
+    #[arg(long)]
+    pub proxy: PathBuf,
+    /// Render for this host instead of the Proxy's (or the first configured) host.
+    #[arg(long)]
+    pub host: Option<String>,
+    /// Write `domain.xml` and `vendor-data` into this directory instead of printing.
+    #[arg(long, value_name = "DIR")]
+    pub out: Option<PathBuf>,
+    /// Load plugins configured by `path` from this directory instead (same file names),
+    /// e.g. `target/plugins` after `make plugins`.
+    #[arg(long, value_name = "DIR")]
+    pub plugin_dir: Option<PathBuf>,
+    /// Cache compiled plugins here.
+    #[arg(long, value_name = "DIR")]
+    pub cache_dir: Option<PathBuf>,
+    /// Host fact: KVM is available.
+    #[arg(long)]
+    pub kvm: bool,
+    /// Host fact: guest architecture.
+    #[arg(long, default_value = "x86_64")]
+    pub arch: String,
+    /// Host fact: libvirt version.
+    #[arg(long, default_value = "9.0.0")]
+    pub libvirt_version: String,
+    /// Creation time written into the metadata mark (RFC 3339); now when left out.
+    #[arg(long)]
+    pub created_at: Option<String>,
 }
 
 /// Runs one command, writing to the process's stdout and stderr.
@@ -48,6 +87,7 @@ pub fn execute(command: Command, out: &mut dyn Write, err: &mut dyn Write) -> u8
     let result = match command {
         Command::ConfigSchema => out.write_all(config::json_schema().as_bytes()).map(|_| 0),
         Command::ValidateConfig { file, proxies } => validate_config(&file, &proxies, out, err),
+        Command::Render(args) => render(&args, out, err),
     };
     result.unwrap_or(2)
 }
@@ -99,4 +139,75 @@ fn report(e: &config::ConfigError, err: &mut dyn Write) -> std::io::Result<()> {
         }
         other => writeln!(err, "{other}"),
     }
+}
+
+fn render(args: &RenderArgs, out: &mut dyn Write, err: &mut dyn Write) -> std::io::Result<u8> {
+    match render_inner(args) {
+        Ok((xml, vendor_data)) => match &args.out {
+            Some(dir) => {
+                std::fs::create_dir_all(dir)?;
+                std::fs::write(dir.join("domain.xml"), &xml)?;
+                std::fs::write(dir.join("vendor-data"), &vendor_data)?;
+                writeln!(
+                    out,
+                    "wrote {0}/domain.xml and {0}/vendor-data",
+                    dir.display()
+                )?;
+                Ok(0)
+            }
+            None => {
+                writeln!(out, "# ---- domain.xml ----")?;
+                out.write_all(xml.as_bytes())?;
+                writeln!(out, "# ---- vendor-data ----")?;
+                out.write_all(vendor_data.as_bytes())?;
+                Ok(0)
+            }
+        },
+        Err(message) => {
+            writeln!(err, "{message}")?;
+            Ok(1)
+        }
+    }
+}
+
+fn render_inner(args: &RenderArgs) -> Result<(String, String), String> {
+    use crate::templates::TemplateEngine;
+
+    let config = config::load_file(&args.config).map_err(|e| e.to_string())?;
+    let proxy =
+        crate::api::proxy::load_manifest(&args.proxy, &config).map_err(|e| e.to_string())?;
+    let facts = crate::render::Facts {
+        arch: args.arch.clone(),
+        kvm: args.kvm,
+        libvirt_version: args.libvirt_version.clone(),
+    };
+    let created_at = match &args.created_at {
+        Some(t) => t.clone(),
+        None => humantime::format_rfc3339_seconds(std::time::SystemTime::now()).to_string(),
+    };
+    let inputs = crate::render::inputs(&config, &proxy, args.host.as_deref(), &facts, &created_at)?;
+    let mut templates = config.kvm2.templates.clone();
+    if let Some(dir) = &args.plugin_dir {
+        for t in [&mut templates.domain, &mut templates.vendor_data] {
+            if let Some(file) = t
+                .path
+                .as_deref()
+                .and_then(|p| std::path::Path::new(p).file_name())
+            {
+                t.path = Some(dir.join(file).display().to_string());
+            }
+        }
+    }
+    let engine = TemplateEngine::new(args.cache_dir.as_deref()).map_err(|e| e.to_string())?;
+    let domain = engine
+        .load_domain(&templates.domain)
+        .map_err(|e| e.to_string())?;
+    let vendor = engine
+        .load_vendor_data(&templates.vendor_data)
+        .map_err(|e| e.to_string())?;
+    let xml = domain.render(&inputs.domain).map_err(|e| e.to_string())?;
+    let vendor_data = vendor
+        .render(&inputs.vendor_data)
+        .map_err(|e| e.to_string())?;
+    Ok((xml, vendor_data))
 }

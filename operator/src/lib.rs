@@ -7,6 +7,9 @@ pub mod api;
 pub mod cli;
 pub mod config;
 pub mod error;
+pub mod instance;
+pub mod render;
+pub mod templates;
 pub mod validation;
 
 pub use error::{Classified, ErrorClass};

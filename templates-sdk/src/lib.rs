@@ -1,6 +1,311 @@
 //! SDK for egress-operator template plugins.
 //!
-//! Template plugins are WebAssembly components that render a proxy VM's libvirt domain XML
-//! and its cloud-init vendor-data. The plugin ABI (WIT), typed inputs, the safe XML builder
-//! and the export macro arrive with the template plugin platform; this crate is where
-//! plugin authors will find them.
+//! A template plugin is a WebAssembly component that renders one part of a proxy VM: its
+//! libvirt **domain** XML or its cloud-init **vendor-data**. The operator runs it in a
+//! sandbox (no filesystem, network, environment, clock or randomness; fuel, a deadline, a
+//! memory cap and an output cap), validates its settings against the JSON Schema the plugin
+//! exports, and checks its output before libvirt sees it.
+//!
+//! Writing a plugin takes four things:
+//!
+//! 1. a settings type deriving `serde::Deserialize` and `schemars::JsonSchema` (give every
+//!    field a default so `{}` is valid; the schema and the parser come from this one type);
+//! 2. an implementation of [`DomainPlugin`] or [`VendorDataPlugin`];
+//! 3. one [`export_domain_plugin!`] or [`export_vendor_data_plugin!`] line;
+//! 4. a `cdylib` crate built with `cargo build --target wasm32-wasip2 --release`, depending
+//!    on this SDK with `default-features = false, features = ["domain"]` (or
+//!    `"vendor-data"`), so only that world's bindings are linked in.
+//!
+//! The interface itself is the WIT package `egress:templates@0.1.0` in this crate's `wit/`
+//! folder; the operator refuses components built for another version.
+//!
+//! # Determinism and the sandbox
+//!
+//! Plugins are built for `wasm32-wasip2`, whose standard library imports a few WASI
+//! interfaces even when nothing uses them. The operator provides exactly those with nothing
+//! behind them: empty environment and arguments, empty stdin, stdout and stderr captured
+//! (capped) and logged under the plugin's name, and `exit` as a failed render. Any other
+//! import (filesystem, sockets, clocks, random, http) makes the operator refuse the
+//! component at load, naming the import. So: no `std::fs`, no `SystemTime`, and no
+//! `HashMap` with the default hasher (its random seed is an import); use `BTreeMap`.
+//! A render is then a pure function of its input, and the same input always gives
+//! byte-identical output.
+//!
+//! # A complete plugin
+//!
+//! ```
+//! use templates_sdk::domain::{DomainInput, DiskRole};
+//! use templates_sdk::xml::Element;
+//! use templates_sdk::{DomainPlugin, SettingsProblem};
+//!
+//! /// Settings of this plugin; `{}` is valid.
+//! #[derive(serde::Deserialize, schemars::JsonSchema, Default)]
+//! #[serde(default, deny_unknown_fields, rename_all = "camelCase")]
+//! struct Settings {
+//!     /// Extra vCPUs on top of the machine type's.
+//!     extra_vcpus: u32,
+//! }
+//!
+//! struct Minimal;
+//!
+//! impl DomainPlugin for Minimal {
+//!     type Settings = Settings;
+//!
+//!     fn validate_settings(s: &Settings) -> Vec<SettingsProblem> {
+//!         if s.extra_vcpus > 4 {
+//!             vec![SettingsProblem::new("/extraVcpus", "at most 4")]
+//!         } else {
+//!             vec![]
+//!         }
+//!     }
+//!
+//!     fn render(input: &DomainInput, s: &Settings) -> Result<String, String> {
+//!         let root = input
+//!             .disks
+//!             .iter()
+//!             .find(|d| d.role == DiskRole::Root)
+//!             .ok_or("no root disk")?;
+//!         Ok(Element::new("domain")
+//!             .attr("type", if input.host.kvm { "kvm" } else { "qemu" })
+//!             .child(Element::new("name").text(&input.name))
+//!             .child(Element::new("uuid").text(&input.uuid))
+//!             .child(Element::new("metadata").trusted_fragment(&input.metadata_mark))
+//!             .child(Element::new("memory").attr("unit", "MiB").text(input.memory_mib.to_string()))
+//!             .child(Element::new("vcpu").text((input.vcpus + s.extra_vcpus).to_string()))
+//!             .child(Element::new("os").child(Element::new("type").attr("arch", &input.host.arch).text("hvm")))
+//!             .child(Element::new("features").child(Element::new("acpi")))
+//!             .child(
+//!                 Element::new("devices").child(
+//!                     Element::new("disk")
+//!                         .attr("type", "volume")
+//!                         .attr("device", "disk")
+//!                         .child(Element::new("source").attr("pool", &root.pool).attr("volume", &root.volume))
+//!                         .child(Element::new("target").attr("dev", "vda").attr("bus", "virtio")),
+//!                 ),
+//!             )
+//!             .to_xml())
+//!     }
+//! }
+//!
+//! templates_sdk::export_domain_plugin!(Minimal);
+//!
+//! # use templates_sdk::domain::{Disk, DiskBus, Firmware, HostFacts};
+//! # let input = DomainInput {
+//! #     name: "p-1".into(), uuid: "8d2c0f9e-3b1a-4c55-9e0e-2f3a4b5c6d7e".into(), vcpus: 1,
+//! #     memory_mib: 512, firmware: Firmware::Bios,
+//! #     disks: vec![Disk { pool: "default".into(), volume: "p-1-root".into(),
+//! #         role: DiskRole::Root, bus: DiskBus::Virtio, format: "qcow2".into() }],
+//! #     bridge: "br0".into(), mac: None, metadata_mark: "<m/>".into(),
+//! #     host: HostFacts { name: "h".into(), arch: "x86_64".into(), kvm: false,
+//! #         libvirt_version: "9.0.0".into() },
+//! #     settings: "{}".into(),
+//! # };
+//! // The operator calls these through the component; here we call them directly.
+//! let xml = templates_sdk::__private::render_domain::<Minimal>(&input).unwrap();
+//! assert!(xml.starts_with("<domain type=\"qemu\"><name>p-1</name>"));
+//! let bad = templates_sdk::__private::validate::<Settings>(r#"{"extraVcpus": 9}"#, Minimal::validate_settings);
+//! assert_eq!(bad.unwrap_err()[0].pointer, "/extraVcpus");
+//! ```
+
+// The generated bindings and the export macros name this crate by its public path.
+extern crate self as templates_sdk;
+
+pub mod cloud_config;
+pub mod settings;
+pub mod xml;
+
+pub use settings::SettingsProblem;
+
+/// Bindings of the `domain` world: its input types and the exports a domain plugin makes.
+#[cfg(feature = "domain")]
+#[allow(missing_docs, unsafe_code, clippy::all)]
+pub mod domain {
+    wit_bindgen::generate!({
+        path: "wit",
+        world: "domain",
+        pub_export_macro: true,
+        export_macro_name: "__export_domain_world",
+        default_bindings_module: "templates_sdk::domain",
+        runtime_path: "templates_sdk::__private::wit_bindgen::rt",
+    });
+    pub use self::egress::templates::types::*;
+}
+
+/// Bindings of the `vendor-data` world: its input types and the exports a vendor-data
+/// plugin makes.
+#[cfg(feature = "vendor-data")]
+#[allow(missing_docs, unsafe_code, clippy::all)]
+pub mod vendor_data {
+    wit_bindgen::generate!({
+        path: "wit",
+        world: "vendor-data",
+        pub_export_macro: true,
+        export_macro_name: "__export_vendor_data_world",
+        default_bindings_module: "templates_sdk::vendor_data",
+        runtime_path: "templates_sdk::__private::wit_bindgen::rt",
+    });
+    pub use self::egress::templates::types::*;
+}
+
+/// A plugin that renders libvirt domain XML.
+#[cfg(feature = "domain")]
+pub trait DomainPlugin {
+    /// The plugin's settings; its JSON Schema is what the plugin exports.
+    type Settings: serde::de::DeserializeOwned + schemars::JsonSchema;
+
+    /// Checks beyond the schema; returns every problem (none by default).
+    fn validate_settings(settings: &Self::Settings) -> Vec<SettingsProblem> {
+        let _ = settings;
+        Vec::new()
+    }
+
+    /// Renders the domain XML. The operator checks it: one `<domain>` with the input's
+    /// name and UUID, the metadata mark unchanged, only the disks and bridge it passed.
+    fn render(input: &domain::DomainInput, settings: &Self::Settings) -> Result<String, String>;
+}
+
+/// A plugin that renders cloud-init vendor-data.
+#[cfg(feature = "vendor-data")]
+pub trait VendorDataPlugin {
+    /// The plugin's settings; its JSON Schema is what the plugin exports.
+    type Settings: serde::de::DeserializeOwned + schemars::JsonSchema;
+
+    /// Checks beyond the schema; returns every problem (none by default).
+    fn validate_settings(settings: &Self::Settings) -> Vec<SettingsProblem> {
+        let _ = settings;
+        Vec::new()
+    }
+
+    /// Renders vendor-data: `#cloud-config` YAML (see [`cloud_config`]) or MIME multipart.
+    fn render(
+        input: &vendor_data::VendorDataInput,
+        settings: &Self::Settings,
+    ) -> Result<String, String>;
+}
+
+/// Exports a [`DomainPlugin`] implementation as the component's `domain` world.
+#[cfg(feature = "domain")]
+#[macro_export]
+macro_rules! export_domain_plugin {
+    ($plugin:ty) => {
+        #[doc(hidden)]
+        pub struct __TemplatesSdkDomainExport;
+
+        impl $crate::domain::exports::egress::templates::domain_template::Guest
+            for __TemplatesSdkDomainExport
+        {
+            fn settings_schema() -> ::std::string::String {
+                $crate::settings::schema_json::<<$plugin as $crate::DomainPlugin>::Settings>()
+            }
+            fn validate_settings(
+                settings: ::std::string::String,
+            ) -> ::std::result::Result<(), ::std::vec::Vec<$crate::domain::SettingsError>> {
+                $crate::__private::validate::<<$plugin as $crate::DomainPlugin>::Settings>(
+                    &settings,
+                    <$plugin as $crate::DomainPlugin>::validate_settings,
+                )
+                .map_err(|problems| {
+                    problems
+                        .into_iter()
+                        .map(|p| $crate::domain::SettingsError {
+                            pointer: p.pointer,
+                            message: p.message,
+                        })
+                        .collect()
+                })
+            }
+
+            fn render(
+                input: $crate::domain::DomainInput,
+            ) -> ::std::result::Result<::std::string::String, ::std::string::String> {
+                $crate::__private::render_domain::<$plugin>(&input)
+            }
+        }
+
+        $crate::domain::__export_domain_world!(__TemplatesSdkDomainExport with_types_in $crate::domain);
+    };
+}
+
+/// Exports a [`VendorDataPlugin`] implementation as the component's `vendor-data` world.
+#[cfg(feature = "vendor-data")]
+#[macro_export]
+macro_rules! export_vendor_data_plugin {
+    ($plugin:ty) => {
+        #[doc(hidden)]
+        pub struct __TemplatesSdkVendorDataExport;
+
+        impl $crate::vendor_data::exports::egress::templates::vendor_data_template::Guest
+            for __TemplatesSdkVendorDataExport
+        {
+            fn settings_schema() -> ::std::string::String {
+                $crate::settings::schema_json::<<$plugin as $crate::VendorDataPlugin>::Settings>()
+            }
+            fn validate_settings(
+                settings: ::std::string::String,
+            ) -> ::std::result::Result<(), ::std::vec::Vec<$crate::vendor_data::SettingsError>>
+            {
+                $crate::__private::validate::<<$plugin as $crate::VendorDataPlugin>::Settings>(
+                    &settings,
+                    <$plugin as $crate::VendorDataPlugin>::validate_settings,
+                )
+                .map_err(|problems| {
+                    problems
+                        .into_iter()
+                        .map(|p| $crate::vendor_data::SettingsError {
+                            pointer: p.pointer,
+                            message: p.message,
+                        })
+                        .collect()
+                })
+            }
+
+            fn render(
+                input: $crate::vendor_data::VendorDataInput,
+            ) -> ::std::result::Result<::std::string::String, ::std::string::String> {
+                $crate::__private::render_vendor_data::<$plugin>(&input)
+            }
+        }
+
+        $crate::vendor_data::__export_vendor_data_world!(
+            __TemplatesSdkVendorDataExport with_types_in $crate::vendor_data
+        );
+    };
+}
+
+/// Support code for the export macros. Not a stable API.
+#[doc(hidden)]
+pub mod __private {
+    pub use wit_bindgen;
+
+    use crate::settings::{self, SettingsProblem};
+
+    /// Parses settings, then runs the plugin's checks.
+    pub fn validate<S: serde::de::DeserializeOwned>(
+        json: &str,
+        check: fn(&S) -> Vec<SettingsProblem>,
+    ) -> Result<(), Vec<SettingsProblem>> {
+        settings::validate_with::<S>(json, check)
+    }
+
+    fn parse_for_render<S: serde::de::DeserializeOwned>(json: &str) -> Result<S, String> {
+        settings::parse::<S>(json).map_err(|p| format!("settings {p}"))
+    }
+
+    /// Parses the input's settings and renders with the plugin.
+    #[cfg(feature = "domain")]
+    pub fn render_domain<P: crate::DomainPlugin>(
+        input: &crate::domain::DomainInput,
+    ) -> Result<String, String> {
+        let s = parse_for_render::<P::Settings>(&input.settings)?;
+        P::render(input, &s)
+    }
+
+    /// Parses the input's settings and renders with the plugin.
+    #[cfg(feature = "vendor-data")]
+    pub fn render_vendor_data<P: crate::VendorDataPlugin>(
+        input: &crate::vendor_data::VendorDataInput,
+    ) -> Result<String, String> {
+        let s = parse_for_render::<P::Settings>(&input.settings)?;
+        P::render(input, &s)
+    }
+}

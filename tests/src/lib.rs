@@ -1,4 +1,5 @@
 //! Shared helpers for the integration tests in `tests/tests/`.
+#![forbid(unsafe_code)]
 
 use std::path::PathBuf;
 

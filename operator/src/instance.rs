@@ -1,0 +1,168 @@
+//! The identity of one proxy instance: its domain and volume names, UUID, MAC address and
+//! the ownership mark written into the domain's `<metadata>`.
+//!
+//! Everything is derived from the Proxy's UID, which Kubernetes makes unique and immutable,
+//! so every reconcile (and every operator replica) computes the same names, and a domain or
+//! volume can always be traced back to its Proxy.
+
+use sha2::{Digest, Sha256};
+
+use crate::validation::{self as rules};
+
+/// XML namespace of the ownership mark.
+pub const METADATA_NS: &str = "https://egress-operator.dev/xmlns/instance/1";
+/// Prefix of every domain and volume name we create; GC only ever looks at these.
+pub const NAME_PREFIX: &str = "egress-";
+
+/// Names and IDs of one instance.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct InstanceIdentity {
+    /// The Proxy's UID (lower-case, hyphenated UUID).
+    pub uid: String,
+    /// libvirt domain name: `egress-<uid>`.
+    pub domain_name: String,
+    /// libvirt domain UUID: the Proxy's UID.
+    pub domain_uuid: String,
+    /// Root disk overlay volume: `egress-<uid>-root`.
+    pub root_volume: String,
+    /// NoCloud seed ISO volume: `egress-<uid>-seed`.
+    pub seed_volume: String,
+    /// MAC of the primary NIC, in QEMU's locally administered range (52:54:00).
+    pub mac: String,
+}
+
+/// Checks a Kubernetes UID: a lower-case, hyphenated UUID.
+pub fn check_uid(uid: &str) -> Result<(), String> {
+    let groups: Vec<&str> = uid.split('-').collect();
+    let ok = groups.iter().map(|g| g.len()).eq([8, 4, 4, 4, 12])
+        && groups.iter().all(|g| {
+            g.bytes()
+                .all(|b| b.is_ascii_digit() || (b'a'..=b'f').contains(&b))
+        });
+    if ok {
+        Ok(())
+    } else {
+        Err(format!(
+            "{} is not a UID (lower-case hyphenated UUID)",
+            rules::show(uid)
+        ))
+    }
+}
+
+impl InstanceIdentity {
+    /// The identity of the instance of the Proxy with this UID.
+    pub fn for_uid(uid: &str) -> Result<Self, String> {
+        check_uid(uid)?;
+        let digest = Sha256::digest(uid.as_bytes());
+        Ok(Self {
+            uid: uid.to_string(),
+            domain_name: format!("{NAME_PREFIX}{uid}"),
+            domain_uuid: uid.to_string(),
+            root_volume: format!("{NAME_PREFIX}{uid}-root"),
+            seed_volume: format!("{NAME_PREFIX}{uid}-seed"),
+            mac: format!(
+                "52:54:00:{:02x}:{:02x}:{:02x}",
+                digest[0], digest[1], digest[2]
+            ),
+        })
+    }
+}
+
+/// A stable UUID for a Proxy that has no UID yet (a manifest file, not an API object),
+/// so `render` gives the same output for the same file.
+pub fn name_based_uid(namespace: &str, name: &str) -> String {
+    let d = Sha256::digest(format!("egress-operator/{namespace}/{name}").as_bytes());
+    let h = hex::encode(&d[..16]);
+    // Shape it as a version-8 (custom) RFC 9562 UUID.
+    format!(
+        "{}-{}-8{}-{:x}{}-{}",
+        &h[0..8],
+        &h[8..12],
+        &h[13..16],
+        (u8::from_str_radix(&h[16..17], 16).unwrap_or(0) & 0x3) | 0x8,
+        &h[17..20],
+        &h[20..32]
+    )
+}
+
+/// The ownership mark: who made a domain, for which Proxy, when.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct MetadataMark {
+    /// Cluster ID from the providers config.
+    pub cluster_id: String,
+    /// Proxy namespace.
+    pub namespace: String,
+    /// Proxy name.
+    pub name: String,
+    /// Proxy UID.
+    pub uid: String,
+    /// Creation time, RFC 3339.
+    pub created_at: String,
+}
+
+impl MetadataMark {
+    /// The mark as one XML element in [`METADATA_NS`], every value escaped.
+    pub fn to_xml(&self) -> String {
+        let e = |v: &str| quick_xml::escape::escape(v).into_owned();
+        format!(
+            "<eo:instance xmlns:eo=\"{METADATA_NS}\"><eo:managed>true</eo:managed>\
+             <eo:cluster>{}</eo:cluster><eo:proxy namespace=\"{}\" name=\"{}\" uid=\"{}\"/>\
+             <eo:createdAt>{}</eo:createdAt></eo:instance>",
+            e(&self.cluster_id),
+            e(&self.namespace),
+            e(&self.name),
+            e(&self.uid),
+            e(&self.created_at)
+        )
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn identity_from_uid() {
+        let id = InstanceIdentity::for_uid("0b7c3c1e-9a43-4f5e-a1d2-3c4b5a697887").unwrap();
+        assert_eq!(
+            id.domain_name,
+            "egress-0b7c3c1e-9a43-4f5e-a1d2-3c4b5a697887"
+        );
+        assert_eq!(
+            id.root_volume,
+            "egress-0b7c3c1e-9a43-4f5e-a1d2-3c4b5a697887-root"
+        );
+        assert!(id.mac.starts_with("52:54:00:"));
+        assert_eq!(id.mac.len(), 17);
+        assert!(rules::dns1123_label(&id.seed_volume).is_ok());
+        for bad in [
+            "",
+            "../x",
+            "0B7C3C1E-9A43-4F5E-A1D2-3C4B5A697887",
+            "0b7c3c1e9a434f5ea1d23c4b5a697887",
+        ] {
+            assert!(InstanceIdentity::for_uid(bad).is_err(), "{bad}");
+        }
+    }
+
+    #[test]
+    fn name_based_uid_is_a_stable_uid() {
+        let a = name_based_uid("default", "office-egress");
+        assert_eq!(a, name_based_uid("default", "office-egress"));
+        assert_ne!(a, name_based_uid("default", "other"));
+        assert_eq!(check_uid(&a), Ok(()), "{a}");
+    }
+
+    #[test]
+    fn mark_escapes_values() {
+        let m = MetadataMark {
+            cluster_id: "c".into(),
+            namespace: "ns".into(),
+            name: "a\"<b>&".into(),
+            uid: "u".into(),
+            created_at: "2026-01-01T00:00:00Z".into(),
+        };
+        let xml = m.to_xml();
+        assert!(xml.contains("name=\"a&quot;&lt;b&gt;&amp;\""), "{xml}");
+    }
+}

@@ -1,0 +1,161 @@
+//! Assembles the typed template inputs for one Proxy on one host.
+//!
+//! The `render` command uses this to show a plugin author exactly what the operator would
+//! render; the provider uses the same function when it creates a VM, so the two cannot
+//! disagree.
+
+use crate::api::proxy::ProxyManifest;
+use crate::config::{Firmware as ConfigFirmware, HostConfig, ValidConfig};
+use crate::instance::{self, InstanceIdentity, MetadataMark};
+use crate::templates::{
+    Disk, DiskBus, DiskRole, DomainInput, Firmware, HostFacts, MachineType, VendorDataInput,
+};
+
+/// What the operator knows about a host when it renders (read from libvirt on a real host).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Facts {
+    /// Guest architecture, e.g. `x86_64`.
+    pub arch: String,
+    /// Whether KVM is available.
+    pub kvm: bool,
+    /// libvirt version, `major.minor.micro`.
+    pub libvirt_version: String,
+}
+
+impl Default for Facts {
+    /// Facts of a plain Debian 12 host without KVM: the most portable rendering.
+    fn default() -> Self {
+        Self {
+            arch: "x86_64".into(),
+            kvm: false,
+            libvirt_version: "9.0.0".into(),
+        }
+    }
+}
+
+/// The inputs of both plugins for one instance.
+#[derive(Debug, Clone)]
+pub struct Inputs {
+    /// Names and IDs of the instance.
+    pub identity: InstanceIdentity,
+    /// The host it is placed on.
+    pub host: HostConfig,
+    /// Domain plugin input (settings are filled in by the plugin host).
+    pub domain: DomainInput,
+    /// Vendor-data plugin input (settings are filled in by the plugin host).
+    pub vendor_data: VendorDataInput,
+}
+
+/// Builds both inputs. `host` overrides the Proxy's placement; with neither, the first
+/// configured host is used. `uid` is the Proxy's UID (a name-based one for files without).
+pub fn inputs(
+    config: &ValidConfig,
+    proxy: &ProxyManifest,
+    host: Option<&str>,
+    facts: &Facts,
+    created_at: &str,
+) -> Result<Inputs, String> {
+    let host_name = host.or(proxy.spec.host.as_deref());
+    let host = match host_name {
+        Some(h) => config
+            .host(h)
+            .ok_or_else(|| format!("host {h:?} is not in the providers config"))?,
+        None => config
+            .kvm2
+            .hosts
+            .first()
+            .ok_or("the providers config has no hosts")?,
+    };
+    let defaults = config.kvm2.defaults.as_ref();
+    let mt_name = proxy
+        .spec
+        .machine_type
+        .as_deref()
+        .or(defaults.and_then(|d| d.machine_type.as_deref()))
+        .ok_or("the Proxy names no machine type and the config has no default")?;
+    let mt = config
+        .machine_type(mt_name)
+        .ok_or_else(|| format!("machine type {mt_name:?} is not in the providers config"))?;
+    let image_name = proxy
+        .spec
+        .image
+        .as_deref()
+        .or(defaults.and_then(|d| d.image.as_deref()))
+        .ok_or("the Proxy names no image and the config has no default")?;
+    config
+        .image(image_name)
+        .ok_or_else(|| format!("image {image_name:?} is not in the providers config"))?;
+
+    let meta = &proxy.metadata;
+    let uid = match meta.rest.get("uid").and_then(|v| v.as_str()) {
+        Some(uid) => uid.to_string(),
+        None => instance::name_based_uid(&meta.namespace, &meta.name),
+    };
+    let identity = InstanceIdentity::for_uid(&uid).map_err(|e| format!("metadata.uid: {e}"))?;
+    let mark = MetadataMark {
+        cluster_id: config.cluster_id.clone(),
+        namespace: meta.namespace.clone(),
+        name: meta.name.clone(),
+        uid: uid.clone(),
+        created_at: created_at.to_string(),
+    };
+    let firmware = match mt.firmware {
+        ConfigFirmware::Bios => Firmware::Bios,
+        ConfigFirmware::Efi => Firmware::Efi,
+    };
+    let host_facts = HostFacts {
+        name: host.name.clone(),
+        arch: facts.arch.clone(),
+        kvm: facts.kvm,
+        libvirt_version: facts.libvirt_version.clone(),
+    };
+    let domain = DomainInput {
+        name: identity.domain_name.clone(),
+        uuid: identity.domain_uuid.clone(),
+        vcpus: mt.vcpus,
+        memory_mib: mt.memory_mib,
+        firmware,
+        disks: vec![
+            Disk {
+                pool: host.storage_pool.clone(),
+                volume: identity.root_volume.clone(),
+                role: DiskRole::Root,
+                bus: DiskBus::Virtio,
+                // The overlay is qcow2 whatever the base image's format: that is what
+                // makes each VM's disk copy-on-write over the shared base.
+                format: "qcow2".into(),
+            },
+            Disk {
+                pool: host.storage_pool.clone(),
+                volume: identity.seed_volume.clone(),
+                role: DiskRole::Seed,
+                bus: DiskBus::Sata,
+                format: "raw".into(),
+            },
+        ],
+        bridge: host.bridge.clone(),
+        mac: Some(identity.mac.clone()),
+        metadata_mark: mark.to_xml(),
+        host: host_facts.clone(),
+        settings: String::new(),
+    };
+    let vendor_data = VendorDataInput {
+        proxy_name: meta.name.clone(),
+        proxy_namespace: meta.namespace.clone(),
+        host: host_facts,
+        machine_type: MachineType {
+            name: mt.name.clone(),
+            vcpus: mt.vcpus,
+            memory_mib: mt.memory_mib,
+            disk_gib: mt.disk_gib,
+            firmware,
+        },
+        settings: String::new(),
+    };
+    Ok(Inputs {
+        identity,
+        host: host.clone(),
+        domain,
+        vendor_data,
+    })
+}

@@ -1,0 +1,176 @@
+//! Errors of the template host, each naming the plugin and carrying a class.
+
+use crate::error::{Classified, ErrorClass};
+
+/// A template plugin failed to load, validate or render.
+#[derive(Debug, thiserror::Error)]
+#[error("template plugin {plugin:?}: {kind}")]
+pub struct TemplateError {
+    /// The plugin's name (`domain` or `vendor-data` plus its source).
+    pub plugin: String,
+    /// What went wrong.
+    #[source]
+    pub kind: TemplateErrorKind,
+}
+
+/// One setting that a plugin refused.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct SettingsIssue {
+    /// JSON pointer to the value inside the plugin's `settings`.
+    pub pointer: String,
+    /// Why.
+    pub message: String,
+}
+
+impl std::fmt::Display for SettingsIssue {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        let at = if self.pointer.is_empty() {
+            "/"
+        } else {
+            &self.pointer
+        };
+        write!(f, "{at}: {}", self.message)
+    }
+}
+
+/// Why a render resource limit stopped the plugin.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Limit {
+    /// The wall-clock budget (epoch deadline) ran out.
+    Timeout,
+    /// The instruction budget (fuel) ran out.
+    Fuel,
+    /// The plugin tried to grow memory past its cap.
+    Memory,
+    /// The plugin wrote more than the captured stdout/stderr allows.
+    Log,
+}
+
+impl std::fmt::Display for Limit {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(match self {
+            Limit::Timeout => "ran past its time budget",
+            Limit::Fuel => "ran out of fuel (instruction budget)",
+            Limit::Memory => "exceeded its memory cap",
+            Limit::Log => "wrote more to stdout/stderr than is captured",
+        })
+    }
+}
+
+/// What went wrong with a template plugin.
+#[derive(Debug, thiserror::Error)]
+pub enum TemplateErrorKind {
+    /// The component file could not be read.
+    #[error("cannot read {path}: {source}")]
+    Read {
+        /// The file.
+        path: String,
+        /// The cause.
+        #[source]
+        source: std::io::Error,
+    },
+    /// The component's sha256 differs from the configured one.
+    #[error("sha256 mismatch: expected {expected}, got {actual}")]
+    Sha256Mismatch {
+        /// Configured digest.
+        expected: String,
+        /// Digest of the bytes read.
+        actual: String,
+    },
+    /// The file is larger than a component may be.
+    #[error("component is {size} bytes; at most {max} are accepted")]
+    TooLarge {
+        /// Its size.
+        size: u64,
+        /// The cap.
+        max: u64,
+    },
+    /// The bytes are not a valid WebAssembly component.
+    #[error("not a valid WebAssembly component: {0}")]
+    Compile(String),
+    /// The component imports something the sandbox does not provide.
+    #[error(
+        "imports {import:?}, which the sandbox does not provide (allowed: wasi:cli environment/exit/stdio/terminal, wasi:io error/poll/streams)"
+    )]
+    ForbiddenImport {
+        /// The import's name.
+        import: String,
+    },
+    /// The component does not export the expected interface or version.
+    #[error("{0}")]
+    Abi(String),
+    /// The plugin's exported settings schema is not a usable JSON Schema.
+    #[error("its settings-schema is not a valid JSON Schema: {0}")]
+    BadSchema(String),
+    /// The configured settings were refused.
+    #[error("settings refused: {}", issues.iter().map(ToString::to_string).collect::<Vec<_>>().join("; "))]
+    Settings {
+        /// Every problem, with its JSON pointer.
+        issues: Vec<SettingsIssue>,
+    },
+    /// A resource limit stopped the plugin.
+    #[error("{limit}")]
+    Limit {
+        /// Which limit.
+        limit: Limit,
+    },
+    /// The plugin called `exit`.
+    #[error("called exit({0}); plugins must return, not exit")]
+    Exit(i32),
+    /// The plugin trapped (panic, unreachable, out-of-bounds access, ...).
+    #[error("trapped: {0}")]
+    Trap(String),
+    /// The plugin's render returned an error.
+    #[error("refused to render: {0}")]
+    Refused(String),
+    /// The output is larger than its cap.
+    #[error("output is {size} bytes; at most {max} are accepted")]
+    OutputTooLarge {
+        /// Output size.
+        size: usize,
+        /// The cap.
+        max: usize,
+    },
+    /// The output broke a rule.
+    #[error("output refused by rule {rule:?}: {detail}")]
+    InvalidOutput {
+        /// Short name of the rule (`one-domain`, `metadata-mark`, `no-hostdev`, ...).
+        rule: &'static str,
+        /// Where and what.
+        detail: String,
+    },
+    /// The configured source kind cannot be loaded by this build.
+    #[error("unsupported source: {0}")]
+    UnsupportedSource(String),
+    /// The compiled-code cache directory could not be created.
+    #[error("cannot use cache directory {path}: {source}")]
+    CacheDir {
+        /// The directory.
+        path: String,
+        /// The cause.
+        #[source]
+        source: std::io::Error,
+    },
+    /// The engine could not be set up (a wasmtime configuration problem).
+    #[error("engine setup failed: {0}")]
+    Engine(String),
+}
+
+impl Classified for TemplateError {
+    fn class(&self) -> ErrorClass {
+        match &self.kind {
+            // The wall clock depends on host load: the same render may fit next time.
+            TemplateErrorKind::Limit {
+                limit: Limit::Timeout,
+            } => ErrorClass::Transient,
+            TemplateErrorKind::Read { source, .. }
+                if source.kind() != std::io::ErrorKind::NotFound =>
+            {
+                ErrorClass::Transient
+            }
+            TemplateErrorKind::CacheDir { .. } => ErrorClass::Transient,
+            // Everything else is deterministic: same plugin, same input, same failure.
+            _ => ErrorClass::Permanent,
+        }
+    }
+}

@@ -1,0 +1,705 @@
+//! The template host: loads template plugins (WebAssembly components) and runs their
+//! renders in a sandbox.
+//!
+//! Design, after wasmtime's plugin examples and Kubewarden's evaluator:
+//! - one [`Engine`] and one [`Linker`] for the process; each component is compiled (or
+//!   loaded from the [`cache`]) and linked **once** into an `InstancePre`;
+//! - every call (schema, settings validation, render) gets a **fresh `Store`**, so no state
+//!   leaks from one render into the next and a render is a pure function of its input;
+//! - each store has fuel (a deterministic instruction budget), an epoch deadline (a
+//!   wall-clock budget driven by one ticker thread), a memory cap, and captured stdio;
+//! - imports are checked against the [`sandbox`] allow-list at load, and outputs are
+//!   checked by [`check`] before anyone uses them.
+//!
+//! Calls are synchronous and CPU-bound: async callers run them with `spawn_blocking`.
+
+mod bindings;
+pub mod cache;
+pub mod check;
+mod errors;
+pub mod sandbox;
+
+use std::path::Path;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::time::Duration;
+
+use sha2::{Digest, Sha256};
+use wasmtime::component::{Component, InstancePre, Linker};
+use wasmtime::{Config, Engine, ResourceLimiter, Store, Trap};
+
+pub use bindings::types::{
+    Disk, DiskBus, DiskRole, DomainInput, Firmware, HostFacts, MachineType, VendorDataInput,
+};
+pub use cache::{CacheOutcome, CodeCache};
+pub use errors::{Limit, SettingsIssue, TemplateError, TemplateErrorKind};
+
+use crate::config::TemplateConfig;
+use bindings::domain::DomainPre;
+use bindings::vendor_data::VendorDataPre;
+use sandbox::RenderState;
+
+/// How often the epoch ticker advances: the granularity of render deadlines.
+pub const EPOCH_TICK: Duration = Duration::from_millis(5);
+/// Instruction budget of one call. Real renders use a few million; this stops a runaway
+/// plugin deterministically even on a host so idle that the deadline is far away.
+pub const FUEL_PER_CALL: u64 = 2_000_000_000;
+/// Largest component file accepted: the default plugins are well under 1 MiB.
+pub const MAX_COMPONENT_BYTES: u64 = 32 * 1024 * 1024;
+/// Budget of the schema and settings calls at load time, which are tiny.
+const LOAD_CALL_TIMEOUT: Duration = Duration::from_secs(2);
+
+/// Which kind of plugin a component is.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum TemplateKind {
+    /// Renders libvirt domain XML.
+    Domain,
+    /// Renders cloud-init vendor-data.
+    VendorData,
+}
+
+impl TemplateKind {
+    /// The exported interface that identifies this kind.
+    fn interface(self) -> &'static str {
+        match self {
+            TemplateKind::Domain => "domain-template",
+            TemplateKind::VendorData => "vendor-data-template",
+        }
+    }
+    /// Config key of this kind, used in plugin names.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            TemplateKind::Domain => "domain",
+            TemplateKind::VendorData => "vendor-data",
+        }
+    }
+}
+
+/// Per-call resource limits of one plugin.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct RenderLimits {
+    /// Wall-clock budget of a render.
+    pub timeout: Duration,
+    /// Linear memory cap.
+    pub memory_bytes: usize,
+    /// Instruction budget.
+    pub fuel: u64,
+}
+
+impl RenderLimits {
+    /// The limits a template entry of the providers config asks for.
+    pub fn from_config(t: &TemplateConfig) -> Self {
+        Self {
+            timeout: Duration::from_millis(u64::from(t.timeout_millis)),
+            memory_bytes: usize::try_from(t.max_memory_mib)
+                .unwrap_or(usize::MAX)
+                .saturating_mul(1024 * 1024),
+            fuel: FUEL_PER_CALL,
+        }
+    }
+}
+
+/// Advances the engine's epoch every [`EPOCH_TICK`] on one thread, which is joined on drop.
+#[derive(Debug)]
+struct EpochTicker {
+    stop: Arc<AtomicBool>,
+    thread: Option<std::thread::JoinHandle<()>>,
+}
+
+impl EpochTicker {
+    fn start(engine: &Engine) -> std::io::Result<Self> {
+        let stop = Arc::new(AtomicBool::new(false));
+        let (flag, engine) = (stop.clone(), engine.weak());
+        let thread = std::thread::Builder::new()
+            .name("template-epoch".into())
+            .spawn(move || {
+                while !flag.load(Ordering::Relaxed) {
+                    std::thread::sleep(EPOCH_TICK);
+                    match engine.upgrade() {
+                        Some(e) => e.increment_epoch(),
+                        None => break,
+                    }
+                }
+            })?;
+        Ok(Self {
+            stop,
+            thread: Some(thread),
+        })
+    }
+}
+
+impl Drop for EpochTicker {
+    fn drop(&mut self) {
+        self.stop.store(true, Ordering::Relaxed);
+        if let Some(t) = self.thread.take() {
+            let _ = t.join();
+        }
+    }
+}
+
+/// Records that the memory cap was hit, so the failure is reported as such and not as a
+/// generic trap.
+#[derive(Debug)]
+pub(crate) struct MemoryCap {
+    pub(crate) max_bytes: usize,
+    pub(crate) hit: bool,
+}
+
+impl ResourceLimiter for RenderState {
+    fn memory_growing(
+        &mut self,
+        current: usize,
+        desired: usize,
+        maximum: Option<usize>,
+    ) -> wasmtime::Result<bool> {
+        if desired > self.memory_cap.max_bytes {
+            self.memory_cap.hit = true;
+            wasmtime::bail!("memory cap of {} bytes reached", self.memory_cap.max_bytes);
+        }
+        self.limits.memory_growing(current, desired, maximum)
+    }
+
+    fn table_growing(
+        &mut self,
+        current: usize,
+        desired: usize,
+        maximum: Option<usize>,
+    ) -> wasmtime::Result<bool> {
+        self.limits.table_growing(current, desired, maximum)
+    }
+
+    fn instances(&self) -> usize {
+        self.limits.instances()
+    }
+    fn tables(&self) -> usize {
+        self.limits.tables()
+    }
+    fn memories(&self) -> usize {
+        self.limits.memories()
+    }
+}
+
+/// The process-wide template host.
+pub struct TemplateEngine {
+    engine: Engine,
+    linker: Linker<RenderState>,
+    cache: Option<CodeCache>,
+    // Dropped after the fields above: the ticker only holds a weak engine reference.
+    _ticker: EpochTicker,
+}
+
+impl std::fmt::Debug for TemplateEngine {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("TemplateEngine")
+            .field("cache", &self.cache)
+            .finish_non_exhaustive()
+    }
+}
+
+fn engine_err(e: impl std::fmt::Display) -> TemplateError {
+    TemplateError {
+        plugin: "<engine>".into(),
+        kind: TemplateErrorKind::Engine(e.to_string()),
+    }
+}
+
+impl TemplateEngine {
+    /// A host with compiled code cached in `cache_dir` (no cache when `None`).
+    pub fn new(cache_dir: Option<&Path>) -> Result<Self, TemplateError> {
+        let mut config = Config::new();
+        config
+            .consume_fuel(true)
+            .epoch_interruption(true)
+            .wasm_component_model(true);
+        let engine = Engine::new(&config).map_err(engine_err)?;
+        let linker = sandbox::linker(&engine).map_err(engine_err)?;
+        let cache = match cache_dir {
+            Some(dir) => Some(
+                CodeCache::new(dir, &engine).map_err(|source| TemplateError {
+                    plugin: "<engine>".into(),
+                    kind: TemplateErrorKind::CacheDir {
+                        path: dir.display().to_string(),
+                        source,
+                    },
+                })?,
+            ),
+            None => None,
+        };
+        let ticker = EpochTicker::start(&engine).map_err(engine_err)?;
+        Ok(Self {
+            engine,
+            linker,
+            cache,
+            _ticker: ticker,
+        })
+    }
+
+    /// Loads the domain plugin an entry of the config names and validates its settings.
+    pub fn load_domain(&self, t: &TemplateConfig) -> Result<DomainTemplate, TemplateError> {
+        let loaded = self.load(TemplateKind::Domain, t)?;
+        let pre = DomainPre::new(loaded.pre.clone()).map_err(|e| loaded.abi_error(e))?;
+        let plugin = DomainTemplate { loaded, pre };
+        plugin.validate_settings()?;
+        Ok(plugin)
+    }
+
+    /// Loads the vendor-data plugin an entry of the config names and validates its
+    /// settings.
+    pub fn load_vendor_data(
+        &self,
+        t: &TemplateConfig,
+    ) -> Result<VendorDataTemplate, TemplateError> {
+        let loaded = self.load(TemplateKind::VendorData, t)?;
+        let pre = VendorDataPre::new(loaded.pre.clone()).map_err(|e| loaded.abi_error(e))?;
+        let plugin = VendorDataTemplate { loaded, pre };
+        plugin.validate_settings()?;
+        Ok(plugin)
+    }
+
+    fn load(&self, kind: TemplateKind, t: &TemplateConfig) -> Result<Loaded, TemplateError> {
+        let source = t
+            .path
+            .as_deref()
+            .or(t.url.as_deref())
+            .unwrap_or("<none>")
+            .to_string();
+        let name = format!("{}:{source}", kind.as_str());
+        let fail = |kind: TemplateErrorKind| TemplateError {
+            plugin: name.clone(),
+            kind,
+        };
+        let Some(path) = t.path.as_deref() else {
+            return Err(fail(TemplateErrorKind::UnsupportedSource(
+                "only local `path` sources are supported so far; download the component and mount it".into(),
+            )));
+        };
+        let bytes = read_component(Path::new(path)).map_err(&fail)?;
+        let sha256 = hex::encode(Sha256::digest(&bytes));
+        if let Some(expected) = &t.sha256
+            && !expected.eq_ignore_ascii_case(&sha256)
+        {
+            return Err(fail(TemplateErrorKind::Sha256Mismatch {
+                expected: expected.clone(),
+                actual: sha256,
+            }));
+        }
+        let (component, outcome) = self.compile(&bytes, &sha256).map_err(&fail)?;
+        check_imports(&self.engine, &component).map_err(&fail)?;
+        check_exports(&self.engine, &component, kind).map_err(&fail)?;
+        let pre = self
+            .linker
+            .instantiate_pre(&component)
+            .map_err(|e| fail(TemplateErrorKind::Abi(format!("cannot be linked: {e}"))))?;
+        if outcome == CacheOutcome::Miss
+            && let Some(cache) = &self.cache
+        {
+            cache.store(&sha256, &component);
+        }
+        tracing::info!(plugin = %name, %sha256, cache = ?outcome, "template plugin loaded");
+        Ok(Loaded {
+            name,
+            engine: self.engine.clone(),
+            pre,
+            settings_json: serde_json::to_string(&t.settings).unwrap_or_else(|_| "{}".into()),
+            limits: RenderLimits::from_config(t),
+            sha256,
+            outcome,
+        })
+    }
+
+    /// Compiles a component, or loads it from the cache.
+    pub fn compile(
+        &self,
+        bytes: &[u8],
+        sha256: &str,
+    ) -> Result<(Component, CacheOutcome), TemplateErrorKind> {
+        if let Some(cache) = &self.cache {
+            if let Some(c) = cache.load(&self.engine, sha256) {
+                return Ok((c, CacheOutcome::Hit));
+            }
+            let c = Component::new(&self.engine, bytes)
+                .map_err(|e| TemplateErrorKind::Compile(root_cause(&e)))?;
+            return Ok((c, CacheOutcome::Miss));
+        }
+        let c = Component::new(&self.engine, bytes)
+            .map_err(|e| TemplateErrorKind::Compile(root_cause(&e)))?;
+        Ok((c, CacheOutcome::Disabled))
+    }
+}
+
+fn read_component(path: &Path) -> Result<Vec<u8>, TemplateErrorKind> {
+    let read_err = |source| TemplateErrorKind::Read {
+        path: path.display().to_string(),
+        source,
+    };
+    let size = std::fs::metadata(path).map_err(read_err)?.len();
+    if size > MAX_COMPONENT_BYTES {
+        return Err(TemplateErrorKind::TooLarge {
+            size,
+            max: MAX_COMPONENT_BYTES,
+        });
+    }
+    std::fs::read(path).map_err(read_err)
+}
+
+fn check_imports(engine: &Engine, component: &Component) -> Result<(), TemplateErrorKind> {
+    for (name, _) in component.component_type().imports(engine) {
+        sandbox::check_import(name)
+            .map_err(|import| TemplateErrorKind::ForbiddenImport { import })?;
+    }
+    Ok(())
+}
+
+/// Checks that the component exports this kind's interface in a compatible version.
+fn check_exports(
+    engine: &Engine,
+    component: &Component,
+    kind: TemplateKind,
+) -> Result<(), TemplateErrorKind> {
+    let ours = format!("{}/{}@", bindings::PACKAGE, kind.interface());
+    let other_kind = match kind {
+        TemplateKind::Domain => TemplateKind::VendorData,
+        TemplateKind::VendorData => TemplateKind::Domain,
+    };
+    let theirs = format!("{}/{}@", bindings::PACKAGE, other_kind.interface());
+    let exports: Vec<String> = component
+        .component_type()
+        .exports(engine)
+        .map(|(n, _)| n.to_string())
+        .collect();
+    if let Some(version) = exports.iter().find_map(|n| n.strip_prefix(&ours)) {
+        return if compatible(version, bindings::PACKAGE_VERSION) {
+            Ok(())
+        } else {
+            Err(TemplateErrorKind::Abi(format!(
+                "built for {}@{version}; this operator speaks {}@{}",
+                bindings::PACKAGE,
+                bindings::PACKAGE,
+                bindings::PACKAGE_VERSION
+            )))
+        };
+    }
+    if exports.iter().any(|n| n.starts_with(&theirs)) {
+        return Err(TemplateErrorKind::Abi(format!(
+            "is a {} plugin but is configured as the {} plugin",
+            other_kind.as_str(),
+            kind.as_str()
+        )));
+    }
+    Err(TemplateErrorKind::Abi(format!(
+        "does not export {}{} (exports: {})",
+        ours,
+        bindings::PACKAGE_VERSION,
+        if exports.is_empty() {
+            "nothing".into()
+        } else {
+            exports.join(", ")
+        }
+    )))
+}
+
+/// Semver compatibility: same major, and for 0.x the same minor.
+fn compatible(theirs: &str, ours: &str) -> bool {
+    let parts = |v: &str| -> Option<(u64, u64)> {
+        let mut it = v.split('.');
+        Some((it.next()?.parse().ok()?, it.next()?.parse().ok()?))
+    };
+    match (parts(theirs), parts(ours)) {
+        (Some((0, a)), Some((0, b))) => a == b,
+        (Some((a, _)), Some((b, _))) => a == b,
+        _ => false,
+    }
+}
+
+fn root_cause(e: &wasmtime::Error) -> String {
+    let mut msg = e.root_cause().to_string();
+    msg.truncate(512);
+    msg
+}
+
+/// A component that passed the load checks, linked once.
+struct Loaded {
+    name: String,
+    engine: Engine,
+    pre: InstancePre<RenderState>,
+    settings_json: String,
+    limits: RenderLimits,
+    sha256: String,
+    outcome: CacheOutcome,
+}
+
+impl std::fmt::Debug for Loaded {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Loaded")
+            .field("name", &self.name)
+            .field("sha256", &self.sha256)
+            .field("limits", &self.limits)
+            .field("outcome", &self.outcome)
+            .finish_non_exhaustive()
+    }
+}
+
+impl Loaded {
+    fn abi_error(&self, e: wasmtime::Error) -> TemplateError {
+        self.error(TemplateErrorKind::Abi(format!(
+            "does not match the interface: {}",
+            root_cause(&e)
+        )))
+    }
+
+    fn error(&self, kind: TemplateErrorKind) -> TemplateError {
+        TemplateError {
+            plugin: self.name.clone(),
+            kind,
+        }
+    }
+
+    /// A fresh store with this plugin's limits.
+    fn store(&self, timeout: Duration) -> Result<Store<RenderState>, TemplateError> {
+        let mut store = Store::new(&self.engine, RenderState::new(self.limits.memory_bytes));
+        store.limiter(|s| s);
+        store
+            .set_fuel(self.limits.fuel)
+            .map_err(|e| self.error(TemplateErrorKind::Engine(e.to_string())))?;
+        let ticks = timeout.as_millis().div_ceil(EPOCH_TICK.as_millis()).max(1);
+        store.set_epoch_deadline(u64::try_from(ticks).unwrap_or(u64::MAX));
+        store.epoch_deadline_trap();
+        Ok(store)
+    }
+
+    /// Runs one call in a fresh store, mapping traps and limits to their reasons and
+    /// logging what the plugin printed.
+    fn call<T>(
+        &self,
+        timeout: Duration,
+        f: impl FnOnce(&mut Store<RenderState>) -> wasmtime::Result<T>,
+    ) -> Result<T, TemplateError> {
+        let mut store = self.store(timeout)?;
+        let result = f(&mut store);
+        let log = store.data().log_text();
+        if !log.is_empty() {
+            tracing::info!(plugin = %self.name, output = %log, "template plugin output");
+        }
+        result.map_err(|e| self.error(classify_failure(&e, store.data())))
+    }
+
+    fn check_settings(
+        &self,
+        schema: &str,
+        own: Result<(), Vec<bindings::types::SettingsError>>,
+    ) -> Result<(), TemplateError> {
+        let schema: serde_json::Value = serde_json::from_str(schema)
+            .map_err(|e| self.error(TemplateErrorKind::BadSchema(e.to_string())))?;
+        let validator = jsonschema::validator_for(&schema)
+            .map_err(|e| self.error(TemplateErrorKind::BadSchema(e.to_string())))?;
+        let settings: serde_json::Value =
+            serde_json::from_str(&self.settings_json).unwrap_or(serde_json::Value::Null);
+        let mut issues: Vec<SettingsIssue> = validator
+            .iter_errors(&settings)
+            .map(|e| SettingsIssue {
+                pointer: e.instance_path().to_string(),
+                message: e.to_string(),
+            })
+            .collect();
+        // Only a document that fits the schema is handed to the plugin's own checks.
+        if issues.is_empty()
+            && let Err(errors) = own
+        {
+            issues.extend(errors.into_iter().map(|e| SettingsIssue {
+                pointer: e.pointer,
+                message: e.message,
+            }));
+        }
+        if issues.is_empty() {
+            Ok(())
+        } else {
+            Err(self.error(TemplateErrorKind::Settings { issues }))
+        }
+    }
+}
+
+fn classify_failure(e: &wasmtime::Error, state: &RenderState) -> TemplateErrorKind {
+    if state.memory_cap.hit {
+        return TemplateErrorKind::Limit {
+            limit: Limit::Memory,
+        };
+    }
+    if let Some(exit) = e.downcast_ref::<wasmtime_wasi::I32Exit>() {
+        return TemplateErrorKind::Exit(exit.0);
+    }
+    match e.downcast_ref::<Trap>() {
+        Some(Trap::OutOfFuel) => return TemplateErrorKind::Limit { limit: Limit::Fuel },
+        Some(Trap::Interrupt) => {
+            return TemplateErrorKind::Limit {
+                limit: Limit::Timeout,
+            };
+        }
+        _ => {}
+    }
+    let msg = format!("{e:#}");
+    if msg.contains("beyond capacity of MemoryOutputPipe") {
+        return TemplateErrorKind::Limit { limit: Limit::Log };
+    }
+    TemplateErrorKind::Trap(root_cause(e))
+}
+
+/// A loaded, validated domain plugin.
+pub struct DomainTemplate {
+    loaded: Loaded,
+    pre: DomainPre<RenderState>,
+}
+
+/// A loaded, validated vendor-data plugin.
+pub struct VendorDataTemplate {
+    loaded: Loaded,
+    pre: VendorDataPre<RenderState>,
+}
+
+impl std::fmt::Debug for DomainTemplate {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        self.loaded.fmt(f)
+    }
+}
+
+impl std::fmt::Debug for VendorDataTemplate {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        self.loaded.fmt(f)
+    }
+}
+
+impl DomainTemplate {
+    /// The plugin's name in logs and errors (`domain:<source>`).
+    pub fn name(&self) -> &str {
+        &self.loaded.name
+    }
+    /// sha256 of the component.
+    pub fn sha256(&self) -> &str {
+        &self.loaded.sha256
+    }
+    /// Whether the compiled code came from the cache.
+    pub fn cache_outcome(&self) -> CacheOutcome {
+        self.loaded.outcome
+    }
+
+    /// The plugin's settings JSON Schema.
+    pub fn settings_schema(&self) -> Result<String, TemplateError> {
+        self.loaded.call(LOAD_CALL_TIMEOUT, |store| {
+            let inst = self.pre.instantiate(&mut *store)?;
+            inst.egress_templates_domain_template()
+                .call_settings_schema(&mut *store)
+        })
+    }
+
+    fn validate_settings(&self) -> Result<(), TemplateError> {
+        let (schema, own) = self.loaded.call(LOAD_CALL_TIMEOUT, |store| {
+            let inst = self.pre.instantiate(&mut *store)?;
+            let exports = inst.egress_templates_domain_template();
+            let schema = exports.call_settings_schema(&mut *store)?;
+            let own = exports.call_validate_settings(&mut *store, &self.loaded.settings_json)?;
+            Ok((schema, own))
+        })?;
+        self.loaded.check_settings(&schema, own)
+    }
+
+    /// Renders and checks domain XML. `input.settings` is replaced by the configured
+    /// settings.
+    pub fn render(&self, input: &DomainInput) -> Result<String, TemplateError> {
+        let mut input = input.clone();
+        input.settings.clone_from(&self.loaded.settings_json);
+        let out = self.loaded.call(self.loaded.limits.timeout, |store| {
+            let inst = self.pre.instantiate(&mut *store)?;
+            inst.egress_templates_domain_template()
+                .call_render(&mut *store, &input)
+        })?;
+        let xml = out.map_err(|m| self.loaded.error(TemplateErrorKind::Refused(truncate(m))))?;
+        check::check_domain_xml(&xml, &input).map_err(|k| self.loaded.error(k))?;
+        Ok(xml)
+    }
+}
+
+impl VendorDataTemplate {
+    /// The plugin's name in logs and errors (`vendor-data:<source>`).
+    pub fn name(&self) -> &str {
+        &self.loaded.name
+    }
+    /// sha256 of the component.
+    pub fn sha256(&self) -> &str {
+        &self.loaded.sha256
+    }
+    /// Whether the compiled code came from the cache.
+    pub fn cache_outcome(&self) -> CacheOutcome {
+        self.loaded.outcome
+    }
+
+    /// The plugin's settings JSON Schema.
+    pub fn settings_schema(&self) -> Result<String, TemplateError> {
+        self.loaded.call(LOAD_CALL_TIMEOUT, |store| {
+            let inst = self.pre.instantiate(&mut *store)?;
+            inst.egress_templates_vendor_data_template()
+                .call_settings_schema(&mut *store)
+        })
+    }
+
+    fn validate_settings(&self) -> Result<(), TemplateError> {
+        let (schema, own) = self.loaded.call(LOAD_CALL_TIMEOUT, |store| {
+            let inst = self.pre.instantiate(&mut *store)?;
+            let exports = inst.egress_templates_vendor_data_template();
+            let schema = exports.call_settings_schema(&mut *store)?;
+            let own = exports.call_validate_settings(&mut *store, &self.loaded.settings_json)?;
+            Ok((schema, own))
+        })?;
+        self.loaded.check_settings(&schema, own)
+    }
+
+    /// Renders and checks vendor-data. `input.settings` is replaced by the configured
+    /// settings.
+    pub fn render(&self, input: &VendorDataInput) -> Result<String, TemplateError> {
+        let mut input = input.clone();
+        input.settings.clone_from(&self.loaded.settings_json);
+        let out = self.loaded.call(self.loaded.limits.timeout, |store| {
+            let inst = self.pre.instantiate(&mut *store)?;
+            inst.egress_templates_vendor_data_template()
+                .call_render(&mut *store, &input)
+        })?;
+        let text = out.map_err(|m| self.loaded.error(TemplateErrorKind::Refused(truncate(m))))?;
+        check::check_vendor_data(&text).map_err(|k| self.loaded.error(k))?;
+        Ok(text)
+    }
+}
+
+/// Cuts a plugin-supplied message to a length that fits a log line and a condition.
+fn truncate(mut s: String) -> String {
+    const MAX: usize = 1024;
+    if s.len() > MAX {
+        let mut end = MAX;
+        while !s.is_char_boundary(end) {
+            end -= 1;
+        }
+        s.truncate(end);
+        s.push('…');
+    }
+    s
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn semver_compatibility() {
+        assert!(compatible("0.1.0", "0.1.0"));
+        assert!(compatible("0.1.7", "0.1.0"));
+        assert!(!compatible("0.2.0", "0.1.0"));
+        assert!(compatible("1.4.0", "1.0.0"));
+        assert!(!compatible("2.0.0", "1.0.0"));
+        assert!(!compatible("x", "0.1.0"));
+    }
+
+    #[test]
+    fn truncate_keeps_char_boundaries() {
+        let s = "é".repeat(2000);
+        let t = truncate(s);
+        assert!(t.len() <= 1024 + '…'.len_utf8());
+        assert!(t.ends_with('…'));
+    }
+}

@@ -1,0 +1,183 @@
+//! The sandbox every render runs in: what a plugin may import, and the per-render store.
+//!
+//! Plugins are `wasm32-wasip2` components. Rust's standard library for that target imports
+//! `wasi:cli/{environment,exit,stdin,stdout,stderr,terminal-*}` and
+//! `wasi:io/{error,poll,streams}` even when the plugin uses none of them, so the sandbox
+//! provides exactly those with nothing behind them: no environment variables or arguments,
+//! an empty stdin, stdout/stderr captured into a capped buffer that the operator logs
+//! under the plugin's name, and `exit` as a failed render. Every other import
+//! (filesystem, sockets, clocks, random, http, ...) is refused when the component loads,
+//! naming the import, so a render has no source of nondeterminism and no way out.
+
+use wasmtime::component::{HasData, Linker, ResourceTable};
+use wasmtime::{Engine, StoreLimits, StoreLimitsBuilder};
+use wasmtime_wasi::p2::pipe::MemoryOutputPipe;
+use wasmtime_wasi::{WasiCtx, WasiCtxView, WasiView};
+
+use super::bindings::PACKAGE;
+
+/// WASI interfaces the sandbox provides, by name without version. Any 0.2.x version
+/// links (wasmtime matches semver-compatible imports).
+pub const ALLOWED_WASI: &[&str] = &[
+    "wasi:cli/environment",
+    "wasi:cli/exit",
+    "wasi:cli/stdin",
+    "wasi:cli/stdout",
+    "wasi:cli/stderr",
+    "wasi:cli/terminal-input",
+    "wasi:cli/terminal-output",
+    "wasi:cli/terminal-stdin",
+    "wasi:cli/terminal-stdout",
+    "wasi:cli/terminal-stderr",
+    "wasi:io/error",
+    "wasi:io/poll",
+    "wasi:io/streams",
+];
+
+/// Captured stdout plus stderr per render: enough for a debug message, small enough that
+/// a chatty plugin cannot use the operator's memory.
+pub const LOG_CAPACITY: usize = 16 * 1024;
+/// A plugin is one component instance with a handful of tables; these caps stop a
+/// component from allocating its way around the memory cap with tables or instances.
+const MAX_INSTANCES: usize = 16;
+const MAX_TABLES: usize = 16;
+const MAX_TABLE_ELEMENTS: usize = 100_000;
+const MAX_MEMORIES: usize = 4;
+
+/// Whether a component import is allowed; returns it back when it is not.
+pub fn check_import(name: &str) -> Result<(), String> {
+    let (base, version) = match name.split_once('@') {
+        Some((b, v)) => (b, Some(v)),
+        None => (name, None),
+    };
+    if ALLOWED_WASI.contains(&base) && version.is_some_and(|v| v.starts_with("0.2.")) {
+        return Ok(());
+    }
+    // Our own package's type-only interface is imported by components that use its types.
+    if base == format!("{PACKAGE}/types") {
+        return Ok(());
+    }
+    Err(name.to_string())
+}
+
+/// Data of one render's store: the stub WASI context, its resource table, and limits.
+pub struct RenderState {
+    wasi: WasiCtx,
+    table: ResourceTable,
+    pub(crate) limits: StoreLimits,
+    pub(crate) memory_cap: super::MemoryCap,
+    pub(crate) log: MemoryOutputPipe,
+}
+
+impl std::fmt::Debug for RenderState {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("RenderState").finish_non_exhaustive()
+    }
+}
+
+impl RenderState {
+    /// A fresh state: nothing inherited from the host process.
+    pub fn new(memory_bytes: usize) -> Self {
+        let log = MemoryOutputPipe::new(LOG_CAPACITY);
+        let wasi = WasiCtx::builder()
+            .stdin(wasmtime_wasi::p2::pipe::ClosedInputStream)
+            .stdout(log.clone())
+            .stderr(log.clone())
+            .build();
+        // Memory is capped by our own limiter (see `MemoryCap`), which records the hit;
+        // these cover everything else.
+        let limits = StoreLimitsBuilder::new()
+            .instances(MAX_INSTANCES)
+            .tables(MAX_TABLES)
+            .table_elements(MAX_TABLE_ELEMENTS)
+            .memories(MAX_MEMORIES)
+            .trap_on_grow_failure(true)
+            .build();
+        Self {
+            wasi,
+            table: ResourceTable::new(),
+            limits,
+            memory_cap: super::MemoryCap {
+                max_bytes: memory_bytes,
+                hit: false,
+            },
+            log,
+        }
+    }
+
+    /// What the plugin wrote to stdout and stderr, lossily decoded.
+    pub fn log_text(&self) -> String {
+        String::from_utf8_lossy(&self.log.contents()).into_owned()
+    }
+}
+
+impl WasiView for RenderState {
+    fn ctx(&mut self) -> WasiCtxView<'_> {
+        WasiCtxView {
+            ctx: &mut self.wasi,
+            table: &mut self.table,
+        }
+    }
+}
+
+struct HasIo;
+
+impl HasData for HasIo {
+    type Data<'a> = &'a mut ResourceTable;
+}
+
+/// A linker with exactly the allowed WASI interfaces and nothing else.
+pub fn linker(engine: &Engine) -> wasmtime::Result<Linker<RenderState>> {
+    use wasmtime_wasi::cli::{WasiCli, WasiCliView};
+    use wasmtime_wasi::p2::bindings::{cli, sync};
+
+    let mut l = Linker::<RenderState>::new(engine);
+    wasmtime_wasi_io::bindings::wasi::io::error::add_to_linker::<RenderState, HasIo>(
+        &mut l,
+        |t| &mut t.table,
+    )?;
+    sync::io::poll::add_to_linker::<RenderState, HasIo>(&mut l, |t| &mut t.table)?;
+    sync::io::streams::add_to_linker::<RenderState, HasIo>(&mut l, |t| &mut t.table)?;
+    cli::exit::add_to_linker::<RenderState, WasiCli>(&mut l, RenderState::cli)?;
+    cli::environment::add_to_linker::<RenderState, WasiCli>(&mut l, RenderState::cli)?;
+    cli::stdin::add_to_linker::<RenderState, WasiCli>(&mut l, RenderState::cli)?;
+    cli::stdout::add_to_linker::<RenderState, WasiCli>(&mut l, RenderState::cli)?;
+    cli::stderr::add_to_linker::<RenderState, WasiCli>(&mut l, RenderState::cli)?;
+    cli::terminal_input::add_to_linker::<RenderState, WasiCli>(&mut l, RenderState::cli)?;
+    cli::terminal_output::add_to_linker::<RenderState, WasiCli>(&mut l, RenderState::cli)?;
+    cli::terminal_stdin::add_to_linker::<RenderState, WasiCli>(&mut l, RenderState::cli)?;
+    cli::terminal_stdout::add_to_linker::<RenderState, WasiCli>(&mut l, RenderState::cli)?;
+    cli::terminal_stderr::add_to_linker::<RenderState, WasiCli>(&mut l, RenderState::cli)?;
+    Ok(l)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn import_allowlist() {
+        for ok in [
+            "wasi:cli/environment@0.2.0",
+            "wasi:io/streams@0.2.6",
+            "wasi:cli/terminal-stderr@0.2.3",
+            "egress:templates/types@0.1.0",
+        ] {
+            assert_eq!(check_import(ok), Ok(()), "{ok}");
+        }
+        for bad in [
+            "wasi:filesystem/types@0.2.0",
+            "wasi:filesystem/preopens@0.2.6",
+            "wasi:sockets/tcp@0.2.0",
+            "wasi:clocks/wall-clock@0.2.0",
+            "wasi:random/random@0.2.0",
+            "wasi:random/insecure-seed@0.2.0",
+            "wasi:http/outgoing-handler@0.2.0",
+            "wasi:cli/environment@0.3.0",
+            "wasi:cli/environment",
+            "host:evil/spawn",
+        ] {
+            assert_eq!(check_import(bad), Err(bad.to_string()), "{bad}");
+        }
+    }
+}
