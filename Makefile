@@ -3,14 +3,16 @@
 
 SHELL := /bin/bash
 CARGO ?= cargo
-BIN := target/debug/egress-operator
+# Honour CARGO_TARGET_DIR so a shared or out-of-tree target directory works too.
+TARGET_DIR := $(or $(CARGO_TARGET_DIR),target)
+BIN := $(TARGET_DIR)/debug/egress-operator
 
 # Template plugins (and the hostile test plugins) are wasm32-wasip2 components; they are
 # copied to target/plugins/ under the file names the sample config uses.
 PLUGINS := domain-default vendor-data-default
-TEST_PLUGINS :=
-WASM_DIR := target/wasm32-wasip2/release
-PLUGIN_DIR := target/plugins
+TEST_PLUGINS := hostile-domain hostile-fs
+WASM_DIR := $(TARGET_DIR)/wasm32-wasip2/release
+PLUGIN_DIR := $(TARGET_DIR)/plugins
 
 .PHONY: all setup build plugins lint fmt generate test demo clean
 
@@ -47,9 +49,9 @@ generate:
 ## test: setup, lint, docs, then every test
 test: setup lint plugins
 	RUSTDOCFLAGS="-D warnings" $(CARGO) doc --workspace --no-deps --locked --quiet
-	@mkdir -p target
-	set -o pipefail; $(CARGO) test --workspace --locked 2>&1 | tee target/test.log
-	@bash scripts/test-summary.sh target/test.log
+	@mkdir -p $(TARGET_DIR)
+	set -o pipefail; $(CARGO) test --workspace --locked 2>&1 | tee $(TARGET_DIR)/test.log
+	@bash scripts/test-summary.sh $(TARGET_DIR)/test.log
 
 ## demo: the main job on local defaults (today: validate the samples, then render the
 ## sample Proxy's domain XML and vendor-data with the default plugins)
@@ -57,7 +59,7 @@ demo: setup plugins
 	$(CARGO) build --locked -p egress-operator
 	$(BIN) validate-config config/samples/providers-config.yaml --proxy config/samples/proxy_kvm2.yaml
 	$(BIN) render --config config/samples/providers-config.yaml --proxy config/samples/proxy_kvm2.yaml \
-		--plugin-dir $(PLUGIN_DIR) --cache-dir target/plugin-cache
+		--plugin-dir $(PLUGIN_DIR) --cache-dir $(TARGET_DIR)/plugin-cache
 
 clean:
 	$(CARGO) clean

@@ -69,6 +69,8 @@ struct Walk<'a> {
     uuid: Option<String>,
     metadata_spans: Vec<(usize, usize)>,
     metadata_start: Option<usize>,
+    /// `/domain/metadata` elements seen, empty ones included.
+    metadata_count: usize,
     text: String,
 }
 
@@ -105,6 +107,9 @@ impl Walk<'_> {
             }
         }
         self.stack.push(local.clone());
+        if self.stack.len() == 2 && local == "metadata" {
+            self.metadata_count += 1;
+        }
         if self.in_metadata() {
             // Metadata is opaque to libvirt; any namespace and element may live there.
             return Ok(());
@@ -318,6 +323,7 @@ pub fn check_domain_xml(xml: &str, input: &DomainInput) -> Result<(), TemplateEr
         uuid: None,
         metadata_spans: Vec::new(),
         metadata_start: None,
+        metadata_count: 0,
         text: String::new(),
     };
     loop {
@@ -422,6 +428,9 @@ pub fn check_domain_xml(xml: &str, input: &DomainInput) -> Result<(), TemplateEr
             format!("/domain/uuid is {:?}, expected {:?}", w.uuid, input.uuid),
         ));
     }
+    if w.metadata_count > 1 {
+        return Err(refuse("metadata-mark", "more than one /domain/metadata"));
+    }
     match w.metadata_spans.as_slice() {
         [(start, end)] => {
             let inside = xml.get(*start..*end).unwrap_or_default();
@@ -432,8 +441,12 @@ pub fn check_domain_xml(xml: &str, input: &DomainInput) -> Result<(), TemplateEr
                 ));
             }
         }
-        [] => return Err(refuse("metadata-mark", "/domain/metadata is missing")),
-        _ => return Err(refuse("metadata-mark", "more than one /domain/metadata")),
+        _ => {
+            return Err(refuse(
+                "metadata-mark",
+                "/domain/metadata is missing or empty; it must carry the operator's mark",
+            ));
+        }
     }
     Ok(())
 }
@@ -483,4 +496,292 @@ pub fn check_vendor_data(text: &str) -> Result<(), TemplateErrorKind> {
         "vendor-data-format",
         "must start with a `#cloud-config` line or be a MIME multipart document",
     ))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::templates::{Disk, DiskBus, DiskRole, Firmware, HostFacts};
+
+    const MARK: &str =
+        "<eo:instance xmlns:eo=\"urn:eo\"><eo:managed>true</eo:managed></eo:instance>";
+
+    fn input() -> DomainInput {
+        DomainInput {
+            name: "egress-1".into(),
+            uuid: "0b7c3c1e-9a43-4f5e-a1d2-3c4b5a697887".into(),
+            vcpus: 1,
+            memory_mib: 512,
+            firmware: Firmware::Bios,
+            disks: vec![Disk {
+                pool: "default".into(),
+                volume: "egress-1-root".into(),
+                role: DiskRole::Root,
+                bus: DiskBus::Virtio,
+                format: "qcow2".into(),
+            }],
+            bridge: "br0".into(),
+            mac: None,
+            metadata_mark: MARK.into(),
+            host: HostFacts {
+                name: "h".into(),
+                arch: "x86_64".into(),
+                kvm: false,
+                libvirt_version: "9.0.0".into(),
+            },
+            settings: "{}".into(),
+        }
+    }
+
+    /// A valid document with `devices` and `extra` spliced in.
+    fn doc(devices: &str, extra: &str) -> String {
+        format!(
+            "<?xml version=\"1.0\"?><!-- ok --><domain type=\"qemu\"><name>egress-1</name>\
+             <uuid>0B7C3C1E-9A43-4F5E-A1D2-3C4B5A697887</uuid><metadata>{MARK}<other:x xmlns:other=\"urn:o\"><hostdev/></other:x></metadata>\
+             <os><type>hvm</type></os>{extra}<devices>\
+             <disk type=\"volume\"><source pool=\"default\" volume=\"egress-1-root\"/></disk>\
+             <interface type=\"bridge\"><source bridge=\"br0\"/></interface>\
+             <channel type=\"unix\"><target type=\"virtio\" name=\"org.qemu.guest_agent.0\"/></channel>\
+             <rng model=\"virtio\"><backend model=\"random\">/dev/urandom</backend></rng>\
+             <futureDevice type=\"new\"/>{devices}</devices></domain>"
+        )
+    }
+
+    fn rule_of(xml: &str) -> Option<&'static str> {
+        match check_domain_xml(xml, &input()) {
+            Ok(()) => None,
+            Err(TemplateErrorKind::InvalidOutput { rule, .. }) => Some(rule),
+            Err(TemplateErrorKind::OutputTooLarge { .. }) => Some("size"),
+            Err(other) => panic!("unexpected {other}"),
+        }
+    }
+
+    #[test]
+    fn valid_documents_pass_including_unknown_elements_and_foreign_metadata() {
+        assert_eq!(rule_of(&doc("", "")), None);
+        let efi = "<os><loader readonly=\"yes\" type=\"pflash\">/usr/share/OVMF/OVMF_CODE_4M.fd</loader>\
+                   <nvram template=\"/usr/share/OVMF/OVMF_VARS_4M.fd\"/></os>";
+        assert_eq!(rule_of(&doc("", efi)), None);
+        assert_eq!(
+            rule_of(&doc(
+                "<serial type=\"pty\"><target port=\"0\"/></serial>",
+                ""
+            )),
+            None
+        );
+    }
+
+    #[test]
+    fn every_rule_fires() {
+        let cases: &[(&str, String)] = &[
+            ("well-formed", "<domain><name>x".into()),
+            ("well-formed", doc("", "").replace("</domain>", "")),
+            ("one-domain", "<network/>".into()),
+            ("one-domain", format!("{}<domain/>", doc("", ""))),
+            ("one-domain", String::new()),
+            (
+                "no-doctype",
+                format!("<!DOCTYPE d [<!ENTITY e \"x\">]>{}", doc("", "")),
+            ),
+            (
+                "well-formed",
+                doc("", "").replace("<name>egress-1</name>", "<name>&e;</name>"),
+            ),
+            (
+                "name-unchanged",
+                doc("", "").replace("<name>egress-1</name>", "<name>egress-2</name>"),
+            ),
+            (
+                "uuid-unchanged",
+                doc("", "").replace("0B7C3C1E", "1B7C3C1E"),
+            ),
+            (
+                "metadata-mark",
+                doc("", "").replace("true</eo:managed>", "false</eo:managed>"),
+            ),
+            ("metadata-mark", doc("", "").replace(MARK, "")),
+            (
+                "metadata-mark",
+                doc("", &format!("<description>{MARK}</description>"))
+                    .replace(&format!("<metadata>{MARK}"), "<metadata>"),
+            ),
+            ("metadata-mark", doc("", "<metadata/>")),
+            (
+                "no-host-resources",
+                doc("<hostdev mode=\"subsystem\" type=\"pci\"/>", ""),
+            ),
+            (
+                "no-host-resources",
+                doc(
+                    "<filesystem type=\"mount\"><source dir=\"/\"/></filesystem>",
+                    "",
+                ),
+            ),
+            (
+                "no-host-resources",
+                doc("", "<devices><emulator>/bin/sh</emulator></devices>"),
+            ),
+            (
+                "no-host-resources",
+                doc("", "<os><kernel>/boot/vmlinuz</kernel></os>"),
+            ),
+            (
+                "no-host-resources",
+                doc("<tpm><backend type=\"passthrough\"/></tpm>", ""),
+            ),
+            (
+                "no-host-resources",
+                doc(
+                    "<rng model=\"virtio\"><backend model=\"random\">/etc/shadow</backend></rng>",
+                    "",
+                ),
+            ),
+            (
+                "no-qemu-passthrough",
+                doc(
+                    "",
+                    "<q:commandline xmlns:q=\"http://libvirt.org/schemas/domain/qemu/1.0\"/>",
+                ),
+            ),
+            (
+                "no-qemu-passthrough",
+                doc(
+                    "",
+                    "<q:capabilities xmlns:q=\"http://libvirt.org/schemas/domain/qemu/1.0\"/>",
+                ),
+            ),
+            (
+                "disk-volume-only",
+                doc(
+                    "<disk type=\"file\"><source file=\"/etc/shadow\"/></disk>",
+                    "",
+                ),
+            ),
+            (
+                "disk-volume-only",
+                doc(
+                    "<disk type=\"volume\"><source pool=\"default\" volume=\"egress-1-root\" file=\"/x\"/></disk>",
+                    "",
+                ),
+            ),
+            ("disk-volume-only", doc("<disk type=\"block\"/>", "")),
+            (
+                "disk-not-prepared",
+                doc(
+                    "<disk type=\"volume\"><source pool=\"default\" volume=\"someone-elses\"/></disk>",
+                    "",
+                ),
+            ),
+            (
+                "disk-not-prepared",
+                doc(
+                    "<disk type=\"volume\"><source pool=\"other\" volume=\"egress-1-root\"/></disk>",
+                    "",
+                ),
+            ),
+            (
+                "no-host-resources",
+                doc(
+                    "<disk type=\"volume\"><source pool=\"default\" volume=\"egress-1-root\"/><backingStore type=\"file\"/></disk>",
+                    "",
+                ),
+            ),
+            (
+                "interface-bridge-only",
+                doc(
+                    "<interface type=\"network\"><source network=\"default\"/></interface>",
+                    "",
+                ),
+            ),
+            (
+                "interface-bridge-only",
+                doc("<interface type=\"direct\"/>", ""),
+            ),
+            (
+                "interface-bridge-only",
+                doc(
+                    "<interface type=\"bridge\"><source bridge=\"br1\"/></interface>",
+                    "",
+                ),
+            ),
+            (
+                "no-host-chardev",
+                doc(
+                    "<serial type=\"file\"><source path=\"/tmp/x\"/></serial>",
+                    "",
+                ),
+            ),
+            ("no-host-chardev", doc("<serial type=\"tcp\"/>", "")),
+            ("no-host-chardev", doc("<channel type=\"udp\"/>", "")),
+            (
+                "no-host-chardev",
+                doc(
+                    "<channel type=\"unix\"><source path=\"/run/x.sock\"/></channel>",
+                    "",
+                ),
+            ),
+            (
+                "no-host-chardev",
+                doc(
+                    "<serial type=\"pty\"><log file=\"/var/log/x\"/></serial>",
+                    "",
+                ),
+            ),
+            (
+                "firmware-paths",
+                doc("", "<os><loader>/etc/shadow</loader></os>"),
+            ),
+            (
+                "firmware-paths",
+                doc("", "<os><nvram template=\"/etc/passwd\"/></os>"),
+            ),
+            (
+                "firmware-paths",
+                doc("", "<os><nvram>/etc/passwd</nvram></os>"),
+            ),
+            ("no-seclabel-none", doc("", "<seclabel type=\"none\"/>")),
+            (
+                "size",
+                format!("{}<!--{}-->", doc("", ""), "x".repeat(DOMAIN_XML_MAX)),
+            ),
+        ];
+        for (want, xml) in cases {
+            assert_eq!(rule_of(xml), Some(*want), "{xml}");
+        }
+    }
+
+    #[test]
+    fn vendor_data_formats() {
+        assert!(check_vendor_data("#cloud-config\npackages: [a]\n").is_ok());
+        assert!(check_vendor_data("#cloud-config\n").is_ok());
+        let mime = "Content-Type: multipart/mixed; boundary=\"XYZ\"\nMIME-Version: 1.0\n\n--XYZ\nContent-Type: text/cloud-config\n\npackages: []\n--XYZ--\n";
+        assert!(check_vendor_data(mime).is_ok());
+        let cases = [
+            (
+                "cloud-config-yaml",
+                "#cloud-config\npackages: [a\n".to_string(),
+            ),
+            ("cloud-config-yaml", "#cloud-config\n- a\n- b\n".to_string()),
+            (
+                "mime-multipart",
+                "Content-Type: multipart/mixed\n\nbody".to_string(),
+            ),
+            ("mime-multipart", mime.replace("--XYZ", "--ABC")),
+            ("vendor-data-format", "#!/bin/sh\nrm -rf /\n".to_string()),
+            ("vendor-data-format", String::new()),
+        ];
+        for (want, text) in cases {
+            match check_vendor_data(&text) {
+                Err(TemplateErrorKind::InvalidOutput { rule, .. }) => {
+                    assert_eq!(rule, want, "{text}")
+                }
+                other => panic!("{text}: {other:?}"),
+            }
+        }
+        let big = format!("#cloud-config\n#{}\n", "x".repeat(VENDOR_DATA_MAX));
+        assert!(matches!(
+            check_vendor_data(&big),
+            Err(TemplateErrorKind::OutputTooLarge { .. })
+        ));
+    }
 }

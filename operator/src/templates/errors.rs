@@ -90,11 +90,12 @@ pub enum TemplateErrorKind {
     Compile(String),
     /// The component imports something the sandbox does not provide.
     #[error(
-        "imports {import:?}, which the sandbox does not provide (allowed: wasi:cli environment/exit/stdio/terminal, wasi:io error/poll/streams)"
+        "imports {}, which the sandbox does not provide (allowed: wasi:cli environment/exit/stdio/terminal, wasi:io error/poll/streams)",
+        imports.join(", ")
     )]
     ForbiddenImport {
-        /// The import's name.
-        import: String,
+        /// Every refused import, by name.
+        imports: Vec<String>,
     },
     /// The component does not export the expected interface or version.
     #[error("{0}")]

@@ -42,8 +42,10 @@ use sandbox::RenderState;
 /// How often the epoch ticker advances: the granularity of render deadlines.
 pub const EPOCH_TICK: Duration = Duration::from_millis(5);
 /// Instruction budget of one call. Real renders use a few million; this stops a runaway
-/// plugin deterministically even on a host so idle that the deadline is far away.
-pub const FUEL_PER_CALL: u64 = 2_000_000_000;
+/// plugin deterministically (about two seconds of pure compute here), so a plugin with a
+/// long configured timeout still cannot spin for it all. It sits well above what the
+/// default timeout allows, so the deadline is what normally fires.
+pub const FUEL_PER_CALL: u64 = 10_000_000_000;
 /// Largest component file accepted: the default plugins are well under 1 MiB.
 pub const MAX_COMPONENT_BYTES: u64 = 32 * 1024 * 1024;
 /// Budget of the schema and settings calls at load time, which are tiny.
@@ -342,12 +344,18 @@ fn read_component(path: &Path) -> Result<Vec<u8>, TemplateErrorKind> {
     std::fs::read(path).map_err(read_err)
 }
 
+/// Refuses a component with any import outside the sandbox, naming every one of them.
 fn check_imports(engine: &Engine, component: &Component) -> Result<(), TemplateErrorKind> {
-    for (name, _) in component.component_type().imports(engine) {
-        sandbox::check_import(name)
-            .map_err(|import| TemplateErrorKind::ForbiddenImport { import })?;
+    let imports: Vec<String> = component
+        .component_type()
+        .imports(engine)
+        .filter_map(|(name, _)| sandbox::check_import(name).err())
+        .collect();
+    if imports.is_empty() {
+        Ok(())
+    } else {
+        Err(TemplateErrorKind::ForbiddenImport { imports })
     }
-    Ok(())
 }
 
 /// Checks that the component exports this kind's interface in a compatible version.
@@ -536,8 +544,9 @@ fn classify_failure(e: &wasmtime::Error, state: &RenderState) -> TemplateErrorKi
         }
         _ => {}
     }
-    let msg = format!("{e:#}");
-    if msg.contains("beyond capacity of MemoryOutputPipe") {
+    // A full log closes stdout/stderr; Rust's `println!` then panics. Report the cause,
+    // not the panic it led to.
+    if state.log_is_full() {
         return TemplateErrorKind::Limit { limit: Limit::Log };
     }
     TemplateErrorKind::Trap(root_cause(e))

@@ -35,7 +35,8 @@ pub const ALLOWED_WASI: &[&str] = &[
 ];
 
 /// Captured stdout plus stderr per render: enough for a debug message, small enough that
-/// a chatty plugin cannot use the operator's memory.
+/// a chatty plugin cannot use the operator's memory. Once full, the streams are closed and
+/// the render fails with a clear reason (plugin authors are told to keep logs short).
 pub const LOG_CAPACITY: usize = 16 * 1024;
 /// A plugin is one component instance with a handful of tables; these caps stop a
 /// component from allocating its way around the memory cap with tables or instances.
@@ -103,6 +104,11 @@ impl RenderState {
             },
             log,
         }
+    }
+
+    /// Whether stdout/stderr reached [`LOG_CAPACITY`] (further writes were refused).
+    pub fn log_is_full(&self) -> bool {
+        self.log.contents().len() >= LOG_CAPACITY
     }
 
     /// What the plugin wrote to stdout and stderr, lossily decoded.

@@ -1,0 +1,458 @@
+//! The template host against real components: the default plugins and a hostile corpus.
+#![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)] // tests fail loudly
+
+use std::sync::mpsc;
+use std::time::Duration;
+
+use egress_operator::api::proxy;
+use egress_operator::config::{self, TemplateConfig};
+use egress_operator::render::{self, Facts};
+use egress_operator::templates::{
+    CacheOutcome, DomainInput, Limit, TemplateEngine, TemplateError, TemplateErrorKind,
+};
+use integration_tests::{plugin_path, workspace_root};
+use serde_json::json;
+
+/// Generous hang guard: a render that never returns fails the test instead of hanging CI.
+const HANG_GUARD: Duration = Duration::from_secs(60);
+const CREATED_AT: &str = "2026-01-01T00:00:00Z";
+
+fn template(plugin: &str, settings: serde_json::Value) -> TemplateConfig {
+    TemplateConfig {
+        path: Some(plugin_path(plugin).unwrap().display().to_string()),
+        url: None,
+        sha256: None,
+        settings,
+        timeout_millis: 250,
+        max_memory_mib: 64,
+    }
+}
+
+fn sample_inputs() -> render::Inputs {
+    let root = workspace_root().join("config/samples");
+    let config = config::load_file(&root.join("providers-config.yaml")).unwrap();
+    let proxy = proxy::load_manifest(&root.join("proxy_kvm2.yaml"), &config).unwrap();
+    render::inputs(&config, &proxy, None, &Facts::default(), CREATED_AT).unwrap()
+}
+
+fn sample_templates() -> (TemplateConfig, TemplateConfig) {
+    let root = workspace_root().join("config/samples");
+    let config = config::load_file(&root.join("providers-config.yaml")).unwrap();
+    let mut t = config.kvm2.templates.clone();
+    t.domain.path = Some(plugin_path("domain-default").unwrap().display().to_string());
+    t.vendor_data.path = Some(
+        plugin_path("vendor-data-default")
+            .unwrap()
+            .display()
+            .to_string(),
+    );
+    (t.domain, t.vendor_data)
+}
+
+/// Runs `f` on another thread and fails if it does not finish within the hang guard.
+fn guarded<T: Send + 'static>(f: impl FnOnce() -> T + Send + 'static) -> T {
+    let (tx, rx) = mpsc::channel();
+    std::thread::spawn(move || {
+        let _ = tx.send(f());
+    });
+    rx.recv_timeout(HANG_GUARD)
+        .expect("render hung past the hang guard")
+}
+
+fn check_snapshot(name: &str, actual: &str) {
+    let path = workspace_root().join("tests/snapshots").join(name);
+    if std::env::var_os("UPDATE_SNAPSHOTS").is_some() {
+        std::fs::write(&path, actual).unwrap();
+    }
+    let expected = std::fs::read_to_string(&path).unwrap_or_default();
+    assert!(
+        expected == actual,
+        "{} differs from the render; if the change is intended, rerun with UPDATE_SNAPSHOTS=1\n--- render ---\n{actual}",
+        path.display()
+    );
+}
+
+#[test]
+fn default_plugins_render_the_samples_deterministically_and_match_snapshots() {
+    let engine = TemplateEngine::new(None).unwrap();
+    let (d, v) = sample_templates();
+    let domain = engine.load_domain(&d).unwrap();
+    let vendor = engine.load_vendor_data(&v).unwrap();
+    let inputs = sample_inputs();
+
+    let xml = domain.render(&inputs.domain).unwrap();
+    assert_eq!(
+        xml,
+        domain.render(&inputs.domain).unwrap(),
+        "two renders differ"
+    );
+    check_snapshot("domain-default.xml", &xml);
+
+    let vd = vendor.render(&inputs.vendor_data).unwrap();
+    assert_eq!(
+        vd,
+        vendor.render(&inputs.vendor_data).unwrap(),
+        "two renders differ"
+    );
+    check_snapshot("vendor-data-default.yaml", &vd);
+    let parsed: serde_json::Value = serde_yaml_ng::from_str(&vd).unwrap();
+    assert_eq!(parsed["packages"][0], "tinyproxy");
+
+    // A fresh engine gives the same bytes too: nothing depends on process state.
+    let other = TemplateEngine::new(None).unwrap();
+    assert_eq!(
+        other
+            .load_domain(&d)
+            .unwrap()
+            .render(&inputs.domain)
+            .unwrap(),
+        xml
+    );
+}
+
+#[test]
+fn default_domain_xml_passes_libvirts_schema() {
+    let Ok(validator) = which("virt-xml-validate") else {
+        eprintln!("SKIP: virt-xml-validate not installed (make setup installs libvirt-clients)");
+        return;
+    };
+    let engine = TemplateEngine::new(None).unwrap();
+    let (d, _) = sample_templates();
+    let domain = engine.load_domain(&d).unwrap();
+    let dir = tempfile::tempdir().unwrap();
+    for (kvm, efi) in [(false, false), (true, false), (true, true)] {
+        let mut input = sample_inputs().domain;
+        input.host.kvm = kvm;
+        if efi {
+            input.firmware = egress_operator::templates::Firmware::Efi;
+        }
+        let xml = domain.render(&input).unwrap();
+        let file = dir.path().join(format!("d-{kvm}-{efi}.xml"));
+        std::fs::write(&file, &xml).unwrap();
+        let out = std::process::Command::new(&validator)
+            .arg(&file)
+            .arg("domain")
+            .output()
+            .unwrap();
+        assert!(
+            out.status.success(),
+            "virt-xml-validate refused (kvm={kvm}, efi={efi}): {}\n{xml}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+    }
+}
+
+fn which(bin: &str) -> Result<std::path::PathBuf, ()> {
+    std::env::var_os("PATH")
+        .into_iter()
+        .flat_map(|p| std::env::split_paths(&p).collect::<Vec<_>>())
+        .map(|d| d.join(bin))
+        .find(|p| p.exists())
+        .ok_or(())
+}
+
+fn hostile(mode: &str) -> TemplateConfig {
+    template("hostile-domain", json!({ "mode": mode }))
+}
+
+fn render_hostile(
+    engine: &TemplateEngine,
+    cfg: &TemplateConfig,
+    input: &DomainInput,
+) -> Result<String, TemplateError> {
+    engine.load_domain(cfg)?.render(input)
+}
+
+#[test]
+fn hostile_corpus_is_refused_case_by_case_and_the_host_survives() {
+    let engine = std::sync::Arc::new(TemplateEngine::new(None).unwrap());
+    let input = sample_inputs().domain;
+
+    type Expect = fn(&TemplateErrorKind) -> bool;
+    let cases: Vec<(&str, TemplateConfig, Expect)> = vec![
+        (
+            "endless loop hits the deadline",
+            hostile("endless-loop"),
+            |k| {
+                matches!(
+                    k,
+                    TemplateErrorKind::Limit {
+                        limit: Limit::Timeout
+                    }
+                )
+            },
+        ),
+        (
+            "endless loop with a long deadline runs out of fuel",
+            TemplateConfig {
+                timeout_millis: 10_000,
+                ..hostile("endless-loop")
+            },
+            |k| matches!(k, TemplateErrorKind::Limit { limit: Limit::Fuel }),
+        ),
+        ("memory bomb", hostile("memory-bomb"), |k| {
+            matches!(
+                k,
+                TemplateErrorKind::Limit {
+                    limit: Limit::Memory
+                }
+            )
+        }),
+        (
+            "deep recursion",
+            hostile("deep-recursion"),
+            |k| matches!(k, TemplateErrorKind::Trap(m) if m.contains("stack")),
+        ),
+        ("100 MB output", hostile("huge-output"), |k| {
+            matches!(
+                k,
+                TemplateErrorKind::Limit {
+                    limit: Limit::Memory
+                }
+            )
+        }),
+        ("1 MB output", hostile("big-output"), |k| {
+            matches!(k, TemplateErrorKind::OutputTooLarge { .. })
+        }),
+        ("invalid XML", hostile("invalid-xml"), |k| {
+            matches!(
+                k,
+                TemplateErrorKind::InvalidOutput {
+                    rule: "well-formed",
+                    ..
+                }
+            )
+        }),
+        ("renamed domain", hostile("rename"), |k| {
+            matches!(
+                k,
+                TemplateErrorKind::InvalidOutput {
+                    rule: "name-unchanged",
+                    ..
+                }
+            )
+        }),
+        ("dropped mark", hostile("drop-mark"), |k| {
+            matches!(
+                k,
+                TemplateErrorKind::InvalidOutput {
+                    rule: "metadata-mark",
+                    ..
+                }
+            )
+        }),
+        ("edited mark", hostile("edit-mark"), |k| {
+            matches!(
+                k,
+                TemplateErrorKind::InvalidOutput {
+                    rule: "metadata-mark",
+                    ..
+                }
+            )
+        }),
+        (
+            "hostdev",
+            hostile("hostdev"),
+            |k| matches!(k, TemplateErrorKind::InvalidOutput { rule: "no-host-resources", detail } if detail.contains("hostdev")),
+        ),
+        ("file-backed disk", hostile("file-disk"), |k| {
+            matches!(
+                k,
+                TemplateErrorKind::InvalidOutput {
+                    rule: "disk-volume-only",
+                    ..
+                }
+            )
+        }),
+        ("qemu:commandline", hostile("qemu-commandline"), |k| {
+            matches!(
+                k,
+                TemplateErrorKind::InvalidOutput {
+                    rule: "no-qemu-passthrough",
+                    ..
+                }
+            )
+        }),
+        ("second bridge", hostile("second-bridge"), |k| {
+            matches!(
+                k,
+                TemplateErrorKind::InvalidOutput {
+                    rule: "interface-bridge-only",
+                    ..
+                }
+            )
+        }),
+        ("file serial", hostile("file-serial"), |k| {
+            matches!(
+                k,
+                TemplateErrorKind::InvalidOutput {
+                    rule: "no-host-chardev",
+                    ..
+                }
+            )
+        }),
+        ("doctype", hostile("doctype"), |k| {
+            matches!(
+                k,
+                TemplateErrorKind::InvalidOutput {
+                    rule: "no-doctype",
+                    ..
+                }
+            )
+        }),
+        ("panic", hostile("panic"), |k| {
+            matches!(k, TemplateErrorKind::Trap(_))
+        }),
+        ("exit", hostile("exit"), |k| {
+            matches!(k, TemplateErrorKind::Exit(_))
+        }),
+        ("log flood", hostile("print-flood"), |k| {
+            matches!(k, TemplateErrorKind::Limit { limit: Limit::Log })
+        }),
+        (
+            "settings that fail the schema",
+            template("hostile-domain", json!({ "mode": 42 })),
+            |k| matches!(k, TemplateErrorKind::Settings { issues } if issues[0].pointer == "/mode"),
+        ),
+        (
+            "settings with an unknown key",
+            template("hostile-domain", json!({ "mode": "good", "extra": 1 })),
+            |k| matches!(k, TemplateErrorKind::Settings { .. }),
+        ),
+        (
+            "settings that fail validate-settings",
+            hostile("reject-settings"),
+            |k| matches!(k, TemplateErrorKind::Settings { issues } if issues[0].pointer == "/mode" && issues[0].message.contains("refused by validate-settings")),
+        ),
+        (
+            "filesystem import",
+            template("hostile-fs", json!({})),
+            |k| matches!(k, TemplateErrorKind::ForbiddenImport { imports } if imports.iter().any(|i| i.starts_with("wasi:filesystem/types@"))),
+        ),
+        (
+            "vendor-data plugin configured as domain",
+            template("vendor-data-default", json!({})),
+            |k| matches!(k, TemplateErrorKind::Abi(m) if m.contains("is a vendor-data plugin")),
+        ),
+        (
+            "sha256 mismatch",
+            TemplateConfig {
+                sha256: Some("0".repeat(64)),
+                ..hostile("good")
+            },
+            |k| matches!(k, TemplateErrorKind::Sha256Mismatch { .. }),
+        ),
+    ];
+
+    for (name, cfg, expect) in cases {
+        let (e, i) = (engine.clone(), input.clone());
+        let result = guarded(move || render_hostile(&e, &cfg, &i));
+        match result {
+            Ok(out) => panic!("{name}: rendered instead of failing ({} bytes)", out.len()),
+            Err(err) => {
+                assert!(expect(&err.kind), "{name}: wrong reason: {err}");
+                assert!(
+                    err.plugin.starts_with("domain:"),
+                    "{name}: error does not name the plugin: {err}"
+                );
+                let text = err.to_string();
+                assert!(
+                    text.len() < 4096,
+                    "{name}: message too long ({} bytes)",
+                    text.len()
+                );
+            }
+        }
+        // The same engine still renders a good plugin after every hostile case.
+        let xml = render_hostile(&engine, &hostile("good"), &input)
+            .unwrap_or_else(|e| panic!("after {name}: good plugin failed: {e}"));
+        assert!(xml.contains(&input.metadata_mark));
+    }
+}
+
+#[test]
+fn not_a_component_is_refused_at_load() {
+    let dir = tempfile::tempdir().unwrap();
+    let file = dir.path().join("junk.wasm");
+    std::fs::write(&file, b"\0asm not really").unwrap();
+    let cfg = TemplateConfig {
+        path: Some(file.display().to_string()),
+        ..hostile("good")
+    };
+    let err = TemplateEngine::new(None)
+        .unwrap()
+        .load_domain(&cfg)
+        .unwrap_err();
+    assert!(matches!(err.kind, TemplateErrorKind::Compile(_)), "{err}");
+    let missing = TemplateConfig {
+        path: Some("/nonexistent/p.wasm".into()),
+        ..hostile("good")
+    };
+    let err = TemplateEngine::new(None)
+        .unwrap()
+        .load_domain(&missing)
+        .unwrap_err();
+    assert!(err.to_string().contains("/nonexistent/p.wasm"), "{err}");
+}
+
+#[test]
+fn compiled_code_cache_hits_and_treats_bad_entries_as_misses() {
+    let dir = tempfile::tempdir().unwrap();
+    let (d, _) = sample_templates();
+    let input = sample_inputs().domain;
+
+    let first = TemplateEngine::new(Some(dir.path())).unwrap();
+    let a = first.load_domain(&d).unwrap();
+    assert_eq!(a.cache_outcome(), CacheOutcome::Miss);
+    let expected = a.render(&input).unwrap();
+
+    let second = TemplateEngine::new(Some(dir.path())).unwrap();
+    let b = second.load_domain(&d).unwrap();
+    assert_eq!(b.cache_outcome(), CacheOutcome::Hit);
+    assert_eq!(b.render(&input).unwrap(), expected);
+
+    let entries: Vec<_> = std::fs::read_dir(dir.path())
+        .unwrap()
+        .map(|e| e.unwrap().path())
+        .filter(|p| p.extension().is_some_and(|e| e == "cwasm"))
+        .collect();
+    assert_eq!(entries.len(), 1, "{entries:?}");
+    let entry = &entries[0];
+    assert!(
+        entry
+            .file_name()
+            .unwrap()
+            .to_string_lossy()
+            .starts_with(a.sha256())
+    );
+
+    // A flipped byte in the payload: detected by the digest, a miss, then rewritten.
+    let mut bytes = std::fs::read(entry).unwrap();
+    let mid = bytes.len() / 2;
+    bytes[mid] ^= 0xff;
+    std::fs::write(entry, &bytes).unwrap();
+    let third = TemplateEngine::new(Some(dir.path())).unwrap();
+    let c = third.load_domain(&d).unwrap();
+    assert_eq!(c.cache_outcome(), CacheOutcome::Miss);
+    assert_eq!(c.render(&input).unwrap(), expected);
+    assert_eq!(
+        TemplateEngine::new(Some(dir.path()))
+            .unwrap()
+            .load_domain(&d)
+            .unwrap()
+            .cache_outcome(),
+        CacheOutcome::Hit,
+        "the corrupt entry was not rewritten"
+    );
+
+    // Truncated and empty entries are misses too.
+    for len in [10, 0] {
+        let bytes = std::fs::read(entry).unwrap();
+        std::fs::write(entry, &bytes[..len.min(bytes.len())]).unwrap();
+        let e = TemplateEngine::new(Some(dir.path())).unwrap();
+        assert_eq!(
+            e.load_domain(&d).unwrap().cache_outcome(),
+            CacheOutcome::Miss
+        );
+    }
+}
