@@ -14,7 +14,7 @@ TEST_PLUGINS := hostile-domain hostile-fs
 WASM_DIR := $(TARGET_DIR)/wasm32-wasip2/release
 PLUGIN_DIR := $(TARGET_DIR)/plugins
 
-.PHONY: all setup build plugins lint fmt generate test demo clean
+.PHONY: all setup build plugins lint fmt generate test demo bench clean
 
 all: build
 
@@ -60,6 +60,10 @@ demo: setup plugins
 	$(BIN) validate-config config/samples/providers-config.yaml --proxy config/samples/proxy_kvm2.yaml
 	$(BIN) render --config config/samples/providers-config.yaml --proxy config/samples/proxy_kvm2.yaml \
 		--plugin-dir $(PLUGIN_DIR) --cache-dir $(TARGET_DIR)/plugin-cache
+
+## bench: timings printed as ratios against a peer measured in the same run
+bench: setup plugins
+	$(CARGO) bench --locked -p integration-tests --bench templates
 
 clean:
 	$(CARGO) clean

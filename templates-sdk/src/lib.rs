@@ -222,6 +222,9 @@ macro_rules! export_domain_plugin {
             }
         }
 
+        // Component exports only exist in WebAssembly; on the host (tests, clippy) their
+        // `pkg:name/iface@ver#fn` symbol names would break the native linker.
+        #[cfg(target_arch = "wasm32")]
         $crate::domain::__export_domain_world!(__TemplatesSdkDomainExport with_types_in $crate::domain);
     };
 }
@@ -266,6 +269,7 @@ macro_rules! export_vendor_data_plugin {
             }
         }
 
+        #[cfg(target_arch = "wasm32")]
         $crate::vendor_data::__export_vendor_data_world!(
             __TemplatesSdkVendorDataExport with_types_in $crate::vendor_data
         );
