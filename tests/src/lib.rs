@@ -1,6 +1,8 @@
 //! Shared helpers for the integration tests in `tests/tests/`.
 #![forbid(unsafe_code)]
 
+pub mod https;
+
 use std::path::PathBuf;
 
 /// The workspace root (where `Cargo.toml`, `config/` and `operator/` live).

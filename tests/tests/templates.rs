@@ -456,3 +456,110 @@ fn compiled_code_cache_hits_and_treats_bad_entries_as_misses() {
         );
     }
 }
+
+mod download {
+    use super::*;
+    use egress_operator::templates::EngineOptions;
+    use integration_tests::https::{HttpsServer, Reply};
+    use sha2::{Digest, Sha256};
+
+    fn engine(server: &HttpsServer, cache: Option<&std::path::Path>) -> TemplateEngine {
+        TemplateEngine::with_options(&EngineOptions {
+            cache_dir: cache.map(std::path::Path::to_path_buf),
+            download_ca_pem: Some(server.ca_pem().as_bytes().to_vec()),
+        })
+        .unwrap()
+    }
+
+    fn url_template(url: String, sha256: &str) -> TemplateConfig {
+        TemplateConfig {
+            path: None,
+            url: Some(url),
+            sha256: Some(sha256.to_string()),
+            settings: json!({}),
+            timeout_millis: 250,
+            max_memory_mib: 64,
+        }
+    }
+
+    #[test]
+    fn https_plugin_is_verified_then_cached_by_digest() {
+        let bytes = std::fs::read(plugin_path("domain-default").unwrap()).unwrap();
+        let sha = hex::encode(Sha256::digest(&bytes));
+        let server = HttpsServer::start(vec![
+            ("/domain.wasm".into(), Reply::Body(bytes.clone())),
+            ("/moved".into(), Reply::Redirect("/domain.wasm".into())),
+            (
+                "/to-http".into(),
+                Reply::Redirect("http://127.0.0.1:1/domain.wasm".into()),
+            ),
+            ("/loop".into(), Reply::Redirect("/loop".into())),
+        ])
+        .unwrap();
+        let input = sample_inputs().domain;
+        let dir = tempfile::tempdir().unwrap();
+
+        let e = engine(&server, Some(dir.path()));
+        let plugin = e
+            .load_domain(&url_template(server.url("/domain.wasm"), &sha))
+            .unwrap();
+        assert_eq!(plugin.cache_outcome(), CacheOutcome::Miss);
+        assert!(plugin.render(&input).is_ok());
+        assert_eq!(server.requests(), 1);
+
+        // The pinned digest is in the cache: no download at all.
+        let again = engine(&server, Some(dir.path()))
+            .load_domain(&url_template(server.url("/domain.wasm"), &sha))
+            .unwrap();
+        assert_eq!(again.cache_outcome(), CacheOutcome::Hit);
+        assert_eq!(server.requests(), 1);
+
+        // A redirect within https is followed.
+        let moved = engine(&server, None).load_domain(&url_template(server.url("/moved"), &sha));
+        assert!(moved.is_ok(), "{moved:?}");
+
+        type Expect = fn(&TemplateErrorKind) -> bool;
+        let cases: Vec<(&str, String, String, Expect)> = vec![
+            (
+                "wrong digest",
+                server.url("/domain.wasm"),
+                "0".repeat(64),
+                |k| matches!(k, TemplateErrorKind::Sha256Mismatch { .. }),
+            ),
+            (
+                "404",
+                server.url("/missing"),
+                sha.clone(),
+                |k| matches!(k, TemplateErrorKind::Download { reason, .. } if reason.contains("404")),
+            ),
+            (
+                "redirect to http",
+                server.url("/to-http"),
+                sha.clone(),
+                |k| matches!(k, TemplateErrorKind::Download { reason, .. } if reason.contains("https")),
+            ),
+            (
+                "redirect loop",
+                server.url("/loop"),
+                sha.clone(),
+                |k| matches!(k, TemplateErrorKind::Download { reason, .. } if reason.contains("redirects")),
+            ),
+        ];
+        for (name, url, digest, expect) in cases {
+            let err = engine(&server, None)
+                .load_domain(&url_template(url, &digest))
+                .unwrap_err();
+            assert!(expect(&err.kind), "{name}: {err}");
+        }
+
+        // An untrusted certificate is refused.
+        let strict = TemplateEngine::new(None).unwrap();
+        let err = strict
+            .load_domain(&url_template(server.url("/domain.wasm"), &sha))
+            .unwrap_err();
+        assert!(
+            matches!(err.kind, TemplateErrorKind::Download { .. }),
+            "{err}"
+        );
+    }
+}

@@ -69,6 +69,14 @@ pub enum TemplateErrorKind {
         #[source]
         source: std::io::Error,
     },
+    /// The component could not be downloaded.
+    #[error("cannot download {url}: {reason}")]
+    Download {
+        /// The URL.
+        url: String,
+        /// Why.
+        reason: String,
+    },
     /// The component's sha256 differs from the configured one.
     #[error("sha256 mismatch: expected {expected}, got {actual}")]
     Sha256Mismatch {
@@ -140,9 +148,6 @@ pub enum TemplateErrorKind {
         /// Where and what.
         detail: String,
     },
-    /// The configured source kind cannot be loaded by this build.
-    #[error("unsupported source: {0}")]
-    UnsupportedSource(String),
     /// The compiled-code cache directory could not be created.
     #[error("cannot use cache directory {path}: {source}")]
     CacheDir {
@@ -169,7 +174,9 @@ impl Classified for TemplateError {
             {
                 ErrorClass::Transient
             }
-            TemplateErrorKind::CacheDir { .. } => ErrorClass::Transient,
+            TemplateErrorKind::CacheDir { .. } | TemplateErrorKind::Download { .. } => {
+                ErrorClass::Transient
+            }
             // Everything else is deterministic: same plugin, same input, same failure.
             _ => ErrorClass::Permanent,
         }

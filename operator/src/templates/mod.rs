@@ -18,6 +18,7 @@ pub mod cache;
 pub mod check;
 mod errors;
 pub mod sandbox;
+pub mod source;
 
 use std::path::Path;
 use std::sync::Arc;
@@ -181,11 +182,21 @@ impl ResourceLimiter for RenderState {
     }
 }
 
+/// How a [`TemplateEngine`] is set up.
+#[derive(Debug, Clone, Default)]
+pub struct EngineOptions {
+    /// Directory of the compiled-code cache; no cache when `None`.
+    pub cache_dir: Option<std::path::PathBuf>,
+    /// PEM certificates to trust for plugin downloads instead of Mozilla's roots.
+    pub download_ca_pem: Option<Vec<u8>>,
+}
+
 /// The process-wide template host.
 pub struct TemplateEngine {
     engine: Engine,
     linker: Linker<RenderState>,
     cache: Option<CodeCache>,
+    downloader: source::Downloader,
     // Dropped after the fields above: the ticker only holds a weak engine reference.
     _ticker: EpochTicker,
 }
@@ -206,8 +217,18 @@ fn engine_err(e: impl std::fmt::Display) -> TemplateError {
 }
 
 impl TemplateEngine {
-    /// A host with compiled code cached in `cache_dir` (no cache when `None`).
+    /// A host with compiled code cached in `cache_dir` (no cache when `None`), downloading
+    /// over https with Mozilla's roots.
     pub fn new(cache_dir: Option<&Path>) -> Result<Self, TemplateError> {
+        Self::with_options(&EngineOptions {
+            cache_dir: cache_dir.map(Path::to_path_buf),
+            download_ca_pem: None,
+        })
+    }
+
+    /// A host with explicit options.
+    pub fn with_options(options: &EngineOptions) -> Result<Self, TemplateError> {
+        let cache_dir = options.cache_dir.as_deref();
         let mut config = Config::new();
         config
             .consume_fuel(true)
@@ -227,11 +248,19 @@ impl TemplateEngine {
             ),
             None => None,
         };
+        let downloader =
+            source::Downloader::new(options.download_ca_pem.as_deref()).map_err(|kind| {
+                TemplateError {
+                    plugin: "<engine>".into(),
+                    kind,
+                }
+            })?;
         let ticker = EpochTicker::start(&engine).map_err(engine_err)?;
         Ok(Self {
             engine,
             linker,
             cache,
+            downloader,
             _ticker: ticker,
         })
     }
@@ -270,22 +299,45 @@ impl TemplateEngine {
             plugin: name.clone(),
             kind,
         };
-        let Some(path) = t.path.as_deref() else {
-            return Err(fail(TemplateErrorKind::UnsupportedSource(
-                "only local `path` sources are supported so far; download the component and mount it".into(),
-            )));
+        let (component, sha256, outcome) = match (t.path.as_deref(), t.url.as_deref()) {
+            (Some(path), _) => {
+                let bytes = source::read_file(Path::new(path)).map_err(&fail)?;
+                let sha256 = verified_digest(&bytes, t.sha256.as_deref()).map_err(&fail)?;
+                let (c, outcome) = self.compile(&bytes, &sha256).map_err(&fail)?;
+                (c, sha256, outcome)
+            }
+            (None, Some(url)) => {
+                // Config validation makes `sha256` mandatory with `url`; check again.
+                let pinned = t
+                    .sha256
+                    .as_deref()
+                    .map(str::to_ascii_lowercase)
+                    .ok_or_else(|| {
+                        fail(TemplateErrorKind::Abi(
+                            "a `url` source needs `sha256`".into(),
+                        ))
+                    })?;
+                // Code compiled from bytes that matched this digest needs no download.
+                match self
+                    .cache
+                    .as_ref()
+                    .and_then(|c| c.load(&self.engine, &pinned))
+                {
+                    Some(c) => (c, pinned, CacheOutcome::Hit),
+                    None => {
+                        let bytes = self.downloader.fetch(url).map_err(&fail)?;
+                        let sha256 = verified_digest(&bytes, Some(&pinned)).map_err(&fail)?;
+                        let (c, outcome) = self.compile(&bytes, &sha256).map_err(&fail)?;
+                        (c, sha256, outcome)
+                    }
+                }
+            }
+            (None, None) => {
+                return Err(fail(TemplateErrorKind::Abi(
+                    "names neither `path` nor `url`".into(),
+                )));
+            }
         };
-        let bytes = read_component(Path::new(path)).map_err(&fail)?;
-        let sha256 = hex::encode(Sha256::digest(&bytes));
-        if let Some(expected) = &t.sha256
-            && !expected.eq_ignore_ascii_case(&sha256)
-        {
-            return Err(fail(TemplateErrorKind::Sha256Mismatch {
-                expected: expected.clone(),
-                actual: sha256,
-            }));
-        }
-        let (component, outcome) = self.compile(&bytes, &sha256).map_err(&fail)?;
         check_imports(&self.engine, &component).map_err(&fail)?;
         check_exports(&self.engine, &component, kind).map_err(&fail)?;
         let pre = self
@@ -329,19 +381,16 @@ impl TemplateEngine {
     }
 }
 
-fn read_component(path: &Path) -> Result<Vec<u8>, TemplateErrorKind> {
-    let read_err = |source| TemplateErrorKind::Read {
-        path: path.display().to_string(),
-        source,
-    };
-    let size = std::fs::metadata(path).map_err(read_err)?.len();
-    if size > MAX_COMPONENT_BYTES {
-        return Err(TemplateErrorKind::TooLarge {
-            size,
-            max: MAX_COMPONENT_BYTES,
-        });
+/// The sha256 of `bytes`, checked against the configured digest when there is one.
+fn verified_digest(bytes: &[u8], expected: Option<&str>) -> Result<String, TemplateErrorKind> {
+    let actual = hex::encode(Sha256::digest(bytes));
+    match expected {
+        Some(e) if !e.eq_ignore_ascii_case(&actual) => Err(TemplateErrorKind::Sha256Mismatch {
+            expected: e.to_string(),
+            actual,
+        }),
+        _ => Ok(actual),
     }
-    std::fs::read(path).map_err(read_err)
 }
 
 /// Refuses a component with any import outside the sandbox, naming every one of them.
