@@ -563,3 +563,44 @@ mod download {
         );
     }
 }
+
+#[test]
+fn a_bad_plugin_marks_only_itself_unhealthy() {
+    use egress_operator::Classified;
+    use egress_operator::config::TemplatesConfig;
+    use egress_operator::templates::TemplateSet;
+
+    let engine = TemplateEngine::new(None).unwrap();
+    let (good_domain, vendor) = sample_templates();
+    let broken = TemplatesConfig {
+        domain: template("hostile-domain", json!({ "mode": "no-such-mode" })),
+        vendor_data: vendor.clone(),
+    };
+    let set = TemplateSet::load(&engine, &broken);
+    assert!(!set.is_healthy());
+    let err = set.domain().unwrap_err();
+    assert!(
+        err.reason.contains("settings refused") && err.reason.contains("/mode"),
+        "{err}"
+    );
+    assert_eq!(err.class(), egress_operator::ErrorClass::Permanent);
+    let health = set.health();
+    assert!(health[0].problem.is_some());
+    assert_eq!(health[1].problem, None);
+    // The healthy plugin still renders.
+    assert!(
+        set.vendor_data()
+            .unwrap()
+            .render(&sample_inputs().vendor_data)
+            .is_ok()
+    );
+
+    let fixed = TemplateSet::load(
+        &engine,
+        &TemplatesConfig {
+            domain: good_domain,
+            vendor_data: vendor,
+        },
+    );
+    assert!(fixed.is_healthy());
+}

@@ -18,6 +18,7 @@ pub mod cache;
 pub mod check;
 mod errors;
 pub mod sandbox;
+mod set;
 pub mod source;
 
 use std::path::Path;
@@ -34,6 +35,7 @@ pub use bindings::types::{
 };
 pub use cache::{CacheOutcome, CodeCache};
 pub use errors::{Limit, SettingsIssue, TemplateError, TemplateErrorKind};
+pub use set::{PluginHealth, PluginUnavailable, TemplateSet};
 
 use crate::config::TemplateConfig;
 use bindings::domain::DomainPre;
