@@ -107,6 +107,8 @@
 //! assert_eq!(bad.unwrap_err()[0].pointer, "/extraVcpus");
 //! ```
 
+#![warn(missing_docs)]
+
 // The generated bindings and the export macros name this crate by its public path.
 extern crate self as templates_sdk;
 
