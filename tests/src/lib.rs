@@ -1,6 +1,7 @@
 //! Shared helpers for the integration tests in `tests/tests/`.
 #![forbid(unsafe_code)]
 
+pub mod harness;
 pub mod https;
 
 use std::path::PathBuf;

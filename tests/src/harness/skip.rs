@@ -1,0 +1,104 @@
+//! Decides whether a test that needs real daemons can run here. On the build
+//! machines (root, `make setup` done) nothing is skipped; elsewhere (a laptop
+//! without root, a container without the packages) the tests say why and pass
+//! instead of failing on something that is not a bug.
+
+use std::fs;
+use std::path::{Path, PathBuf};
+
+/// What a test needs from the machine.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Need {
+    /// OpenSSH's sshd plus the `ssh` and `ssh-keygen` clients.
+    Sshd,
+    /// libvirtd, virtlogd, virsh, QEMU and the tools that build its namespace.
+    Libvirtd,
+}
+
+/// Binaries behind each [`Need`]; all must exist.
+const SSHD_BINARIES: &[&str] = &["sshd", "ssh", "ssh-keygen"];
+const LIBVIRTD_BINARIES: &[&str] = &[
+    "libvirtd",
+    "virtlogd",
+    "virsh",
+    "qemu-system-x86_64",
+    "ip",
+    "unshare",
+    "nsenter",
+    "taskset",
+    "timeout",
+];
+
+/// Directories searched besides `PATH`: the daemons live in sbin, which a
+/// non-login root shell does not always have on its `PATH`.
+const SBIN_DIRS: &[&str] = &["/usr/sbin", "/sbin"];
+
+/// Why tests needing `needs` cannot run here, or None when they can. The reason
+/// says what to do (`make setup`, run as root).
+pub fn skip_reason(needs: &[Need]) -> Option<String> {
+    if needs.is_empty() {
+        return None;
+    }
+    if !is_root() {
+        return Some("needs root (network namespaces, mounts, sshd privilege separation)".into());
+    }
+    let mut missing: Vec<&str> = Vec::new();
+    for need in needs {
+        let binaries = match need {
+            Need::Sshd => SSHD_BINARIES,
+            Need::Libvirtd => LIBVIRTD_BINARIES,
+        };
+        missing.extend(
+            binaries
+                .iter()
+                .copied()
+                .filter(|b| find_binary(b).is_none()),
+        );
+    }
+    if missing.is_empty() {
+        None
+    } else {
+        Some(format!(
+            "missing binaries: {} (run `make setup` as root)",
+            missing.join(", ")
+        ))
+    }
+}
+
+/// Prints the skip reason for `needs` and returns true when the test must stop.
+/// Tests call this first: `if skip(&[Need::Sshd]) { return; }`.
+pub fn skip(needs: &[Need]) -> bool {
+    match skip_reason(needs) {
+        Some(reason) => {
+            eprintln!("SKIPPED: {reason}");
+            true
+        }
+        None => false,
+    }
+}
+
+/// Effective UID 0, read from procfs (no libc call, no unsafe).
+fn is_root() -> bool {
+    let Ok(status) = fs::read_to_string("/proc/self/status") else {
+        return false;
+    };
+    status
+        .lines()
+        .find_map(|line| line.strip_prefix("Uid:"))
+        .and_then(|ids| ids.split_whitespace().nth(1))
+        == Some("0")
+}
+
+/// The full path of `name` on `PATH` or in the sbin directories.
+pub(crate) fn find_binary(name: &str) -> Option<PathBuf> {
+    let path = std::env::var_os("PATH").unwrap_or_default();
+    std::env::split_paths(&path)
+        .chain(SBIN_DIRS.iter().map(PathBuf::from))
+        .map(|dir| dir.join(name))
+        .find(|candidate| is_executable(candidate))
+}
+
+fn is_executable(path: &Path) -> bool {
+    use std::os::unix::fs::PermissionsExt;
+    fs::metadata(path).is_ok_and(|m| m.is_file() && m.permissions().mode() & 0o111 != 0)
+}
