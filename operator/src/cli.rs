@@ -36,6 +36,36 @@ pub enum Command {
     /// Render the domain XML and vendor-data of a Proxy with the configured template
     /// plugins, exactly as the operator would, and print them (or write them to --out).
     Render(RenderArgs),
+    /// Dial each configured host (a dedicated connection each) and report what a proxy
+    /// needs: reachability, host key, libvirt and hypervisor versions, KVM, pool, bridge,
+    /// image cache. Exits non-zero if any host fails.
+    Check(CheckArgs),
+}
+
+/// Arguments of `check`.
+#[derive(Debug, clap::Args)]
+pub struct CheckArgs {
+    /// The providers config (YAML).
+    #[arg(long)]
+    pub config: PathBuf,
+    /// Check only this host.
+    #[arg(long)]
+    pub host: Option<String>,
+    /// Output format.
+    #[arg(long, value_enum, default_value = "table")]
+    pub output: OutputFormat,
+    /// Budget of each host's check, in seconds.
+    #[arg(long, default_value_t = 30)]
+    pub timeout_seconds: u64,
+}
+
+/// How to print a report.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
+pub enum OutputFormat {
+    /// For people.
+    Table,
+    /// For machines.
+    Json,
 }
 
 /// Arguments of `render`.
@@ -88,6 +118,7 @@ pub fn execute(command: Command, out: &mut dyn Write, err: &mut dyn Write) -> u8
         Command::ConfigSchema => out.write_all(config::json_schema().as_bytes()).map(|_| 0),
         Command::ValidateConfig { file, proxies } => validate_config(&file, &proxies, out, err),
         Command::Render(args) => render(&args, out, err),
+        Command::Check(args) => check(&args, out, err),
     };
     result.unwrap_or(2)
 }
@@ -210,4 +241,78 @@ fn render_inner(args: &RenderArgs) -> Result<(String, String), String> {
         .render(&inputs.vendor_data)
         .map_err(|e| e.to_string())?;
     Ok((xml, vendor_data))
+}
+
+fn check(args: &CheckArgs, out: &mut dyn Write, err: &mut dyn Write) -> std::io::Result<u8> {
+    use crate::provider::kvm2::check::{check_host, table};
+    use crate::provider::kvm2::libvirt::BlockingPool;
+
+    let config = match config::load_file(&args.config) {
+        Ok(c) => c,
+        Err(e) => {
+            report(&e, err)?;
+            return Ok(1);
+        }
+    };
+    let hosts: Vec<_> = match &args.host {
+        Some(name) => match config.host(name) {
+            Some(h) => vec![h.clone()],
+            None => {
+                writeln!(err, "host {name:?} is not in {}", args.config.display())?;
+                return Ok(1);
+            }
+        },
+        None => config.kvm2.hosts.clone(),
+    };
+    let runtime = match tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+    {
+        Ok(r) => r,
+        Err(e) => {
+            writeln!(err, "cannot start the async runtime: {e}")?;
+            return Ok(2);
+        }
+    };
+    let timeout = std::time::Duration::from_secs(args.timeout_seconds.max(1));
+    let pool = BlockingPool::default();
+    let reports = runtime.block_on(async {
+        // All hosts at once, so one dead host costs one timeout, not one per host.
+        let handles: Vec<_> = hosts
+            .into_iter()
+            .map(|h| {
+                let (ssh, images, pool) = (
+                    config.kvm2.ssh.clone(),
+                    config.kvm2.images.clone(),
+                    pool.clone(),
+                );
+                tokio::spawn(async move { check_host(&ssh, &h, &images, &pool, timeout).await })
+            })
+            .collect();
+        let mut reports = Vec::with_capacity(handles.len());
+        let mut lost = 0usize;
+        for h in handles {
+            match h.await {
+                Ok(r) => reports.push(r),
+                Err(e) => {
+                    lost += 1;
+                    tracing::error!(error = %e, "a host check task failed");
+                }
+            }
+        }
+        (reports, lost)
+    });
+    let (reports, lost) = reports;
+    match args.output {
+        OutputFormat::Table => out.write_all(table(&reports).as_bytes())?,
+        OutputFormat::Json => {
+            let text = serde_json::to_string_pretty(&reports).map_err(std::io::Error::other)?;
+            writeln!(out, "{text}")?;
+        }
+    }
+    Ok(if lost == 0 && reports.iter().all(|r| r.ok) {
+        0
+    } else {
+        1
+    })
 }

@@ -68,6 +68,19 @@ impl InstanceIdentity {
     }
 }
 
+/// The volume a base image is cached as on a host: named by its content, so every Proxy
+/// and every operator replica finds the same one, and a changed image gets a new volume.
+/// 48 hex digits (192 bits) keep the name a DNS-1123 label.
+pub fn image_volume_name(sha256: &str) -> String {
+    let digest: String = sha256
+        .chars()
+        .filter(char::is_ascii_hexdigit)
+        .take(48)
+        .collect::<String>()
+        .to_ascii_lowercase();
+    format!("{NAME_PREFIX}image-{digest}")
+}
+
 /// A stable UUID for a Proxy that has no UID yet (a manifest file, not an API object),
 /// so `render` gives the same output for the same file.
 pub fn name_based_uid(namespace: &str, name: &str) -> String {
@@ -143,6 +156,13 @@ mod tests {
         ] {
             assert!(InstanceIdentity::for_uid(bad).is_err(), "{bad}");
         }
+    }
+
+    #[test]
+    fn image_volume_names_are_labels() {
+        let n = image_volume_name(&"AB".repeat(32));
+        assert_eq!(n, format!("egress-image-{}", "ab".repeat(24)));
+        assert!(rules::dns1123_label(&n).is_ok());
     }
 
     #[test]

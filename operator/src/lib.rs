@@ -8,6 +8,7 @@ pub mod cli;
 pub mod config;
 pub mod error;
 pub mod instance;
+pub mod provider;
 pub mod render;
 pub mod templates;
 pub mod validation;

@@ -1,0 +1,190 @@
+//! Observation of every libvirt call: one tracing span, one structured log line, and
+//! Prometheus metrics (calls and errors by class, latency histogram), per host and
+//! operation.
+//!
+//! Labels are the host name, the operation name and the outcome class only: never a URI,
+//! a path, an argument or an error message, so nothing secret or high-cardinality can
+//! reach a metric.
+
+use std::future::Future;
+use std::sync::Arc;
+use std::time::Instant;
+
+use prometheus_client::encoding::EncodeLabelSet;
+use prometheus_client::metrics::counter::Counter;
+use prometheus_client::metrics::family::Family;
+use prometheus_client::metrics::histogram::Histogram;
+use prometheus_client::registry::Registry;
+use tracing::Instrument;
+
+use crate::error::Classified;
+
+/// Latency buckets in seconds: local calls take a millisecond, a WAN round trip tens, a
+/// slow define or start seconds; past 30 s the deadline fires anyway.
+const LATENCY_BUCKETS: [f64; 12] = [
+    0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 5.0, 30.0,
+];
+
+/// Labels of a call counter.
+#[derive(Debug, Clone, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct CallLabels {
+    /// Host name from the config.
+    pub host: String,
+    /// Operation name.
+    pub op: String,
+    /// `ok` or the error class.
+    pub outcome: String,
+}
+
+/// Labels of the latency histogram.
+#[derive(Debug, Clone, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct LatencyLabels {
+    /// Host name from the config.
+    pub host: String,
+    /// Operation name.
+    pub op: String,
+}
+
+/// The metrics of libvirt calls.
+#[derive(Debug, Clone)]
+pub struct CallMetrics {
+    calls: Family<CallLabels, Counter>,
+    latency: Family<LatencyLabels, Histogram, fn() -> Histogram>,
+}
+
+fn new_histogram() -> Histogram {
+    Histogram::new(LATENCY_BUCKETS)
+}
+
+impl CallMetrics {
+    /// Metrics registered under `egress_libvirt_*` in `registry`.
+    pub fn register(registry: &mut Registry) -> Self {
+        let m = Self::unregistered();
+        registry.register(
+            "egress_libvirt_calls",
+            "libvirt calls by host, operation and outcome (ok or error class)",
+            m.calls.clone(),
+        );
+        registry.register(
+            "egress_libvirt_call_duration_seconds",
+            "libvirt call latency by host and operation",
+            m.latency.clone(),
+        );
+        m
+    }
+
+    /// Metrics not exposed anywhere (tests, one-shot commands).
+    pub fn unregistered() -> Self {
+        Self {
+            calls: Family::default(),
+            latency: Family::new_with_constructor(new_histogram as fn() -> Histogram),
+        }
+    }
+
+    /// Calls counted so far with these labels.
+    pub fn count(&self, host: &str, op: &str, outcome: &str) -> u64 {
+        self.calls
+            .get_or_create(&CallLabels {
+                host: host.into(),
+                op: op.into(),
+                outcome: outcome.into(),
+            })
+            .get()
+    }
+
+    /// Runs `call` inside a span, then logs and counts its outcome.
+    pub async fn observe<T, E, F>(
+        self: &Arc<Self>,
+        host: &str,
+        op: &'static str,
+        call: F,
+    ) -> Result<T, E>
+    where
+        F: Future<Output = Result<T, E>>,
+        E: Classified + std::fmt::Display,
+    {
+        let span = tracing::debug_span!("libvirt", host, op);
+        let started = Instant::now();
+        let result = call.instrument(span).await;
+        let elapsed = started.elapsed();
+        let outcome = match &result {
+            Ok(_) => "ok",
+            Err(e) => e.class().as_str(),
+        };
+        match &result {
+            Ok(_) => tracing::debug!(
+                host,
+                op,
+                outcome,
+                duration_ms = elapsed.as_millis() as u64,
+                "libvirt call"
+            ),
+            Err(e) => {
+                tracing::warn!(host, op, outcome, duration_ms = elapsed.as_millis() as u64, error = %e, "libvirt call failed")
+            }
+        }
+        self.calls
+            .get_or_create(&CallLabels {
+                host: host.into(),
+                op: op.into(),
+                outcome: outcome.into(),
+            })
+            .inc();
+        self.latency
+            .get_or_create(&LatencyLabels {
+                host: host.into(),
+                op: op.into(),
+            })
+            .observe(elapsed.as_secs_f64());
+        result
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::error::ErrorClass;
+
+    #[derive(Debug)]
+    struct E(ErrorClass);
+    impl std::fmt::Display for E {
+        fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+            write!(f, "failed")
+        }
+    }
+    impl Classified for E {
+        fn class(&self) -> ErrorClass {
+            self.0
+        }
+    }
+
+    #[tokio::test]
+    async fn counts_by_outcome_and_exposes_no_arguments() {
+        let mut registry = Registry::default();
+        let m = Arc::new(CallMetrics::register(&mut registry));
+        let _ = m.observe("h1", "lookup", async { Ok::<_, E>(()) }).await;
+        let _ = m
+            .observe("h1", "lookup", async {
+                Err::<(), _>(E(ErrorClass::NotFound))
+            })
+            .await;
+        let _ = m
+            .observe("h1", "define", async {
+                Err::<(), _>(E(ErrorClass::Transient))
+            })
+            .await;
+        assert_eq!(m.count("h1", "lookup", "ok"), 1);
+        assert_eq!(m.count("h1", "lookup", "not_found"), 1);
+        assert_eq!(m.count("h1", "define", "transient"), 1);
+        let mut text = String::new();
+        prometheus_client::encoding::text::encode(&mut text, &registry).unwrap();
+        assert!(
+            text.contains("egress_libvirt_calls_total{host=\"h1\",op=\"lookup\",outcome=\"ok\"} 1"),
+            "{text}"
+        );
+        assert!(
+            text.contains("egress_libvirt_call_duration_seconds_bucket"),
+            "{text}"
+        );
+    }
+}

@@ -1,0 +1,838 @@
+//! One SSH session to a libvirt host, over russh.
+//!
+//! [`connect`] does, in order and under one deadline (`connectTimeoutSeconds`):
+//!
+//! 1. local checks that need no network: the private key file (refused when group or
+//!    others may read it) and the known_hosts file;
+//! 2. name resolution and the TCP connect;
+//! 3. the SSH handshake, where russh calls our `check_server_key`: the offered host key
+//!    must be in known_hosts ([`super::known_hosts`]), unless the host is configured with
+//!    `insecureIgnoreHostKey`, which is logged as a warning on every dial;
+//! 4. public-key authentication (ed25519, ECDSA, or RSA signed with rsa-sha2-512/256,
+//!    never the SHA-1 `ssh-rsa`).
+//!
+//! The session sends SSH keepalives every `keepaliveIntervalSeconds`; after
+//! `keepaliveMaxMissed` unanswered ones russh ends the session, so a dead link is noticed
+//! even when no call is in flight, and [`SshSession::is_closed`] turns true.
+//!
+//! Nothing leaks when a dial fails half-way: the TCP stream is wrapped so that the
+//! dial's drop (or [`SshSession`]'s drop) closes it even while russh's background task is
+//! stuck in a key exchange with a silent server.
+
+use std::fmt;
+use std::future::Future as _;
+use std::io;
+use std::net::SocketAddr;
+use std::path::{Path, PathBuf};
+use std::pin::Pin;
+use std::sync::atomic::{AtomicU8, Ordering};
+use std::sync::{Arc, Mutex};
+use std::task::{Context, Poll};
+use std::time::Duration;
+
+use russh::client;
+use russh::keys::{Algorithm, HashAlg, PrivateKey, PrivateKeyWithHashAlg, PublicKeyOrCertificate};
+use tokio::io::{AsyncRead, AsyncWrite, ReadBuf};
+use tokio::net::TcpStream;
+use tokio::sync::{oneshot, watch};
+
+use super::errors::SshError;
+use super::known_hosts::{HostKeyError, KnownHosts};
+use crate::config::{DEFAULT_SSH_PORT, HostConfig, SshConfig};
+
+/// Group and other permission bits: OpenSSH refuses a private key with any of them set
+/// ("UNPROTECTED PRIVATE KEY FILE"), and so do we.
+const KEY_FILE_FORBIDDEN_MODE: u32 = 0o077;
+
+/// How long [`SshSession::close`] waits for the server to acknowledge our disconnect
+/// before cutting the TCP connection: long enough for one round trip on a slow link,
+/// short enough that shutdown is never held up by a dead host.
+const CLOSE_GRACE: Duration = Duration::from_secs(2);
+
+/// The description sent with our disconnect message (sshd logs it).
+const DISCONNECT_DESCRIPTION: &str = "egress-operator closing the connection";
+
+/// The stream returned by [`SshSession::open_streamlocal`]: tokio `AsyncRead` +
+/// `AsyncWrite` over one SSH channel. Dropping it closes the channel. A newtype, so
+/// russh's type stays out of our API and the stream can say where it goes in `Debug`.
+pub struct ChannelStream {
+    inner: russh::ChannelStream<client::Msg>,
+    target: String,
+}
+
+impl fmt::Debug for ChannelStream {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("ChannelStream")
+            .field("target", &self.target)
+            .finish_non_exhaustive()
+    }
+}
+
+impl AsyncRead for ChannelStream {
+    fn poll_read(
+        mut self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+        buf: &mut ReadBuf<'_>,
+    ) -> Poll<io::Result<()>> {
+        Pin::new(&mut self.inner).poll_read(cx, buf)
+    }
+}
+
+impl AsyncWrite for ChannelStream {
+    fn poll_write(
+        mut self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+        buf: &[u8],
+    ) -> Poll<io::Result<usize>> {
+        Pin::new(&mut self.inner).poll_write(cx, buf)
+    }
+
+    fn poll_flush(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
+        Pin::new(&mut self.inner).poll_flush(cx)
+    }
+
+    fn poll_shutdown(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
+        Pin::new(&mut self.inner).poll_shutdown(cx)
+    }
+}
+
+/// Everything needed to dial one host.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct SshTarget {
+    /// Host name or IP address (IPv6 without brackets).
+    pub host: String,
+    /// TCP port of sshd.
+    pub port: u16,
+    /// Remote user.
+    pub user: String,
+    /// OpenSSH or PEM private key file (ed25519, ECDSA or RSA), unencrypted.
+    pub private_key_file: PathBuf,
+    /// known_hosts file the host key is verified against.
+    pub known_hosts_file: PathBuf,
+    /// Skip host-key verification (logged as a warning on every dial).
+    pub insecure_ignore_host_key: bool,
+    /// Deadline of the whole dial: DNS, TCP, handshake and authentication.
+    pub connect_timeout: Duration,
+    /// Interval between SSH keepalives when the link is quiet.
+    pub keepalive_interval: Duration,
+    /// Unanswered keepalives after which the session is declared dead.
+    pub keepalive_max_missed: u32,
+}
+
+impl SshTarget {
+    /// The target for one configured host, with the shared SSH settings. The address was
+    /// validated when the config was loaded; it is parsed again here, so an unvalidated
+    /// config still yields an error rather than a wrong dial.
+    pub fn from_config(ssh: &SshConfig, host: &HostConfig) -> Result<Self, SshError> {
+        let (name, port) =
+            crate::validation::host_port(&host.address, DEFAULT_SSH_PORT).map_err(|reason| {
+                SshError::Config {
+                    address: host.address.clone(),
+                    reason,
+                }
+            })?;
+        Ok(Self {
+            host: name,
+            port,
+            user: ssh.user.clone(),
+            private_key_file: PathBuf::from(&ssh.private_key_file),
+            known_hosts_file: PathBuf::from(&ssh.known_hosts_file),
+            insecure_ignore_host_key: host.insecure_ignore_host_key,
+            connect_timeout: Duration::from_secs(u64::from(ssh.connect_timeout_seconds)),
+            keepalive_interval: Duration::from_secs(u64::from(ssh.keepalive_interval_seconds)),
+            keepalive_max_missed: ssh.keepalive_max_missed,
+        })
+    }
+
+    /// `host:port`, with brackets around an IPv6 address: the form used in every message.
+    pub fn addr(&self) -> String {
+        if self.host.contains(':') {
+            format!("[{}]:{}", self.host, self.port)
+        } else {
+            format!("{}:{}", self.host, self.port)
+        }
+    }
+}
+
+/// The steps of a dial, so a timeout can say which one was under way.
+const STAGES: [&str; 5] = [
+    "reading the key files",
+    "dns lookup",
+    "tcp connect",
+    "ssh handshake",
+    "ssh authentication",
+];
+
+/// Dials `target` and authenticates. See the module docs for the steps; the whole dial
+/// is bounded by `target.connect_timeout`.
+pub async fn connect(target: &SshTarget) -> Result<SshSession, SshError> {
+    let addr = target.addr();
+    let stage = Arc::new(AtomicU8::new(0));
+    // Dropping `kill` (on any error or timeout below, or with the session) makes the TCP
+    // stream fail, which ends russh's background task whatever state it is in.
+    let (kill, killed) = oneshot::channel();
+    let (done_tx, done) = watch::channel(());
+    let closed_reason = Arc::new(Mutex::new(None));
+    let dial = dial(
+        target,
+        Arc::clone(&stage),
+        killed,
+        done_tx,
+        Arc::clone(&closed_reason),
+    );
+    match tokio::time::timeout(target.connect_timeout, dial).await {
+        Ok(Ok(handle)) => Ok(SshSession {
+            handle,
+            addr,
+            channel_timeout: target.connect_timeout,
+            kill: Mutex::new(Some(kill)),
+            done,
+            closed_reason,
+        }),
+        Ok(Err(e)) => Err(e),
+        Err(_elapsed) => {
+            let at = usize::from(stage.load(Ordering::Relaxed));
+            Err(SshError::Timeout {
+                addr,
+                stage: STAGES.get(at).copied().unwrap_or("connect"),
+                after: target.connect_timeout,
+            })
+        }
+    }
+}
+
+/// The body of [`connect`], without its deadline.
+async fn dial(
+    target: &SshTarget,
+    stage: Arc<AtomicU8>,
+    killed: oneshot::Receiver<()>,
+    done: watch::Sender<()>,
+    closed_reason: Arc<Mutex<Option<String>>>,
+) -> Result<client::Handle<ClientHandler>, SshError> {
+    let addr = target.addr();
+    let set = |s: u8| stage.store(s, Ordering::Relaxed);
+
+    set(0);
+    let key = load_private_key(&target.private_key_file).await?;
+    let policy = if target.insecure_ignore_host_key {
+        HostKeyPolicy::Insecure
+    } else {
+        let known = KnownHosts::load(&target.known_hosts_file)
+            .await
+            .map_err(|source| SshError::HostKey {
+                addr: addr.clone(),
+                source,
+            })?;
+        HostKeyPolicy::Verify(known)
+    };
+
+    set(1);
+    let addrs: Vec<SocketAddr> = tokio::net::lookup_host((target.host.as_str(), target.port))
+        .await
+        .map_err(|source| SshError::Dns {
+            host: target.host.clone(),
+            source,
+        })?
+        .collect();
+    if addrs.is_empty() {
+        return Err(SshError::Dns {
+            host: target.host.clone(),
+            source: io::Error::new(io::ErrorKind::NotFound, "no addresses"),
+        });
+    }
+
+    set(2);
+    let tcp = connect_any(&addrs, &addr).await?;
+    // libvirt RPC is small request/response messages: Nagle's delay would dominate.
+    if let Err(e) = tcp.set_nodelay(true) {
+        tracing::debug!(host = %addr, error = %e, "cannot set TCP_NODELAY");
+    }
+
+    set(3);
+    let config = client_config(target, &policy);
+    let handler = ClientHandler {
+        policy,
+        host: target.host.clone(),
+        port: target.port,
+        addr: addr.clone(),
+        _done: done,
+        closed_reason,
+    };
+    let stream = Killable {
+        inner: tcp,
+        kill: killed,
+        killed: false,
+    };
+    let mut handle = client::connect_stream(Arc::new(config), stream, handler)
+        .await
+        .map_err(|e| match e {
+            HandlerError::HostKey(source) => SshError::HostKey {
+                addr: addr.clone(),
+                source,
+            },
+            HandlerError::Russh(source) => SshError::Handshake {
+                addr: addr.clone(),
+                source: Box::new(source),
+            },
+        })?;
+
+    set(4);
+    authenticate(&mut handle, target, key).await?;
+    Ok(handle)
+}
+
+/// Connects to the first address that accepts, like OpenSSH; the last error otherwise.
+async fn connect_any(addrs: &[SocketAddr], addr: &str) -> Result<TcpStream, SshError> {
+    let mut last = io::Error::new(io::ErrorKind::NotFound, "no addresses");
+    for a in addrs {
+        match TcpStream::connect(a).await {
+            Ok(s) => return Ok(s),
+            Err(e) => last = e,
+        }
+    }
+    Err(SshError::Connect {
+        addr: addr.to_string(),
+        source: last,
+    })
+}
+
+/// russh's client config: our keepalives, and host-key algorithms ordered so that the
+/// ones known_hosts lists for this host come first (as OpenSSH orders them), so a server
+/// with several host keys offers one we can check. SHA-1 `ssh-rsa` host signatures are
+/// left out, as OpenSSH 8.8+ does.
+fn client_config(target: &SshTarget, policy: &HostKeyPolicy) -> client::Config {
+    let mut preferred = russh::Preferred::default();
+    let mut algorithms: Vec<Algorithm> = preferred
+        .key
+        .iter()
+        .filter(|a| **a != Algorithm::Rsa { hash: None })
+        .cloned()
+        .collect();
+    if let HostKeyPolicy::Verify(known) = policy {
+        let listed = known.algorithms_for(&target.host, target.port);
+        let is_listed = |a: &Algorithm| listed.iter().any(|k| k == a || (is_rsa(k) && is_rsa(a)));
+        // A stable sort keeps russh's order within each group.
+        algorithms.sort_by_key(|a| !is_listed(a));
+    }
+    preferred.key = algorithms.into();
+    client::Config {
+        keepalive_interval: Some(target.keepalive_interval),
+        keepalive_max: usize::try_from(target.keepalive_max_missed).unwrap_or(usize::MAX),
+        preferred,
+        nodelay: true,
+        ..client::Config::default()
+    }
+}
+
+/// Whether `a` is an RSA algorithm, whatever its hash (`Algorithm::is_rsa` takes `self`
+/// by value, and `Algorithm` is not `Copy`).
+fn is_rsa(a: &Algorithm) -> bool {
+    matches!(a, Algorithm::Rsa { .. })
+}
+
+/// Reads the private key: refuses a file group or others may read, and keeps the file's
+/// bytes only as long as parsing takes (then zeroes them).
+async fn load_private_key(path: &Path) -> Result<PrivateKey, SshError> {
+    use std::os::unix::fs::PermissionsExt as _;
+
+    let fail = |reason: String| SshError::KeyFile {
+        path: path.to_path_buf(),
+        reason,
+    };
+    let meta = tokio::fs::metadata(path)
+        .await
+        .map_err(|e| fail(format!("cannot read it: {e}")))?;
+    if !meta.is_file() {
+        return Err(fail("is not a regular file".into()));
+    }
+    let mode = meta.permissions().mode() & 0o7777;
+    if mode & KEY_FILE_FORBIDDEN_MODE != 0 {
+        return Err(fail(format!(
+            "has mode {mode:04o}, readable by group or others; a private key must be 0600 \
+             or 0400 (in Kubernetes, mount the Secret with defaultMode 0400)"
+        )));
+    }
+    let mut bytes = tokio::fs::read(path)
+        .await
+        .map_err(|e| fail(format!("cannot read it: {e}")))?;
+    let parsed = match std::str::from_utf8(&bytes) {
+        Ok(text) => russh::keys::decode_secret_key(text, None).map_err(|e| match e {
+            russh::keys::Error::KeyIsEncrypted => {
+                "is encrypted with a passphrase, which is not supported; store the key \
+                 unencrypted in the Secret"
+                    .to_string()
+            }
+            russh::keys::Error::UnsupportedKeyType { .. } => {
+                "holds an unsupported key type; use ed25519, ECDSA or RSA".to_string()
+            }
+            // Only the kind of failure: the error types never quote key bytes, but the
+            // message does not depend on that.
+            _ => "is not a valid OpenSSH or PEM private key".to_string(),
+        }),
+        Err(_) => Err("is not a text (OpenSSH or PEM) key file".to_string()),
+    };
+    bytes.fill(0);
+    let key = parsed.map_err(fail)?;
+    match key.algorithm() {
+        Algorithm::Ed25519 | Algorithm::Ecdsa { .. } | Algorithm::Rsa { .. } => Ok(key),
+        other => Err(fail(format!(
+            "holds a {} key; use ed25519, ECDSA or RSA",
+            other.as_str()
+        ))),
+    }
+}
+
+/// Public-key authentication; RSA keys sign with SHA-2 only.
+async fn authenticate(
+    handle: &mut client::Handle<ClientHandler>,
+    target: &SshTarget,
+    key: PrivateKey,
+) -> Result<(), SshError> {
+    let addr = target.addr();
+    let auth_error = |reason: String| SshError::Auth {
+        user: target.user.clone(),
+        addr: addr.clone(),
+        reason,
+    };
+    let fingerprint = key.public_key().fingerprint(HashAlg::Sha256).to_string();
+    let algorithm = key.algorithm();
+    let hash = if is_rsa(&algorithm) {
+        match handle.best_supported_rsa_hash().await {
+            Ok(Some(Some(hash))) => Some(hash),
+            Ok(Some(None)) => {
+                return Err(auth_error(
+                    "the server accepts RSA signatures only with SHA-1 (ssh-rsa), which \
+                     we refuse; use an ed25519 key or enable rsa-sha2-256/512 on the host"
+                        .into(),
+                ));
+            }
+            // No server-sig-algs extension: every server with SHA-2 support since
+            // OpenSSH 7.2 understands rsa-sha2-256.
+            Ok(None) => Some(HashAlg::Sha256),
+            Err(source) => {
+                return Err(SshError::Handshake {
+                    addr: addr.clone(),
+                    source: Box::new(source),
+                });
+            }
+        }
+    } else {
+        None
+    };
+    let result = handle
+        .authenticate_publickey(
+            target.user.clone(),
+            PrivateKeyWithHashAlg::new(Arc::new(key), hash),
+        )
+        .await
+        .map_err(|source| SshError::Handshake {
+            addr: addr.clone(),
+            source: Box::new(source),
+        })?;
+    match result {
+        client::AuthResult::Success => Ok(()),
+        client::AuthResult::Failure {
+            partial_success: true,
+            ..
+        } => Err(auth_error(format!(
+            "the server accepted key {fingerprint} but asks for a further authentication \
+             method, which the operator does not have"
+        ))),
+        client::AuthResult::Failure { .. } => Err(auth_error(format!(
+            "the server refused {} key {fingerprint}; add its public key to the user's \
+             authorized_keys",
+            algorithm.as_str()
+        ))),
+    }
+}
+
+/// How the server's host key is judged.
+enum HostKeyPolicy {
+    /// Against this known_hosts file.
+    Verify(KnownHosts),
+    /// Not at all (`insecureIgnoreHostKey`); warned on every dial.
+    Insecure,
+}
+
+/// Errors the russh handler can end a session with: russh's own, or our host-key verdict
+/// (carried out of the handshake as an error, so its message reaches the caller intact).
+#[derive(Debug)]
+enum HandlerError {
+    Russh(russh::Error),
+    HostKey(HostKeyError),
+}
+
+impl From<russh::Error> for HandlerError {
+    fn from(e: russh::Error) -> Self {
+        HandlerError::Russh(e)
+    }
+}
+
+impl fmt::Display for HandlerError {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            HandlerError::Russh(e) => e.fmt(f),
+            HandlerError::HostKey(e) => e.fmt(f),
+        }
+    }
+}
+
+/// The russh client handler of one session.
+struct ClientHandler {
+    policy: HostKeyPolicy,
+    host: String,
+    port: u16,
+    addr: String,
+    /// Dropped with the handler, i.e. when russh's session task ends: that is how
+    /// [`SshSession`] learns the session is over.
+    _done: watch::Sender<()>,
+    /// Why the session ended, for later error messages.
+    closed_reason: Arc<Mutex<Option<String>>>,
+}
+
+impl client::Handler for ClientHandler {
+    type Error = HandlerError;
+
+    async fn check_server_key(
+        &mut self,
+        offered: &PublicKeyOrCertificate,
+    ) -> Result<bool, Self::Error> {
+        let (key, is_certificate) = match offered {
+            PublicKeyOrCertificate::PublicKey { key, .. } => (key.clone(), false),
+            // We never ask for host certificates; should a server send one anyway, only
+            // its bare key can be checked, against the same plain lines.
+            PublicKeyOrCertificate::Certificate(cert) => (
+                russh::keys::PublicKey::from(cert.public_key().clone()),
+                true,
+            ),
+        };
+        match &self.policy {
+            HostKeyPolicy::Insecure => {
+                tracing::warn!(
+                    host = %self.addr,
+                    fingerprint = %key.fingerprint(HashAlg::Sha256),
+                    "host key NOT verified: insecureIgnoreHostKey is set for this host, so \
+                     this connection could be intercepted"
+                );
+                Ok(true)
+            }
+            HostKeyPolicy::Verify(known) => match known.verify(&self.host, self.port, &key) {
+                Ok(()) => Ok(true),
+                Err(HostKeyError::Unknown { offered }) if is_certificate => {
+                    Err(HandlerError::HostKey(HostKeyError::Certificate { offered }))
+                }
+                Err(e) => {
+                    tracing::warn!(host = %self.addr, error = %e, "refusing SSH host key");
+                    Err(HandlerError::HostKey(e))
+                }
+            },
+        }
+    }
+
+    async fn disconnected(
+        &mut self,
+        reason: client::DisconnectReason<Self::Error>,
+    ) -> Result<(), Self::Error> {
+        let (text, result) = match reason {
+            client::DisconnectReason::ReceivedDisconnect(info) => (
+                format!(
+                    "the server disconnected ({:?}: {})",
+                    info.reason_code, info.message
+                ),
+                Ok(()),
+            ),
+            client::DisconnectReason::Error(e) => (e.to_string(), Err(e)),
+        };
+        tracing::debug!(host = %self.addr, reason = %text, "SSH session ended");
+        if let Ok(mut slot) = self.closed_reason.lock() {
+            slot.get_or_insert(text);
+        }
+        result
+    }
+}
+
+/// An authenticated SSH session. Cheap to share behind an `Arc`: channels are opened
+/// through `&self`. Dropping it ends the session and closes the TCP connection.
+pub struct SshSession {
+    handle: client::Handle<ClientHandler>,
+    addr: String,
+    channel_timeout: Duration,
+    /// Dropping the sender kills the transport (see [`Killable`]).
+    kill: Mutex<Option<oneshot::Sender<()>>>,
+    /// Closed (its sender dropped) when russh's session task has ended.
+    done: watch::Receiver<()>,
+    closed_reason: Arc<Mutex<Option<String>>>,
+}
+
+impl fmt::Debug for SshSession {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("SshSession")
+            .field("addr", &self.addr)
+            .field("closed", &self.is_closed())
+            .finish_non_exhaustive()
+    }
+}
+
+impl SshSession {
+    /// `host:port` of the server.
+    pub fn addr(&self) -> &str {
+        &self.addr
+    }
+
+    /// True once the session is over: closed by us, by the server, by a transport error
+    /// or by missed keepalives. A closed session never comes back; dial a new one.
+    pub fn is_closed(&self) -> bool {
+        self.handle.is_closed() || self.done.has_changed().is_err()
+    }
+
+    /// Why the session ended, if it has and the reason is known.
+    pub fn closed_reason(&self) -> Option<String> {
+        self.closed_reason.lock().ok().and_then(|r| r.clone())
+    }
+
+    /// Sends an SSH ping (a keepalive that wants a reply) and waits for the answer, at
+    /// most `deadline`. A health check for an idle link.
+    pub async fn check_alive(&self, deadline: Duration) -> Result<(), SshError> {
+        if self.is_closed() {
+            return Err(self.disconnected());
+        }
+        match tokio::time::timeout(deadline, self.handle.send_ping()).await {
+            Err(_) => Err(SshError::Timeout {
+                addr: self.addr.clone(),
+                stage: "keepalive probe",
+                after: deadline,
+            }),
+            // russh reports success even when the session ended before the reply.
+            Ok(Ok(())) if !self.is_closed() => Ok(()),
+            Ok(_) => Err(self.disconnected()),
+        }
+    }
+
+    /// Opens a `direct-streamlocal@openssh.com` channel to a unix socket on the host (as
+    /// `ssh -L local:/remote/socket` does) and returns it as a byte stream. Bounded by
+    /// the connect timeout, so a server that never answers cannot hang the caller.
+    pub async fn open_streamlocal(&self, socket_path: &str) -> Result<ChannelStream, SshError> {
+        if self.is_closed() {
+            return Err(self.disconnected());
+        }
+        let open = self.handle.channel_open_direct_streamlocal(socket_path);
+        match tokio::time::timeout(self.channel_timeout, open).await {
+            Err(_) => Err(SshError::Timeout {
+                addr: self.addr.clone(),
+                stage: "opening a channel",
+                after: self.channel_timeout,
+            }),
+            Ok(Ok(channel)) => Ok(ChannelStream {
+                inner: channel.into_stream(),
+                target: format!("{}:{socket_path}", self.addr),
+            }),
+            Ok(Err(source @ russh::Error::ChannelOpenFailure(_))) => Err(SshError::Channel {
+                addr: self.addr.clone(),
+                target: socket_path.to_string(),
+                source: Box::new(source),
+            }),
+            Ok(Err(e)) if self.is_closed() => {
+                tracing::debug!(host = %self.addr, error = %e, "channel open on a closed session");
+                Err(self.disconnected())
+            }
+            Ok(Err(source)) => Err(SshError::Channel {
+                addr: self.addr.clone(),
+                target: socket_path.to_string(),
+                source: Box::new(source),
+            }),
+        }
+    }
+
+    /// Ends the session: sends a disconnect message, waits briefly for russh to finish,
+    /// then cuts the TCP connection regardless. When this returns, the socket is closed
+    /// and russh's task is gone (or going: it has nothing left to wait for).
+    pub async fn close(&self) {
+        if !self.is_closed() {
+            let sent = self
+                .handle
+                .disconnect(
+                    russh::Disconnect::ByApplication,
+                    DISCONNECT_DESCRIPTION,
+                    "en",
+                )
+                .await;
+            if sent.is_ok() && self.wait_done(CLOSE_GRACE).await {
+                self.kill_transport();
+                return;
+            }
+        }
+        self.kill_transport();
+        if !self.wait_done(CLOSE_GRACE).await {
+            tracing::debug!(host = %self.addr, "SSH session task still running after close");
+        }
+    }
+
+    /// Waits until russh's session task has ended; false if `deadline` passed first.
+    async fn wait_done(&self, deadline: Duration) -> bool {
+        let mut done = self.done.clone();
+        tokio::time::timeout(deadline, async { while done.changed().await.is_ok() {} })
+            .await
+            .is_ok()
+    }
+
+    /// Drops the kill switch: the transport fails on its next poll.
+    fn kill_transport(&self) {
+        if let Ok(mut kill) = self.kill.lock() {
+            kill.take();
+        }
+    }
+
+    /// The error for an operation on a session that is over.
+    fn disconnected(&self) -> SshError {
+        SshError::Disconnected {
+            addr: self.addr.clone(),
+            reason: self
+                .closed_reason()
+                .unwrap_or_else(|| "the session has ended".to_string()),
+        }
+    }
+}
+
+/// A stream that fails (and wakes its reader) as soon as its kill switch is dropped.
+///
+/// russh runs each session on a spawned task that owns the TCP stream. A task stuck in a
+/// key exchange with a silent server does not notice that its handle was dropped; this
+/// wrapper makes sure it does, so an abandoned dial never keeps a socket or a task.
+struct Killable<S> {
+    inner: S,
+    kill: oneshot::Receiver<()>,
+    killed: bool,
+}
+
+impl<S> Killable<S> {
+    /// Polls the kill switch (registering the waker); true once it is dropped or fired.
+    fn is_killed(&mut self, cx: &mut Context<'_>) -> bool {
+        if !self.killed && Pin::new(&mut self.kill).poll(cx).is_ready() {
+            self.killed = true;
+        }
+        self.killed
+    }
+}
+
+/// The error a killed stream reports.
+fn killed_error() -> io::Error {
+    io::Error::new(
+        io::ErrorKind::ConnectionAborted,
+        "SSH connection closed by the operator",
+    )
+}
+
+impl<S: AsyncRead + Unpin> AsyncRead for Killable<S> {
+    fn poll_read(
+        mut self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+        buf: &mut ReadBuf<'_>,
+    ) -> Poll<io::Result<()>> {
+        if self.is_killed(cx) {
+            return Poll::Ready(Err(killed_error()));
+        }
+        Pin::new(&mut self.inner).poll_read(cx, buf)
+    }
+}
+
+impl<S: AsyncWrite + Unpin> AsyncWrite for Killable<S> {
+    fn poll_write(
+        mut self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+        buf: &[u8],
+    ) -> Poll<io::Result<usize>> {
+        if self.is_killed(cx) {
+            return Poll::Ready(Err(killed_error()));
+        }
+        Pin::new(&mut self.inner).poll_write(cx, buf)
+    }
+
+    fn poll_flush(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
+        if self.is_killed(cx) {
+            return Poll::Ready(Err(killed_error()));
+        }
+        Pin::new(&mut self.inner).poll_flush(cx)
+    }
+
+    fn poll_shutdown(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
+        if self.is_killed(cx) {
+            return Poll::Ready(Ok(()));
+        }
+        Pin::new(&mut self.inner).poll_shutdown(cx)
+    }
+}
+
+#[cfg(test)]
+#[allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
+mod tests {
+    use super::*;
+    use crate::config::LibvirtDriver;
+
+    fn ssh_config() -> SshConfig {
+        SshConfig {
+            user: "egress".into(),
+            private_key_file: "/k/id".into(),
+            known_hosts_file: "/k/known_hosts".into(),
+            connect_timeout_seconds: 7,
+            keepalive_interval_seconds: 15,
+            keepalive_max_missed: 3,
+        }
+    }
+
+    fn host(address: &str) -> HostConfig {
+        HostConfig {
+            name: "h1".into(),
+            address: address.into(),
+            libvirt_socket: crate::config::DEFAULT_LIBVIRT_SOCKET.into(),
+            driver: LibvirtDriver::Qemu,
+            storage_pool: "default".into(),
+            bridge: "br0".into(),
+            max_domains: 1,
+            max_concurrent_creates: 1,
+            insecure_ignore_host_key: false,
+        }
+    }
+
+    #[test]
+    fn target_from_config() {
+        for (address, h, port, addr) in [
+            ("kvm1.example", "kvm1.example", 22, "kvm1.example:22"),
+            ("10.0.0.5:2222", "10.0.0.5", 2222, "10.0.0.5:2222"),
+            ("[fd00::1]:2200", "fd00::1", 2200, "[fd00::1]:2200"),
+        ] {
+            let t = SshTarget::from_config(&ssh_config(), &host(address)).unwrap();
+            assert_eq!(
+                (t.host.as_str(), t.port, t.addr()),
+                (h, port, addr.to_string())
+            );
+            assert_eq!(t.connect_timeout, Duration::from_secs(7));
+            assert_eq!(t.keepalive_max_missed, 3);
+            assert_eq!(t.private_key_file, PathBuf::from("/k/id"));
+        }
+        let e = SshTarget::from_config(&ssh_config(), &host("a:b:c")).unwrap_err();
+        assert_eq!(e.reason_code(), "config");
+    }
+
+    /// A public key (from `ssh-keygen -t ecdsa`); only its type matters here.
+    const ECDSA_PUB: &str = "ecdsa-sha2-nistp256 AAAAE2VjZHNhLXNoYTItbmlzdHAyNTYAAAAIbmlzdHAyNTYAAABBBME00delIglzsVDQ8y9tukVHIE8OTXQ2Kb+fXHuDLmkxRA0KRGvCeEuFTav/UsAjfSFGrwO32r7Q4pgMspsZzjE=";
+
+    #[test]
+    fn config_prefers_known_host_key_types_and_drops_sha1_rsa() {
+        let t = SshTarget::from_config(&ssh_config(), &host("h1:2022")).unwrap();
+        let known = KnownHosts::parse(&format!("[h1]:2022 {ECDSA_PUB}"), Path::new("/k"));
+        let c = client_config(&t, &HostKeyPolicy::Verify(known));
+        assert_eq!(
+            c.preferred.key.first(),
+            Some(&Algorithm::Ecdsa {
+                curve: russh::keys::EcdsaCurve::NistP256
+            })
+        );
+        assert!(c.preferred.key.contains(&Algorithm::Ed25519));
+        assert!(!c.preferred.key.contains(&Algorithm::Rsa { hash: None }));
+        assert_eq!(c.keepalive_interval, Some(Duration::from_secs(15)));
+        assert_eq!(c.keepalive_max, 3);
+
+        let c = client_config(&t, &HostKeyPolicy::Insecure);
+        assert_eq!(c.preferred.key.first(), Some(&Algorithm::Ed25519));
+    }
+}

@@ -1,0 +1,370 @@
+//! The hosts table and `egress-operator check` against real daemons: OpenSSH's sshd on
+//! 127.0.0.1 and an isolated libvirtd (QEMU driver and test driver) in a network
+//! namespace, reached only through our SSH tunnel.
+#![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)] // tests fail loudly
+
+use std::future::Future;
+use std::sync::{Arc, Mutex, PoisonError};
+use std::time::Duration;
+
+use egress_operator::Classified as _;
+use egress_operator::cli::{CheckArgs, Command, OutputFormat, execute};
+use egress_operator::config::{self, LibvirtDriver, ValidConfig};
+use egress_operator::error::ErrorClass;
+use egress_operator::provider::kvm2::hosts::{HostError, Hosts};
+use egress_operator::provider::kvm2::libvirt::BlockingPool;
+use egress_operator::provider::kvm2::observe::CallMetrics;
+use integration_tests::harness::{self, Libvirtd, Need, Sshd};
+
+/// Generous guard: a hang fails the test instead of blocking CI; not a timing assertion.
+const HANG_GUARD: Duration = Duration::from_secs(60);
+/// Deadline of the calls made here: long enough for a slow CI machine.
+const CALL_DEADLINE: Duration = Duration::from_secs(10);
+
+/// Serialises these tests: they count sshd logins and start daemons.
+static SERIAL: Mutex<()> = Mutex::new(());
+
+fn run<F: Future>(f: F) -> F::Output {
+    let _serial = SERIAL.lock().unwrap_or_else(PoisonError::into_inner);
+    let rt = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .enable_all()
+        .build()
+        .unwrap();
+    rt.block_on(f)
+}
+
+async fn guard<F: Future>(f: F) -> F::Output {
+    tokio::time::timeout(HANG_GUARD, f)
+        .await
+        .expect("hang guard: the call did not finish")
+}
+
+/// A providers config for one host: the harness's sshd and libvirtd.
+fn config_for(
+    sshd: &Sshd,
+    libvirtd: &Libvirtd,
+    driver: LibvirtDriver,
+    address: &str,
+) -> ValidConfig {
+    let driver = match driver {
+        LibvirtDriver::Qemu => "qemu",
+        LibvirtDriver::Test => "test",
+    };
+    let yaml = format!(
+        r#"
+clusterId: test
+kvm2:
+  ssh:
+    user: {user}
+    privateKeyFile: {key}
+    knownHostsFile: {known}
+    connectTimeoutSeconds: 3
+    keepaliveIntervalSeconds: 2
+    keepaliveMaxMissed: 2
+  hosts:
+    - name: h1
+      address: "{address}"
+      libvirtSocket: {socket}
+      driver: {driver}
+      storagePool: default
+      bridge: {bridge}
+  images:
+    - name: debian
+      url: https://images.example.org/debian.qcow2
+      sha256: "{sha}"
+      format: qcow2
+  machineTypes:
+    - {{name: small, vcpus: 1, memoryMiB: 512, diskGiB: 4}}
+  templates:
+    domain: {{path: /nonexistent/d.wasm}}
+    vendorData: {{path: /nonexistent/v.wasm}}
+"#,
+        user = sshd.user(),
+        key = sshd.client_key().display(),
+        known = sshd.known_hosts().display(),
+        socket = libvirtd.socket_path().display(),
+        bridge = libvirtd.bridge(),
+        sha = "a".repeat(64),
+    );
+    config::parse(&yaml, "test-config", std::path::Path::new("/")).unwrap()
+}
+
+fn hosts_for(config: &ValidConfig) -> (Hosts, Arc<CallMetrics>) {
+    let metrics = Arc::new(CallMetrics::unregistered());
+    let hosts = Hosts::new(
+        &config.kvm2.ssh,
+        &config.kvm2.hosts,
+        BlockingPool::default(),
+        metrics.clone(),
+    )
+    .unwrap()
+    .with_call_deadline(CALL_DEADLINE);
+    (hosts, metrics)
+}
+
+fn daemons() -> Option<(Sshd, Libvirtd)> {
+    if harness::skip(&[Need::Sshd, Need::Libvirtd]) {
+        return None;
+    }
+    Some((Sshd::start().unwrap(), Libvirtd::start().unwrap()))
+}
+
+#[test]
+fn round_trips_share_one_ssh_connection_across_100_concurrent_calls() {
+    let Some((sshd, libvirtd)) = daemons() else {
+        return;
+    };
+    for driver in [LibvirtDriver::Test, LibvirtDriver::Qemu] {
+        let before = sshd.accepted_connections();
+        let config = config_for(&sshd, &libvirtd, driver, &sshd.address());
+        let (hosts, metrics) = hosts_for(&config);
+        let hosts = Arc::new(hosts);
+        run(async {
+            let version = guard(hosts.call("h1", "version", |c| c.get_lib_version()))
+                .await
+                .unwrap();
+            assert!(version >= 9_000_000, "libvirt {version}");
+            let calls: Vec<_> = (0..100)
+                .map(|_| {
+                    let h = hosts.clone();
+                    tokio::spawn(
+                        async move { h.call("h1", "hostname", |c| c.get_hostname()).await },
+                    )
+                })
+                .collect();
+            for c in calls {
+                guard(c).await.unwrap().unwrap();
+            }
+            assert_eq!(metrics.count("h1", "hostname", "ok"), 100);
+            hosts.close().await;
+        });
+        assert_eq!(
+            sshd.accepted_connections() - before,
+            1,
+            "{driver:?}: 101 calls must share one SSH connection"
+        );
+    }
+}
+
+#[test]
+fn sshd_killed_then_back_the_call_fails_in_time_and_the_next_succeeds() {
+    let Some((mut sshd, libvirtd)) = daemons() else {
+        return;
+    };
+    let config = config_for(&sshd, &libvirtd, LibvirtDriver::Test, &sshd.address());
+    let (hosts, _) = hosts_for(&config);
+    run(async {
+        guard(hosts.call("h1", "version", |c| c.get_lib_version()))
+            .await
+            .unwrap();
+        sshd.stop().unwrap();
+        // The link is gone: the call fails (within its deadline, guarded) with a
+        // transient error, and does not hang.
+        let err = guard(hosts.call("h1", "version", |c| c.get_lib_version()))
+            .await
+            .unwrap_err();
+        assert_eq!(err.class(), ErrorClass::Transient, "{err}");
+        sshd.restart().unwrap();
+        // Redial (after a bounded backoff) and succeed.
+        let mut ok = false;
+        for _ in 0..20 {
+            if guard(hosts.call("h1", "version", |c| c.get_lib_version()))
+                .await
+                .is_ok()
+            {
+                ok = true;
+                break;
+            }
+            tokio::time::sleep(Duration::from_millis(250)).await;
+        }
+        assert!(ok, "no call succeeded after sshd came back");
+        hosts.close().await;
+    });
+}
+
+#[test]
+fn libvirtd_restarted_the_next_call_redials_and_succeeds() {
+    let Some((sshd, mut libvirtd)) = daemons() else {
+        return;
+    };
+    let config = config_for(&sshd, &libvirtd, LibvirtDriver::Qemu, &sshd.address());
+    let (hosts, _) = hosts_for(&config);
+    run(async {
+        guard(hosts.call("h1", "version", |c| c.get_lib_version()))
+            .await
+            .unwrap();
+        tokio::task::block_in_place(|| libvirtd.restart_libvirtd()).unwrap();
+        let v = guard(hosts.call("h1", "version", |c| c.get_lib_version())).await;
+        assert!(v.is_ok(), "the first call after the restart failed: {v:?}");
+        hosts.close().await;
+    });
+}
+
+#[test]
+fn a_silent_server_hits_the_deadline_and_does_not_hang() {
+    let Some((sshd, libvirtd)) = daemons() else {
+        return;
+    };
+    // Accepts TCP (the kernel does, from the backlog) and never says a word.
+    let silent = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    let address = silent.local_addr().unwrap().to_string();
+    let config = config_for(&sshd, &libvirtd, LibvirtDriver::Test, &address);
+    let (hosts, metrics) = hosts_for(&config);
+    run(async {
+        let started = std::time::Instant::now();
+        let err = guard(
+            hosts.call_within("h1", "version", Duration::from_secs(2), |c| {
+                c.get_lib_version()
+            }),
+        )
+        .await
+        .unwrap_err();
+        assert_eq!(err.class(), ErrorClass::Transient, "{err}");
+        assert!(started.elapsed() < HANG_GUARD);
+        assert_eq!(metrics.count("h1", "version", "transient"), 1);
+    });
+    drop(silent);
+}
+
+#[test]
+fn unknown_host_name_is_permanent() {
+    let Some((sshd, libvirtd)) = daemons() else {
+        return;
+    };
+    let config = config_for(&sshd, &libvirtd, LibvirtDriver::Test, &sshd.address());
+    let (hosts, _) = hosts_for(&config);
+    run(async {
+        let err = hosts
+            .call("nope", "version", |c| c.get_lib_version())
+            .await
+            .unwrap_err();
+        assert!(matches!(err, HostError::Unknown(_)));
+        assert_eq!(err.class(), ErrorClass::Permanent);
+    });
+}
+
+fn check_json(config: &ValidConfig, dir: &tempfile::TempDir) -> (u8, serde_json::Value, String) {
+    let file = dir.path().join("config.yaml");
+    std::fs::write(&file, serde_yaml_ng::to_string(&**config).unwrap()).unwrap();
+    let (mut out, mut err) = (Vec::new(), Vec::new());
+    let code = execute(
+        Command::Check(CheckArgs {
+            config: file,
+            host: None,
+            output: OutputFormat::Json,
+            timeout_seconds: 30,
+        }),
+        &mut out,
+        &mut err,
+    );
+    let json = serde_json::from_slice(&out).unwrap_or(serde_json::Value::Null);
+    (code, json, String::from_utf8_lossy(&err).into_owned())
+}
+
+#[test]
+fn check_reports_every_fact_of_a_healthy_host_and_reason_codes_of_broken_ones() {
+    let Some((sshd, libvirtd)) = daemons() else {
+        return;
+    };
+    libvirtd.define_dir_pool("default").unwrap();
+    let dir = tempfile::tempdir().unwrap();
+
+    let healthy = config_for(&sshd, &libvirtd, LibvirtDriver::Qemu, &sshd.address());
+    let (code, json, err) = check_json(&healthy, &dir);
+    let r = &json[0];
+    assert_eq!(code, 0, "{json:#} {err}");
+    assert_eq!(r["ok"], true);
+    assert_eq!(r["reachable"], true);
+    assert_eq!(r["hostKeyVerified"], true);
+    assert!(
+        r["libvirtVersion"].as_str().unwrap().starts_with("9."),
+        "{r}"
+    );
+    assert!(
+        r["hypervisorVersion"].as_str().unwrap().starts_with("10."),
+        "{r}"
+    );
+    assert!(r["kvm"].is_boolean());
+    assert_eq!(r["pool"]["active"], true);
+    assert!(r["pool"]["freeBytes"].as_u64().unwrap() > 0);
+    assert_eq!(r["bridgePresent"], true);
+    assert_eq!(r["images"][0]["cached"], false);
+
+    // The table prints the same facts for people.
+    let file = dir.path().join("config.yaml");
+    let (mut out, mut e) = (Vec::new(), Vec::new());
+    let code = execute(
+        Command::Check(CheckArgs {
+            config: file,
+            host: Some("h1".into()),
+            output: OutputFormat::Table,
+            timeout_seconds: 30,
+        }),
+        &mut out,
+        &mut e,
+    );
+    let table = String::from_utf8(out).unwrap();
+    assert_eq!(code, 0, "{table}");
+    for field in [
+        "reachable",
+        "host key verified",
+        "libvirt version",
+        "hypervisor version",
+        "kvm",
+        "pool",
+        "bridge present",
+        "image debian",
+    ] {
+        assert!(table.contains(field), "{field} missing:\n{table}");
+    }
+
+    // A wrong host key.
+    let mut wrong = (*healthy).clone();
+    wrong.kvm2.ssh.known_hosts_file = sshd.wrong_known_hosts().unwrap().display().to_string();
+    let wrong = config::parse(
+        &serde_yaml_ng::to_string(&wrong).unwrap(),
+        "t",
+        std::path::Path::new("/"),
+    )
+    .unwrap();
+    let (code, json, _) = check_json(&wrong, &dir);
+    assert_eq!(
+        (code, json[0]["reason"].as_str()),
+        (1, Some("host-key")),
+        "{json:#}"
+    );
+
+    // A closed port.
+    let closed = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    let port = closed.local_addr().unwrap().port();
+    drop(closed);
+    let refused = config_for(
+        &sshd,
+        &libvirtd,
+        LibvirtDriver::Qemu,
+        &format!("127.0.0.1:{port}"),
+    );
+    let (code, json, _) = check_json(&refused, &dir);
+    assert_eq!(
+        (code, json[0]["reason"].as_str()),
+        (1, Some("connect")),
+        "{json:#}"
+    );
+
+    // A missing pool.
+    let mut nopool = (*healthy).clone();
+    nopool.kvm2.hosts[0].storage_pool = "missing".into();
+    let nopool = config::parse(
+        &serde_yaml_ng::to_string(&nopool).unwrap(),
+        "t",
+        std::path::Path::new("/"),
+    )
+    .unwrap();
+    let (code, json, _) = check_json(&nopool, &dir);
+    assert_eq!(
+        (code, json[0]["reason"].as_str()),
+        (1, Some("pool-missing")),
+        "{json:#}"
+    );
+}
