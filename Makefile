@@ -64,6 +64,7 @@ demo: setup plugins
 ## bench: timings printed as ratios against a peer measured in the same run
 bench: setup plugins
 	$(CARGO) bench --locked -p integration-tests --bench templates
+	$(CARGO) bench --locked -p integration-tests --bench transport
 
 clean:
 	$(CARGO) clean

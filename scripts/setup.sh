@@ -12,10 +12,14 @@ set -euo pipefail
 #   libvirt-clients              virsh, virt-xml-validate
 #   libxml2-utils                xmllint, which virt-xml-validate runs
 #   openssh-server               sshd for the SSH transport tests
+#   netcat-openbsd               `nc -U`: the remote end of libvirt's own qemu+ssh://
+#                                transport, the peer `make bench` measures ours against
+#                                (its default far end, virt-ssh-helper, ignores `socket=`
+#                                and would reach the system daemon, not the test one)
 #   xorriso                      reads seed ISOs back in tests
 #   iproute2                     network namespaces and bridges for test VMs
 BOOKWORM_PKGS=(pkg-config libvirt-dev libvirt-daemon-system libvirt-clients libxml2-utils
-  openssh-server xorriso iproute2)
+  openssh-server netcat-openbsd xorriso iproute2)
 # qemu-utils 10 from bookworm-backports is preinstalled on our machines, so the
 # emulator must come from the same suite or apt refuses the mix.
 BACKPORTS_PKGS=(qemu-system-x86)
