@@ -28,7 +28,7 @@ use std::process::Command;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use egress_operator::config::{self, LibvirtDriver, ValidConfig};
+use egress_operator::config::{LibvirtDriver, ValidConfig};
 use egress_operator::provider::kvm2::hosts::{HostLink, Hosts};
 use egress_operator::provider::kvm2::libvirt::{BlockingPool, LibvirtConn};
 use egress_operator::provider::kvm2::observe::CallMetrics;
@@ -171,49 +171,14 @@ fn on_path(binary: &str) -> bool {
 }
 
 /// A providers config with one host, the harness's daemons behind `driver` (the config
-/// refuses two hosts on one address, so each driver gets its own).
+/// refuses two hosts on one address, so each driver gets its own config).
 fn bench_config(
     sshd: &Sshd,
     libvirtd: &Libvirtd,
     driver: LibvirtDriver,
     name: &str,
 ) -> ValidConfig {
-    let yaml = format!(
-        r#"
-clusterId: bench
-kvm2:
-  ssh:
-    user: {user}
-    privateKeyFile: {key}
-    knownHostsFile: {known}
-  hosts:
-    - name: {name}
-      address: "{address}"
-      libvirtSocket: {socket}
-      driver: {driver}
-      storagePool: default
-      bridge: {bridge}
-  images:
-    - name: debian
-      url: https://images.example.org/debian.qcow2
-      sha256: "{sha}"
-      format: qcow2
-  machineTypes:
-    - {{name: small, vcpus: 1, memoryMiB: 512, diskGiB: 4}}
-  templates:
-    domain: {{path: /nonexistent/d.wasm}}
-    vendorData: {{path: /nonexistent/v.wasm}}
-"#,
-        user = sshd.user(),
-        key = sshd.client_key().display(),
-        known = sshd.known_hosts().display(),
-        address = sshd.address(),
-        socket = libvirtd.socket_path().display(),
-        driver = driver_name(driver),
-        bridge = libvirtd.bridge(),
-        sha = "a".repeat(64),
-    );
-    config::parse(&yaml, "bench-config", Path::new("/")).unwrap()
+    integration_tests::harness_config(sshd, libvirtd, driver, name, &sshd.address()).unwrap()
 }
 
 fn median(mut v: Vec<Duration>) -> Duration {

@@ -41,54 +41,14 @@ async fn guard<F: Future>(f: F) -> F::Output {
         .expect("hang guard: the call did not finish")
 }
 
-/// A providers config for one host: the harness's sshd and libvirtd.
+/// A providers config for one host, `h1`: the harness's sshd and libvirtd.
 fn config_for(
     sshd: &Sshd,
     libvirtd: &Libvirtd,
     driver: LibvirtDriver,
     address: &str,
 ) -> ValidConfig {
-    let driver = match driver {
-        LibvirtDriver::Qemu => "qemu",
-        LibvirtDriver::Test => "test",
-    };
-    let yaml = format!(
-        r#"
-clusterId: test
-kvm2:
-  ssh:
-    user: {user}
-    privateKeyFile: {key}
-    knownHostsFile: {known}
-    connectTimeoutSeconds: 3
-    keepaliveIntervalSeconds: 2
-    keepaliveMaxMissed: 2
-  hosts:
-    - name: h1
-      address: "{address}"
-      libvirtSocket: {socket}
-      driver: {driver}
-      storagePool: default
-      bridge: {bridge}
-  images:
-    - name: debian
-      url: https://images.example.org/debian.qcow2
-      sha256: "{sha}"
-      format: qcow2
-  machineTypes:
-    - {{name: small, vcpus: 1, memoryMiB: 512, diskGiB: 4}}
-  templates:
-    domain: {{path: /nonexistent/d.wasm}}
-    vendorData: {{path: /nonexistent/v.wasm}}
-"#,
-        user = sshd.user(),
-        key = sshd.client_key().display(),
-        known = sshd.known_hosts().display(),
-        socket = libvirtd.socket_path().display(),
-        bridge = libvirtd.bridge(),
-        sha = "a".repeat(64),
-    );
-    config::parse(&yaml, "test-config", std::path::Path::new("/")).unwrap()
+    integration_tests::harness_config(sshd, libvirtd, driver, "h1", address).unwrap()
 }
 
 fn hosts_for(config: &ValidConfig) -> (Hosts, Arc<CallMetrics>) {
