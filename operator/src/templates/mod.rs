@@ -542,6 +542,37 @@ impl Loaded {
         result.map_err(|e| self.error(classify_failure(&e, store.data())))
     }
 
+    /// Runs the plugin's `settings-schema` and `validate-settings` (through `exports`, in
+    /// one fresh store) and checks the configured settings against both.
+    fn validate_settings_via(
+        &self,
+        exports: impl FnOnce(
+            &mut Store<RenderState>,
+            &str,
+        ) -> wasmtime::Result<(
+            String,
+            Result<(), Vec<bindings::types::SettingsError>>,
+        )>,
+    ) -> Result<(), TemplateError> {
+        let (schema, own) = self.call(LOAD_CALL_TIMEOUT, |store| {
+            exports(store, &self.settings_json)
+        })?;
+        self.check_settings(&schema, own)
+    }
+
+    /// Runs a render (through `render`, in a fresh store, within the plugin's deadline)
+    /// and applies the output `check`.
+    fn render_via(
+        &self,
+        render: impl FnOnce(&mut Store<RenderState>) -> wasmtime::Result<Result<String, String>>,
+        check: impl FnOnce(&str) -> Result<(), TemplateErrorKind>,
+    ) -> Result<String, TemplateError> {
+        let out = self.call(self.limits.timeout, render)?;
+        let text = out.map_err(|m| self.error(TemplateErrorKind::Refused(truncate(m))))?;
+        check(&text).map_err(|k| self.error(k))?;
+        Ok(text)
+    }
+
     fn check_settings(
         &self,
         schema: &str,
@@ -651,14 +682,15 @@ impl DomainTemplate {
     }
 
     fn validate_settings(&self) -> Result<(), TemplateError> {
-        let (schema, own) = self.loaded.call(LOAD_CALL_TIMEOUT, |store| {
+        self.loaded.validate_settings_via(|store, settings| {
             let inst = self.pre.instantiate(&mut *store)?;
             let exports = inst.egress_templates_domain_template();
             let schema = exports.call_settings_schema(&mut *store)?;
-            let own = exports.call_validate_settings(&mut *store, &self.loaded.settings_json)?;
-            Ok((schema, own))
-        })?;
-        self.loaded.check_settings(&schema, own)
+            Ok((
+                schema,
+                exports.call_validate_settings(&mut *store, settings)?,
+            ))
+        })
     }
 
     /// Renders and checks domain XML. `input.settings` is replaced by the configured
@@ -666,14 +698,14 @@ impl DomainTemplate {
     pub fn render(&self, input: &DomainInput) -> Result<String, TemplateError> {
         let mut input = input.clone();
         input.settings.clone_from(&self.loaded.settings_json);
-        let out = self.loaded.call(self.loaded.limits.timeout, |store| {
-            let inst = self.pre.instantiate(&mut *store)?;
-            inst.egress_templates_domain_template()
-                .call_render(&mut *store, &input)
-        })?;
-        let xml = out.map_err(|m| self.loaded.error(TemplateErrorKind::Refused(truncate(m))))?;
-        check::check_domain_xml(&xml, &input).map_err(|k| self.loaded.error(k))?;
-        Ok(xml)
+        self.loaded.render_via(
+            |store| {
+                let inst = self.pre.instantiate(&mut *store)?;
+                inst.egress_templates_domain_template()
+                    .call_render(&mut *store, &input)
+            },
+            |xml| check::check_domain_xml(xml, &input),
+        )
     }
 }
 
@@ -701,14 +733,15 @@ impl VendorDataTemplate {
     }
 
     fn validate_settings(&self) -> Result<(), TemplateError> {
-        let (schema, own) = self.loaded.call(LOAD_CALL_TIMEOUT, |store| {
+        self.loaded.validate_settings_via(|store, settings| {
             let inst = self.pre.instantiate(&mut *store)?;
             let exports = inst.egress_templates_vendor_data_template();
             let schema = exports.call_settings_schema(&mut *store)?;
-            let own = exports.call_validate_settings(&mut *store, &self.loaded.settings_json)?;
-            Ok((schema, own))
-        })?;
-        self.loaded.check_settings(&schema, own)
+            Ok((
+                schema,
+                exports.call_validate_settings(&mut *store, settings)?,
+            ))
+        })
     }
 
     /// Renders and checks vendor-data. `input.settings` is replaced by the configured
@@ -716,14 +749,14 @@ impl VendorDataTemplate {
     pub fn render(&self, input: &VendorDataInput) -> Result<String, TemplateError> {
         let mut input = input.clone();
         input.settings.clone_from(&self.loaded.settings_json);
-        let out = self.loaded.call(self.loaded.limits.timeout, |store| {
-            let inst = self.pre.instantiate(&mut *store)?;
-            inst.egress_templates_vendor_data_template()
-                .call_render(&mut *store, &input)
-        })?;
-        let text = out.map_err(|m| self.loaded.error(TemplateErrorKind::Refused(truncate(m))))?;
-        check::check_vendor_data(&text).map_err(|k| self.loaded.error(k))?;
-        Ok(text)
+        self.loaded.render_via(
+            |store| {
+                let inst = self.pre.instantiate(&mut *store)?;
+                inst.egress_templates_vendor_data_template()
+                    .call_render(&mut *store, &input)
+            },
+            check::check_vendor_data,
+        )
     }
 }
 
