@@ -53,13 +53,16 @@ test: setup lint plugins
 	set -o pipefail; $(CARGO) test --workspace --locked 2>&1 | tee $(TARGET_DIR)/test.log
 	@bash scripts/test-summary.sh $(TARGET_DIR)/test.log
 
-## demo: the main job on local defaults (today: validate the samples, then render the
-## sample Proxy's domain XML and vendor-data with the default plugins)
+## demo: the main job on local defaults: start a local sshd and an isolated libvirtd
+## (network namespace, bridge with DHCP and no route out), serve a tiny bootable image
+## from a loopback HTTP server, provision one proxy VM with `egress-operator provision`,
+## show its domain XML, state and address, delete it, and show that nothing is left
+DEMO_IMAGE := $(TARGET_DIR)/demo/demo.qcow2
 demo: setup plugins
-	$(CARGO) build --locked -p egress-operator
-	$(BIN) validate-config config/samples/providers-config.yaml --proxy config/samples/proxy_kvm2.yaml
-	$(BIN) render --config config/samples/providers-config.yaml --proxy config/samples/proxy_kvm2.yaml \
-		--plugin-dir $(PLUGIN_DIR) --cache-dir $(TARGET_DIR)/plugin-cache
+	$(CARGO) build --locked -p egress-operator --bin egress-operator
+	$(CARGO) build --locked -p integration-tests --bin egress-demo
+	bash scripts/demo-image.sh $(DEMO_IMAGE)
+	$(TARGET_DIR)/debug/egress-demo $(DEMO_IMAGE) $(BIN)
 
 ## bench: timings printed as ratios against a peer measured in the same run
 bench: setup plugins

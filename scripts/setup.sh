@@ -18,8 +18,10 @@ set -euo pipefail
 #                                and would reach the system daemon, not the test one)
 #   xorriso                      reads seed ISOs back in tests
 #   iproute2                     network namespaces and bridges for test VMs
+#   dnsmasq-base                 DHCP on the demo's isolated bridge
+#   syslinux mtools dosfstools   build the demo's tiny bootable image (scripts/demo-image.sh)
 BOOKWORM_PKGS=(pkg-config libvirt-dev libvirt-daemon-system libvirt-clients libxml2-utils
-  openssh-server netcat-openbsd xorriso iproute2)
+  openssh-server netcat-openbsd xorriso iproute2 dnsmasq-base syslinux mtools dosfstools)
 # qemu-utils 10 from bookworm-backports is preinstalled on our machines, so the
 # emulator must come from the same suite or apt refuses the mix.
 BACKPORTS_PKGS=(qemu-system-x86)

@@ -40,6 +40,41 @@ pub enum Command {
     /// needs: reachability, host key, libvirt and hypervisor versions, KVM, pool, bridge,
     /// image cache. Exits non-zero if any host fails.
     Check(CheckArgs),
+    /// Create (or with --delete, remove) one Proxy's VM from files, without a cluster,
+    /// through the same provider code the operator runs, and print its status.
+    Provision(ProvisionCliArgs),
+}
+
+/// Arguments of `provision`.
+#[derive(Debug, clap::Args)]
+pub struct ProvisionCliArgs {
+    /// The providers config (YAML).
+    #[arg(long)]
+    pub config: PathBuf,
+    /// The Proxy manifest (YAML).
+    #[arg(long)]
+    pub proxy: PathBuf,
+    /// cloud-init user-data file (in a cluster it comes from the Proxy's Secret).
+    #[arg(long, value_name = "FILE")]
+    pub user_data: Option<PathBuf>,
+    /// Delete the Proxy's VM and its volumes, then show that nothing is left.
+    #[arg(long)]
+    pub delete: bool,
+    /// Load plugins configured by `path` from this directory instead (same file names).
+    #[arg(long, value_name = "DIR")]
+    pub plugin_dir: Option<PathBuf>,
+    /// Cache compiled plugins here.
+    #[arg(long, value_name = "DIR")]
+    pub cache_dir: Option<PathBuf>,
+    /// Print the domain XML of the created VM.
+    #[arg(long)]
+    pub show_xml: bool,
+    /// After the VM runs, wait up to this many seconds for its address.
+    #[arg(long, default_value_t = 0)]
+    pub wait_address_seconds: u64,
+    /// Do not draw the upload progress bar.
+    #[arg(long)]
+    pub no_progress: bool,
 }
 
 /// Arguments of `check`.
@@ -119,6 +154,7 @@ pub fn execute(command: Command, out: &mut dyn Write, err: &mut dyn Write) -> u8
         Command::ValidateConfig { file, proxies } => validate_config(&file, &proxies, out, err),
         Command::Render(args) => render(&args, out, err),
         Command::Check(args) => check(&args, out, err),
+        Command::Provision(args) => provision(&args, out, err),
     };
     result.unwrap_or(2)
 }
@@ -315,4 +351,40 @@ fn check(args: &CheckArgs, out: &mut dyn Write, err: &mut dyn Write) -> std::io:
     } else {
         1
     })
+}
+
+fn provision(
+    args: &ProvisionCliArgs,
+    out: &mut dyn Write,
+    err: &mut dyn Write,
+) -> std::io::Result<u8> {
+    let args = crate::provision::ProvisionArgs {
+        config: args.config.clone(),
+        proxy: args.proxy.clone(),
+        user_data: args.user_data.clone(),
+        delete: args.delete,
+        plugin_dir: args.plugin_dir.clone(),
+        cache_dir: args.cache_dir.clone(),
+        show_xml: args.show_xml,
+        wait_address: std::time::Duration::from_secs(args.wait_address_seconds),
+        progress: !args.no_progress,
+    };
+    let runtime = match tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .enable_all()
+        .build()
+    {
+        Ok(r) => r,
+        Err(e) => {
+            writeln!(err, "cannot start the async runtime: {e}")?;
+            return Ok(2);
+        }
+    };
+    match runtime.block_on(crate::provision::provision(&args, out)) {
+        Ok(()) => Ok(0),
+        Err(message) => {
+            writeln!(err, "{message}")?;
+            Ok(1)
+        }
+    }
 }

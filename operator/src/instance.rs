@@ -72,13 +72,22 @@ impl InstanceIdentity {
 /// and every operator replica finds the same one, and a changed image gets a new volume.
 /// 48 hex digits (192 bits) keep the name a DNS-1123 label.
 pub fn image_volume_name(sha256: &str) -> String {
-    let digest: String = sha256
+    format!("{NAME_PREFIX}image-{}", short_digest(sha256))
+}
+
+/// The empty marker volume that says "the image volume's content was verified" (see the
+/// image cache's commit protocol). Same digest, so it sorts and greps with its image.
+pub fn image_marker_name(sha256: &str) -> String {
+    format!("{NAME_PREFIX}imgok-{}", short_digest(sha256))
+}
+
+fn short_digest(sha256: &str) -> String {
+    sha256
         .chars()
         .filter(char::is_ascii_hexdigit)
         .take(48)
         .collect::<String>()
-        .to_ascii_lowercase();
-    format!("{NAME_PREFIX}image-{digest}")
+        .to_ascii_lowercase()
 }
 
 /// A stable UUID for a Proxy that has no UID yet (a manifest file, not an API object),
@@ -163,6 +172,9 @@ mod tests {
         let n = image_volume_name(&"AB".repeat(32));
         assert_eq!(n, format!("egress-image-{}", "ab".repeat(24)));
         assert!(rules::dns1123_label(&n).is_ok());
+        let m = image_marker_name(&"AB".repeat(32));
+        assert_eq!(m, format!("egress-imgok-{}", "ab".repeat(24)));
+        assert!(rules::dns1123_label(&m).is_ok());
     }
 
     #[test]

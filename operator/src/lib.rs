@@ -9,6 +9,7 @@ pub mod config;
 pub mod error;
 pub mod instance;
 pub mod provider;
+pub mod provision;
 pub mod render;
 pub mod templates;
 pub mod validation;

@@ -4,9 +4,12 @@
 //! render; the provider uses the same function when it creates a VM, so the two cannot
 //! disagree.
 
-use crate::api::proxy::ProxyManifest;
-use crate::config::{Firmware as ConfigFirmware, HostConfig, ValidConfig};
+use crate::api::proxy::{ProxyManifest, ProxySpec};
+use crate::config::{
+    Firmware as ConfigFirmware, HostConfig, ImageConfig, MachineTypeConfig, ValidConfig,
+};
 use crate::instance::{self, InstanceIdentity, MetadataMark};
+use crate::provider::ProxyRef;
 use crate::templates::{
     Disk, DiskBus, DiskRole, DomainInput, Firmware, HostFacts, MachineType, VendorDataInput,
 };
@@ -40,6 +43,10 @@ pub struct Inputs {
     pub identity: InstanceIdentity,
     /// The host it is placed on.
     pub host: HostConfig,
+    /// The base image.
+    pub image: ImageConfig,
+    /// The machine type.
+    pub machine_type: MachineTypeConfig,
     /// Domain plugin input (settings are filled in by the plugin host).
     pub domain: DomainInput,
     /// Vendor-data plugin input (settings are filled in by the plugin host).
@@ -55,7 +62,29 @@ pub fn inputs(
     facts: &Facts,
     created_at: &str,
 ) -> Result<Inputs, String> {
-    let host_name = host.or(proxy.spec.host.as_deref());
+    let meta = &proxy.metadata;
+    let uid = match meta.rest.get("uid").and_then(|v| v.as_str()) {
+        Some(uid) => uid.to_string(),
+        None => instance::name_based_uid(&meta.namespace, &meta.name),
+    };
+    let owner = ProxyRef {
+        namespace: meta.namespace.clone(),
+        name: meta.name.clone(),
+        uid,
+    };
+    inputs_for(config, &owner, &proxy.spec, host, facts, created_at)
+}
+
+/// Builds both inputs for the Proxy `owner` with `spec` (what the provider calls).
+pub fn inputs_for(
+    config: &ValidConfig,
+    owner: &ProxyRef,
+    spec: &ProxySpec,
+    host: Option<&str>,
+    facts: &Facts,
+    created_at: &str,
+) -> Result<Inputs, String> {
+    let host_name = host.or(spec.host.as_deref());
     let host = match host_name {
         Some(h) => config
             .host(h)
@@ -67,8 +96,7 @@ pub fn inputs(
             .ok_or("the providers config has no hosts")?,
     };
     let defaults = config.kvm2.defaults.as_ref();
-    let mt_name = proxy
-        .spec
+    let mt_name = spec
         .machine_type
         .as_deref()
         .or(defaults.and_then(|d| d.machine_type.as_deref()))
@@ -76,21 +104,17 @@ pub fn inputs(
     let mt = config
         .machine_type(mt_name)
         .ok_or_else(|| format!("machine type {mt_name:?} is not in the providers config"))?;
-    let image_name = proxy
-        .spec
+    let image_name = spec
         .image
         .as_deref()
         .or(defaults.and_then(|d| d.image.as_deref()))
         .ok_or("the Proxy names no image and the config has no default")?;
-    config
+    let image = config
         .image(image_name)
         .ok_or_else(|| format!("image {image_name:?} is not in the providers config"))?;
 
-    let meta = &proxy.metadata;
-    let uid = match meta.rest.get("uid").and_then(|v| v.as_str()) {
-        Some(uid) => uid.to_string(),
-        None => instance::name_based_uid(&meta.namespace, &meta.name),
-    };
+    let meta = owner;
+    let uid = owner.uid.clone();
     let identity = InstanceIdentity::for_uid(&uid).map_err(|e| format!("metadata.uid: {e}"))?;
     let mark = MetadataMark {
         cluster_id: config.cluster_id.clone(),
@@ -155,6 +179,8 @@ pub fn inputs(
     Ok(Inputs {
         identity,
         host: host.clone(),
+        image: image.clone(),
+        machine_type: mt.clone(),
         domain,
         vendor_data,
     })

@@ -2,6 +2,7 @@
 #![forbid(unsafe_code)]
 
 pub mod harness;
+pub mod http;
 pub mod https;
 
 use std::path::PathBuf;
@@ -87,4 +88,115 @@ kvm2:
         "harness-config",
         std::path::Path::new("/"),
     )?)
+}
+
+/// An image entry of [`provider_config`].
+#[derive(Debug, Clone)]
+pub struct TestImage {
+    /// Image name.
+    pub name: String,
+    /// Where the test's HTTP server serves it.
+    pub url: String,
+    /// Its sha256 (or a wrong one on purpose).
+    pub sha256: String,
+    /// Size cap in MiB.
+    pub max_size_mib: Option<u64>,
+}
+
+/// A providers config for provider tests: the harness's sshd + libvirtd as host `name`
+/// (the qemu driver, pool `default`, the namespace's bridge), the given images served
+/// from loopback (so `allowHttp` and `allowPrivateAddresses` are set), one machine type
+/// `small`, and the default plugins built by `make plugins`. Extra hosts (name, address)
+/// point at addresses that refuse connections, for "host down" cases.
+pub fn provider_config(
+    sshd: &harness::Sshd,
+    libvirtd: &harness::Libvirtd,
+    name: &str,
+    images: &[TestImage],
+    dead_hosts: &[(&str, &str)],
+) -> anyhow::Result<egress_operator::config::ValidConfig> {
+    let host = |n: &str, address: &str| {
+        format!(
+            "    - {{name: {n}, address: \"{address}\", libvirtSocket: {socket}, driver: qemu, \
+             storagePool: default, bridge: {bridge}, maxConcurrentCreates: 4, disableKvm: true}}\n",
+            socket = libvirtd.socket_path().display(),
+            bridge = libvirtd.bridge(),
+        )
+    };
+    let mut hosts = host(name, &sshd.address());
+    for (n, a) in dead_hosts {
+        hosts.push_str(&host(n, a));
+    }
+    let mut image_yaml = String::new();
+    for i in images {
+        image_yaml.push_str(&format!(
+            "    - {{name: {}, url: \"{}\", sha256: \"{}\", format: qcow2, allowHttp: true, \
+             allowPrivateAddresses: true{}}}\n",
+            i.name,
+            i.url,
+            i.sha256,
+            i.max_size_mib
+                .map(|m| format!(", maxSizeMiB: {m}"))
+                .unwrap_or_default()
+        ));
+    }
+    let yaml = format!(
+        r#"
+clusterId: test
+kvm2:
+  ssh:
+    user: {user}
+    privateKeyFile: {key}
+    knownHostsFile: {known}
+    connectTimeoutSeconds: 3
+    keepaliveIntervalSeconds: 2
+    keepaliveMaxMissed: 3
+  hosts:
+{hosts}  images:
+{image_yaml}  machineTypes:
+    - {{name: small, vcpus: 1, memoryMiB: 128, diskGiB: 1}}
+  defaults: {{machineType: small, image: {first}}}
+  templates:
+    domain: {{path: {domain}}}
+    vendorData:
+      path: {vendor}
+      settings: {{listenPort: 3128, allowedClientCidrs: [10.0.0.0/8]}}
+"#,
+        user = sshd.user(),
+        key = sshd.client_key().display(),
+        known = sshd.known_hosts().display(),
+        first = images.first().map(|i| i.name.as_str()).unwrap_or("none"),
+        domain = plugin_path("domain-default")?.display(),
+        vendor = plugin_path("vendor-data-default")?.display(),
+    );
+    Ok(egress_operator::config::parse(
+        &yaml,
+        "provider-test-config",
+        std::path::Path::new("/"),
+    )?)
+}
+
+/// A small qcow2 file (64 MiB virtual, a few hundred KB on disk) made with qemu-img,
+/// with `salt` written into it so each test's image has its own sha256.
+pub fn small_qcow2(dir: &std::path::Path, salt: &str) -> anyhow::Result<(PathBuf, String)> {
+    use anyhow::Context;
+    let path = dir.join(format!("{salt}.qcow2"));
+    let status = std::process::Command::new("qemu-img")
+        .args(["create", "-q", "-f", "qcow2"])
+        .arg(&path)
+        .arg("64M")
+        .status()
+        .context("running qemu-img")?;
+    anyhow::ensure!(status.success(), "qemu-img create failed");
+    let mut bytes = std::fs::read(&path)?;
+    // Past the header and tables: qemu ignores it, the hash does not.
+    bytes.extend_from_slice(salt.as_bytes());
+    std::fs::write(&path, &bytes)?;
+    Ok((path, sha256_hex(&bytes)))
+}
+
+/// Hex sha256 of bytes.
+pub fn sha256_hex(bytes: &[u8]) -> String {
+    use sha2::Digest;
+    hex::encode(sha2::Sha256::digest(bytes))
 }

@@ -131,6 +131,10 @@ pub struct HostConfig {
     /// Skip host-key verification for this host. Unsafe: every dial logs a warning.
     #[serde(default)]
     pub insecure_ignore_host_key: bool,
+    /// Render domains for QEMU software emulation even where libvirt reports KVM: for
+    /// nested hosts whose KVM is present but unusable, and for test hosts.
+    #[serde(default)]
+    pub disable_kvm: bool,
 }
 
 /// Disk image format of a base image.

@@ -1,6 +1,310 @@
 //! Providers: the code that creates, finds and deletes proxy VMs somewhere.
 //!
-//! Only one exists so far, [`kvm2`]: libvirt hosts reached over SSH. The controller will
-//! see providers only through a trait, so nothing here knows about Kubernetes.
+//! The controller sees a provider only through [`Provider`], so nothing here knows about
+//! Kubernetes and the controller knows nothing about libvirt. Every error a provider
+//! returns carries an [`ErrorClass`]; that class, not the message, decides whether the
+//! controller retries soon (transient), slowly (quota), not at all (permanent), or treats
+//! the instance as gone (not found).
+//!
+//! - [`kvm2`]: libvirt hosts reached over SSH, the one real provider.
+//! - [`registry`]: builds the configured providers by name.
+//! - [`decorate`]: metrics and tracing around any provider.
+//! - [`fake`]: an in-memory provider for tests of code that uses providers.
 
+pub mod decorate;
+pub mod fake;
 pub mod kvm2;
+pub mod registry;
+
+use std::fmt;
+use std::net::IpAddr;
+use std::sync::Arc;
+
+use crate::api::proxy::ProxySpec;
+use crate::error::{Classified, ErrorClass};
+
+/// Which Proxy an instance belongs to.
+#[derive(Debug, Clone, PartialEq, Eq, Hash)]
+pub struct ProxyRef {
+    /// Proxy namespace.
+    pub namespace: String,
+    /// Proxy name; becomes the guest's host name.
+    pub name: String,
+    /// Proxy UID: every name of the instance is derived from it.
+    pub uid: String,
+}
+
+/// cloud-init user-data: a secret. Its `Debug` shows only the length, and it has no
+/// `Display`, so it cannot end up in a log line or an error by accident.
+#[derive(Clone, PartialEq, Eq)]
+pub struct UserData(Vec<u8>);
+
+impl UserData {
+    /// Wraps the bytes read from the Proxy's Secret.
+    pub fn new(bytes: Vec<u8>) -> Self {
+        Self(bytes)
+    }
+
+    /// The bytes, for the seed ISO only.
+    pub fn expose(&self) -> &[u8] {
+        &self.0
+    }
+}
+
+impl fmt::Debug for UserData {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "UserData({} bytes, redacted)", self.0.len())
+    }
+}
+
+/// What the controller asks a provider to create.
+#[derive(Debug, Clone)]
+pub struct CreateRequest {
+    /// The owning Proxy.
+    pub proxy: ProxyRef,
+    /// The Proxy's spec (machine type, image, placement), already validated.
+    pub spec: ProxySpec,
+    /// cloud-init user-data from the Proxy's Secret, if it names one.
+    pub user_data: Option<UserData>,
+}
+
+/// Where an instance lives: enough to find it again without listing.
+#[derive(Debug, Clone, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub struct InstanceId {
+    /// Host (target) name within the provider.
+    pub host: String,
+    /// Name of the VM on that host.
+    pub name: String,
+}
+
+impl InstanceId {
+    /// Parses the `host/name` form written to status.
+    pub fn parse(s: &str) -> Result<Self, String> {
+        match s.split_once('/') {
+            Some((host, name)) if !host.is_empty() && !name.is_empty() && !name.contains('/') => {
+                Ok(Self {
+                    host: host.into(),
+                    name: name.into(),
+                })
+            }
+            _ => Err(format!(
+                "instance ID {s:?} is not of the form HOST/NAME (as written to status)"
+            )),
+        }
+    }
+}
+
+impl fmt::Display for InstanceId {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "{}/{}", self.host, self.name)
+    }
+}
+
+/// The run state of an instance, as the controller needs it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum InstanceState {
+    /// Running.
+    Running,
+    /// Paused by an administrator or by libvirt (e.g. I/O error).
+    Paused,
+    /// Defined but not running.
+    ShutOff,
+    /// Being shut down.
+    Dying,
+    /// The guest crashed.
+    Crashed,
+    /// Suspended by guest power management.
+    Suspended,
+    /// Blocked on a resource.
+    Blocked,
+    /// The hypervisor reports no state.
+    NoState,
+}
+
+impl InstanceState {
+    /// Stable lower-case label for status and metrics.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            InstanceState::Running => "running",
+            InstanceState::Paused => "paused",
+            InstanceState::ShutOff => "shutoff",
+            InstanceState::Dying => "dying",
+            InstanceState::Crashed => "crashed",
+            InstanceState::Suspended => "suspended",
+            InstanceState::Blocked => "blocked",
+            InstanceState::NoState => "nostate",
+        }
+    }
+
+    /// Whether the controller should replace an instance in this state: it will not come
+    /// back by itself.
+    pub fn is_failed(self) -> bool {
+        matches!(self, InstanceState::Crashed | InstanceState::ShutOff)
+    }
+}
+
+impl fmt::Display for InstanceState {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(self.as_str())
+    }
+}
+
+/// An instance as a provider reports it.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Instance {
+    /// Where it lives.
+    pub id: InstanceId,
+    /// The Proxy that owns it, from the ownership mark.
+    pub proxy: ProxyRef,
+    /// Run state.
+    pub state: InstanceState,
+    /// Guest addresses, best first (IPv4 before IPv6); empty when not running or unknown.
+    pub addresses: Vec<IpAddr>,
+    /// When it was created (RFC 3339), from the ownership mark.
+    pub created_at: String,
+}
+
+/// A provider failure: a class the controller acts on, and the typed error underneath.
+#[derive(Debug)]
+pub struct ProviderError {
+    class: ErrorClass,
+    source: Box<dyn std::error::Error + Send + Sync>,
+}
+
+impl ProviderError {
+    /// Wraps a classified error, keeping its class.
+    pub fn new<E>(e: E) -> Self
+    where
+        E: Classified + std::error::Error + Send + Sync + 'static,
+    {
+        Self {
+            class: e.class(),
+            source: Box::new(e),
+        }
+    }
+
+    /// A plain message with an explicit class (fakes and glue code).
+    pub fn msg(class: ErrorClass, message: impl Into<String>) -> Self {
+        Self {
+            class,
+            source: message.into().into(),
+        }
+    }
+
+    /// The typed error underneath, for callers that look deeper.
+    pub fn inner(&self) -> &(dyn std::error::Error + Send + Sync + 'static) {
+        self.source.as_ref()
+    }
+
+    /// Whether this is a "not found".
+    pub fn is_not_found(&self) -> bool {
+        self.class == ErrorClass::NotFound
+    }
+}
+
+impl fmt::Display for ProviderError {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        fmt::Display::fmt(&self.source, f)
+    }
+}
+
+impl std::error::Error for ProviderError {
+    fn source(&self) -> Option<&(dyn std::error::Error + 'static)> {
+        self.source.source()
+    }
+}
+
+impl Classified for ProviderError {
+    fn class(&self) -> ErrorClass {
+        self.class
+    }
+}
+
+/// One target's share of a listing: a target whose listing failed says so, and is never
+/// reported as empty (the garbage collector must not read "failed" as "nothing there").
+#[derive(Debug)]
+pub struct TargetListing {
+    /// Target (host) name.
+    pub target: String,
+    /// Instances with our mark for this cluster, or why the listing failed.
+    pub result: Result<Vec<Instance>, ProviderError>,
+}
+
+/// The health of one target of a provider.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct TargetHealth {
+    /// Target (host) name.
+    pub target: String,
+    /// Whether it answered and looks usable.
+    pub reachable: bool,
+    /// A short reason code when not (`connect`, `host-key`, `pool-missing`, ...).
+    pub reason: Option<String>,
+    /// Human-readable detail.
+    pub message: String,
+    /// How long the check took.
+    pub latency: std::time::Duration,
+}
+
+/// A boxed future, so [`Provider`] can be used as a trait object.
+pub type BoxFuture<'a, T> = std::pin::Pin<Box<dyn std::future::Future<Output = T> + Send + 'a>>;
+
+/// Optional capability: checking the provider's targets (hosts).
+pub trait HealthCheck: Send + Sync {
+    /// Checks every target, each within `timeout`.
+    fn check(&self, timeout: std::time::Duration) -> BoxFuture<'_, Vec<TargetHealth>>;
+}
+
+/// What the controller and the garbage collector need from a provider.
+///
+/// Every method is idempotent: a Create for a Proxy that already has an instance adopts
+/// it, a Delete of an instance that is gone succeeds.
+pub trait Provider: Send + Sync {
+    /// Provider name from the config (`kvm2`).
+    fn name(&self) -> &str;
+
+    /// Creates (or adopts) the instance of `req.proxy`, waits until it runs, and reports it.
+    fn create<'a>(
+        &'a self,
+        req: &'a CreateRequest,
+    ) -> BoxFuture<'a, Result<Instance, ProviderError>>;
+
+    /// The instance with this ID; a class-`NotFound` error when it does not exist.
+    fn get<'a>(&'a self, id: &'a InstanceId) -> BoxFuture<'a, Result<Instance, ProviderError>>;
+
+    /// Deletes the instance and everything made for it; succeeds when it is already gone.
+    fn delete<'a>(&'a self, id: &'a InstanceId) -> BoxFuture<'a, Result<(), ProviderError>>;
+
+    /// Every instance carrying our mark for this cluster, per target.
+    fn list(&self) -> BoxFuture<'_, Vec<TargetListing>>;
+
+    /// The health-check capability, when the provider has one.
+    fn health(&self) -> Option<&dyn HealthCheck> {
+        None
+    }
+}
+
+/// A shared provider.
+pub type SharedProvider = Arc<dyn Provider>;
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn instance_ids_round_trip() {
+        let id = InstanceId::parse("kvm-a/egress-x").unwrap();
+        assert_eq!(id.host, "kvm-a");
+        assert_eq!(id.to_string(), "kvm-a/egress-x");
+        for bad in ["", "kvm-a", "/x", "kvm-a/", "a/b/c"] {
+            assert!(InstanceId::parse(bad).is_err(), "{bad}");
+        }
+    }
+
+    #[test]
+    fn user_data_never_shows_its_content() {
+        let u = UserData::new(b"password: hunter2".to_vec());
+        let shown = format!("{u:?}");
+        assert!(!shown.contains("hunter2"), "{shown}");
+        assert!(shown.contains("17 bytes"), "{shown}");
+    }
+}

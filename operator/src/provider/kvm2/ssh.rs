@@ -790,6 +790,7 @@ mod tests {
             max_domains: 1,
             max_concurrent_creates: 1,
             insecure_ignore_host_key: false,
+            disable_kvm: false,
         }
     }
 

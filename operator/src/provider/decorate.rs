@@ -1,0 +1,286 @@
+//! Decorators that observe any [`Provider`]: a tracing span and a log line per call
+//! ([`Traced`]) and Prometheus metrics ([`Metered`]). Both pass the optional health-check
+//! capability through, so wrapping never hides what the inner provider can do.
+
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use prometheus_client::encoding::EncodeLabelSet;
+use prometheus_client::metrics::counter::Counter;
+use prometheus_client::metrics::family::Family;
+use prometheus_client::metrics::histogram::Histogram;
+use prometheus_client::registry::Registry;
+use tracing::Instrument;
+
+use super::{
+    BoxFuture, CreateRequest, HealthCheck, Instance, InstanceId, Provider, ProviderError,
+    TargetListing,
+};
+use crate::error::Classified;
+
+fn outcome<T>(r: &Result<T, ProviderError>) -> &'static str {
+    match r {
+        Ok(_) => "ok",
+        Err(e) => e.class().as_str(),
+    }
+}
+
+/// Logs every call with its span: provider, operation, instance, duration, outcome.
+/// The request's user-data is never recorded (only the Proxy's identity).
+pub struct Traced<P: ?Sized> {
+    inner: Arc<P>,
+}
+
+impl<P: Provider + ?Sized> std::fmt::Debug for Traced<P> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Traced")
+            .field("provider", &self.inner.name())
+            .finish()
+    }
+}
+
+impl<P: Provider + ?Sized> Traced<P> {
+    /// Wraps `inner`.
+    pub fn new(inner: Arc<P>) -> Self {
+        Self { inner }
+    }
+}
+
+async fn traced<T>(
+    provider: &str,
+    op: &'static str,
+    subject: String,
+    fut: impl std::future::Future<Output = Result<T, ProviderError>>,
+) -> Result<T, ProviderError> {
+    let span = tracing::info_span!("provider", provider, op, subject = %subject);
+    async move {
+        let started = Instant::now();
+        let r = fut.await;
+        let ms = started.elapsed().as_millis() as u64;
+        match &r {
+            Ok(_) => tracing::info!(duration_ms = ms, outcome = "ok", "provider call"),
+            Err(e) => {
+                tracing::warn!(duration_ms = ms, outcome = e.class().as_str(), error = %e, "provider call")
+            }
+        }
+        r
+    }
+    .instrument(span)
+    .await
+}
+
+impl<P: Provider + ?Sized> Provider for Traced<P> {
+    fn name(&self) -> &str {
+        self.inner.name()
+    }
+    fn create<'a>(
+        &'a self,
+        req: &'a CreateRequest,
+    ) -> BoxFuture<'a, Result<Instance, ProviderError>> {
+        let subject = format!(
+            "{}/{} uid={}",
+            req.proxy.namespace, req.proxy.name, req.proxy.uid
+        );
+        Box::pin(traced(
+            self.inner.name(),
+            "create",
+            subject,
+            self.inner.create(req),
+        ))
+    }
+    fn get<'a>(&'a self, id: &'a InstanceId) -> BoxFuture<'a, Result<Instance, ProviderError>> {
+        Box::pin(traced(
+            self.inner.name(),
+            "get",
+            id.to_string(),
+            self.inner.get(id),
+        ))
+    }
+    fn delete<'a>(&'a self, id: &'a InstanceId) -> BoxFuture<'a, Result<(), ProviderError>> {
+        Box::pin(traced(
+            self.inner.name(),
+            "delete",
+            id.to_string(),
+            self.inner.delete(id),
+        ))
+    }
+    fn list(&self) -> BoxFuture<'_, Vec<TargetListing>> {
+        Box::pin(async move {
+            let r = self.inner.list().await;
+            for t in &r {
+                if let Err(e) = &t.result {
+                    tracing::warn!(provider = self.inner.name(), target = %t.target, error = %e, "listing failed");
+                }
+            }
+            r
+        })
+    }
+    fn health(&self) -> Option<&dyn HealthCheck> {
+        self.inner.health()
+    }
+}
+
+/// Labels of provider call metrics.
+#[derive(Debug, Clone, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct ProviderLabels {
+    /// Provider name.
+    pub provider: String,
+    /// `create`, `get`, `delete`, `list`.
+    pub op: String,
+    /// `ok` or the error class.
+    pub outcome: String,
+}
+
+/// Provider call metrics.
+#[derive(Debug, Clone)]
+pub struct ProviderMetrics {
+    calls: Family<ProviderLabels, Counter>,
+    duration: Family<ProviderLabels, Histogram, fn() -> Histogram>,
+}
+
+fn histogram() -> Histogram {
+    // A get is a round trip; a Create with an image upload takes minutes.
+    Histogram::new([0.01, 0.05, 0.25, 1.0, 5.0, 15.0, 60.0, 300.0, 1800.0])
+}
+
+impl Default for ProviderMetrics {
+    fn default() -> Self {
+        Self {
+            calls: Family::default(),
+            duration: Family::new_with_constructor(histogram as fn() -> Histogram),
+        }
+    }
+}
+
+impl ProviderMetrics {
+    /// Registered under `egress_provider_*`.
+    pub fn register(registry: &mut Registry) -> Self {
+        let m = Self::default();
+        registry.register(
+            "egress_provider_calls",
+            "provider calls by operation and outcome",
+            m.calls.clone(),
+        );
+        registry.register(
+            "egress_provider_call_duration_seconds",
+            "provider call duration by operation and outcome",
+            m.duration.clone(),
+        );
+        m
+    }
+
+    /// Calls counted with these labels (for tests).
+    pub fn calls(&self, provider: &str, op: &str, outcome: &str) -> u64 {
+        self.calls
+            .get_or_create(&ProviderLabels {
+                provider: provider.into(),
+                op: op.into(),
+                outcome: outcome.into(),
+            })
+            .get()
+    }
+
+    fn record(&self, provider: &str, op: &str, outcome: &str, took: Duration) {
+        let labels = ProviderLabels {
+            provider: provider.into(),
+            op: op.into(),
+            outcome: outcome.into(),
+        };
+        self.calls.get_or_create(&labels).inc();
+        self.duration
+            .get_or_create(&labels)
+            .observe(took.as_secs_f64());
+    }
+}
+
+/// Counts calls and measures their duration by operation and outcome class.
+pub struct Metered<P: ?Sized> {
+    inner: Arc<P>,
+    metrics: ProviderMetrics,
+}
+
+impl<P: Provider + ?Sized> std::fmt::Debug for Metered<P> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Metered")
+            .field("provider", &self.inner.name())
+            .finish()
+    }
+}
+
+impl<P: Provider + ?Sized> Metered<P> {
+    /// Wraps `inner`.
+    pub fn new(inner: Arc<P>, metrics: ProviderMetrics) -> Self {
+        Self { inner, metrics }
+    }
+
+    async fn measure<T>(
+        &self,
+        op: &'static str,
+        fut: impl std::future::Future<Output = Result<T, ProviderError>>,
+    ) -> Result<T, ProviderError> {
+        let started = Instant::now();
+        let r = fut.await;
+        self.metrics
+            .record(self.inner.name(), op, outcome(&r), started.elapsed());
+        r
+    }
+}
+
+impl<P: Provider + ?Sized> Provider for Metered<P> {
+    fn name(&self) -> &str {
+        self.inner.name()
+    }
+    fn create<'a>(
+        &'a self,
+        req: &'a CreateRequest,
+    ) -> BoxFuture<'a, Result<Instance, ProviderError>> {
+        Box::pin(self.measure("create", self.inner.create(req)))
+    }
+    fn get<'a>(&'a self, id: &'a InstanceId) -> BoxFuture<'a, Result<Instance, ProviderError>> {
+        Box::pin(self.measure("get", self.inner.get(id)))
+    }
+    fn delete<'a>(&'a self, id: &'a InstanceId) -> BoxFuture<'a, Result<(), ProviderError>> {
+        Box::pin(self.measure("delete", self.inner.delete(id)))
+    }
+    fn list(&self) -> BoxFuture<'_, Vec<TargetListing>> {
+        Box::pin(async move {
+            let started = Instant::now();
+            let r = self.inner.list().await;
+            let failed = r.iter().any(|t| t.result.is_err());
+            self.metrics.record(
+                self.inner.name(),
+                "list",
+                if failed { "partial" } else { "ok" },
+                started.elapsed(),
+            );
+            r
+        })
+    }
+    fn health(&self) -> Option<&dyn HealthCheck> {
+        self.inner.health()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::error::ErrorClass;
+    use crate::provider::fake::FakeProvider;
+
+    #[tokio::test]
+    async fn decorators_count_calls_and_keep_the_health_capability() {
+        let fake = Arc::new(FakeProvider::new(&["a", "b"]));
+        let metrics = ProviderMetrics::default();
+        let p = Metered::new(Arc::new(Traced::new(fake.clone())), metrics.clone());
+        assert!(p.health().is_some(), "health check survives two decorators");
+        let id = InstanceId {
+            host: "a".into(),
+            name: "x".into(),
+        };
+        let e = p.get(&id).await.unwrap_err();
+        assert_eq!(e.class(), ErrorClass::NotFound);
+        assert_eq!(metrics.calls("fake", "get", "not_found"), 1);
+        let health = p.health().unwrap().check(Duration::from_secs(1)).await;
+        assert_eq!(health.len(), 2);
+    }
+}

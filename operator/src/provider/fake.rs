@@ -1,0 +1,219 @@
+//! An in-memory [`Provider`] for tests of code that uses providers (controller, GC,
+//! health monitor): instances live in a map, targets can be taken down, and the next
+//! call of an operation can be made to fail with a chosen class.
+
+use std::collections::{BTreeMap, BTreeSet};
+use std::sync::Mutex;
+use std::time::Duration;
+
+use super::{
+    BoxFuture, CreateRequest, HealthCheck, Instance, InstanceId, InstanceState, Provider,
+    ProviderError, TargetHealth, TargetListing,
+};
+use crate::error::ErrorClass;
+
+#[derive(Debug, Default)]
+struct State {
+    instances: BTreeMap<InstanceId, Instance>,
+    down: BTreeSet<String>,
+    fail_next: BTreeMap<&'static str, ErrorClass>,
+    calls: Vec<&'static str>,
+}
+
+/// The in-memory provider.
+#[derive(Debug)]
+pub struct FakeProvider {
+    targets: Vec<String>,
+    state: Mutex<State>,
+}
+
+impl FakeProvider {
+    /// A provider with these targets, all up and empty.
+    pub fn new(targets: &[&str]) -> Self {
+        Self {
+            targets: targets.iter().map(|t| t.to_string()).collect(),
+            state: Mutex::new(State::default()),
+        }
+    }
+
+    fn state(&self) -> std::sync::MutexGuard<'_, State> {
+        match self.state.lock() {
+            Ok(s) => s,
+            Err(p) => p.into_inner(),
+        }
+    }
+
+    /// Makes the next call of `op` (`create`, `get`, `delete`, `list`) fail with `class`.
+    pub fn fail_next(&self, op: &'static str, class: ErrorClass) {
+        self.state().fail_next.insert(op, class);
+    }
+
+    /// Takes a target down or brings it back.
+    pub fn set_down(&self, target: &str, down: bool) {
+        let mut s = self.state();
+        if down {
+            s.down.insert(target.into());
+        } else {
+            s.down.remove(target);
+        }
+    }
+
+    /// Puts an instance in place (e.g. an orphan for GC tests).
+    pub fn insert(&self, instance: Instance) {
+        self.state().instances.insert(instance.id.clone(), instance);
+    }
+
+    /// Changes an instance's state (e.g. to simulate a crash).
+    pub fn set_state(&self, id: &InstanceId, state: InstanceState) {
+        if let Some(i) = self.state().instances.get_mut(id) {
+            i.state = state;
+        }
+    }
+
+    /// All instances.
+    pub fn instances(&self) -> Vec<Instance> {
+        self.state().instances.values().cloned().collect()
+    }
+
+    /// Operations called so far, in order.
+    pub fn calls(&self) -> Vec<&'static str> {
+        self.state().calls.clone()
+    }
+
+    fn enter(&self, op: &'static str) -> Result<(), ProviderError> {
+        let mut s = self.state();
+        s.calls.push(op);
+        match s.fail_next.remove(op) {
+            Some(class) => Err(ProviderError::msg(class, format!("injected {op} failure"))),
+            None => Ok(()),
+        }
+    }
+}
+
+impl Provider for FakeProvider {
+    fn name(&self) -> &str {
+        "fake"
+    }
+
+    fn create<'a>(
+        &'a self,
+        req: &'a CreateRequest,
+    ) -> BoxFuture<'a, Result<Instance, ProviderError>> {
+        Box::pin(async move {
+            self.enter("create")?;
+            let mut s = self.state();
+            let name = format!("{}{}", crate::instance::NAME_PREFIX, req.proxy.uid);
+            if let Some(existing) = s.instances.values().find(|i| i.id.name == name) {
+                return Ok(existing.clone());
+            }
+            let host = match &req.spec.host {
+                Some(h) => h.clone(),
+                None => self
+                    .targets
+                    .iter()
+                    .find(|t| !s.down.contains(*t))
+                    .cloned()
+                    .ok_or_else(|| {
+                        ProviderError::msg(ErrorClass::Transient, "every target is down")
+                    })?,
+            };
+            if s.down.contains(&host) {
+                return Err(ProviderError::msg(
+                    ErrorClass::Transient,
+                    format!("target {host} is down"),
+                ));
+            }
+            let instance = Instance {
+                id: InstanceId { host, name },
+                proxy: req.proxy.clone(),
+                state: InstanceState::Running,
+                addresses: vec![std::net::IpAddr::V4(std::net::Ipv4Addr::new(192, 0, 2, 10))],
+                created_at: humantime::format_rfc3339_seconds(std::time::SystemTime::now())
+                    .to_string(),
+            };
+            s.instances.insert(instance.id.clone(), instance.clone());
+            Ok(instance)
+        })
+    }
+
+    fn get<'a>(&'a self, id: &'a InstanceId) -> BoxFuture<'a, Result<Instance, ProviderError>> {
+        Box::pin(async move {
+            self.enter("get")?;
+            let s = self.state();
+            if s.down.contains(&id.host) {
+                return Err(ProviderError::msg(
+                    ErrorClass::Transient,
+                    format!("target {} is down", id.host),
+                ));
+            }
+            s.instances.get(id).cloned().ok_or_else(|| {
+                ProviderError::msg(ErrorClass::NotFound, format!("instance {id} not found"))
+            })
+        })
+    }
+
+    fn delete<'a>(&'a self, id: &'a InstanceId) -> BoxFuture<'a, Result<(), ProviderError>> {
+        Box::pin(async move {
+            self.enter("delete")?;
+            let mut s = self.state();
+            if s.down.contains(&id.host) {
+                return Err(ProviderError::msg(
+                    ErrorClass::Transient,
+                    format!("target {} is down", id.host),
+                ));
+            }
+            s.instances.remove(id);
+            Ok(())
+        })
+    }
+
+    fn list(&self) -> BoxFuture<'_, Vec<TargetListing>> {
+        Box::pin(async move {
+            let _ = self.enter("list");
+            let s = self.state();
+            self.targets
+                .iter()
+                .map(|t| TargetListing {
+                    target: t.clone(),
+                    result: if s.down.contains(t) {
+                        Err(ProviderError::msg(
+                            ErrorClass::Transient,
+                            format!("target {t} is down"),
+                        ))
+                    } else {
+                        Ok(s.instances
+                            .values()
+                            .filter(|i| &i.id.host == t)
+                            .cloned()
+                            .collect())
+                    },
+                })
+                .collect()
+        })
+    }
+
+    fn health(&self) -> Option<&dyn HealthCheck> {
+        Some(self)
+    }
+}
+
+impl HealthCheck for FakeProvider {
+    fn check(&self, _timeout: Duration) -> BoxFuture<'_, Vec<TargetHealth>> {
+        Box::pin(async move {
+            let s = self.state();
+            self.targets
+                .iter()
+                .map(|t| {
+                    let down = s.down.contains(t);
+                    TargetHealth {
+                        target: t.clone(),
+                        reachable: !down,
+                        reason: down.then(|| "connect".to_string()),
+                        message: if down { "down".into() } else { "ok".into() },
+                        latency: Duration::from_millis(1),
+                    }
+                })
+                .collect()
+        })
+    }
+}

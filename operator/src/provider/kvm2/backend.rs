@@ -1,0 +1,826 @@
+//! The kvm2 [`Provider`]: a Create, Get, Delete and List over [`HostOps`].
+//!
+//! A Create follows the brief's steps, each idempotent, so any partial state converges:
+//! lock the domain name; adopt a domain of that name that carries our mark for the same
+//! Proxy, refuse any other; ensure the verified base image; reuse or create the root
+//! overlay; render vendor-data and write the seed ISO; render and define the domain;
+//! start it and wait (bounded) until it runs. A failure cleans up what *this* Create
+//! made; whatever a crash leaves behind is ours by name and mark, so the next Create
+//! adopts or replaces it, and never anything else.
+
+use std::collections::BTreeMap;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use tokio::sync::Semaphore;
+
+use super::addresses::{self, AddressSource};
+use super::image::{ImageCache, ImageCacheOptions, ImageError, ImageMetrics};
+use super::locks::KeyedLocks;
+use super::ops::{Created, DomainRecord, HostOps, OpsError};
+use super::seed::{self, SeedError, SeedFiles};
+use super::volume;
+use crate::config::{HostConfig, ValidConfig};
+use crate::error::{Classified, ErrorClass};
+use crate::instance::{InstanceIdentity, MetadataMark};
+use crate::provider::{
+    BoxFuture, CreateRequest, HealthCheck, Instance, InstanceId, InstanceState, Provider,
+    ProviderError, ProxyRef, TargetHealth, TargetListing,
+};
+use crate::templates::{PluginUnavailable, TemplateError, TemplateSet};
+use crate::validation::Problems;
+
+/// The provider's name in the config and in `spec.provider`.
+pub const PROVIDER_NAME: &str = "kvm2";
+
+/// A kvm2 failure.
+#[derive(Debug, thiserror::Error)]
+pub enum Kvm2Error {
+    /// The request cannot be served as written.
+    #[error("invalid request: {0}")]
+    InvalidRequest(String),
+    /// A domain of our name exists and is not ours.
+    #[error(
+        "domain {domain:?} on host {host:?} exists and is not this Proxy's ({owner}); \
+         refusing to touch it"
+    )]
+    Foreign {
+        /// Host.
+        host: String,
+        /// Domain name.
+        domain: String,
+        /// Who it belongs to, as far as we can tell.
+        owner: String,
+    },
+    /// No host can take the instance now.
+    #[error("no host can take the instance: {0}")]
+    NoCapacity(String),
+    /// No host answered.
+    #[error("no host is reachable ({0})")]
+    Unreachable(String),
+    /// The host is at its configured domain limit.
+    #[error("host {host:?} already carries {count} proxy domains (maxDomains {max})")]
+    HostFull {
+        /// Host.
+        host: String,
+        /// Domains now.
+        count: usize,
+        /// The limit.
+        max: u32,
+    },
+    /// No such instance.
+    #[error("instance {0} not found")]
+    NotFound(InstanceId),
+    /// A libvirt step failed.
+    #[error("{step}: {source}")]
+    Ops {
+        /// The step.
+        step: &'static str,
+        /// What failed.
+        #[source]
+        source: OpsError,
+    },
+    /// Caching the base image failed (boxed: it carries the download's details).
+    #[error(transparent)]
+    Image(Box<ImageError>),
+    /// A template plugin is unhealthy.
+    #[error(transparent)]
+    Plugin(#[from] PluginUnavailable),
+    /// A template render failed.
+    #[error(transparent)]
+    Template(#[from] TemplateError),
+    /// The seed ISO could not be built.
+    #[error(transparent)]
+    Seed(#[from] SeedError),
+    /// The domain did not reach running in time.
+    #[error("domain {domain:?} on host {host:?} is {state} after {waited:?}, not running")]
+    StartTimeout {
+        /// Host.
+        host: String,
+        /// Domain.
+        domain: String,
+        /// Last state seen.
+        state: InstanceState,
+        /// How long we waited.
+        waited: Duration,
+    },
+    /// A blocking render task failed to run.
+    #[error("render task failed: {0}")]
+    Runtime(String),
+}
+
+impl Classified for Kvm2Error {
+    fn class(&self) -> ErrorClass {
+        match self {
+            Kvm2Error::InvalidRequest(_) | Kvm2Error::Foreign { .. } => ErrorClass::Permanent,
+            Kvm2Error::NoCapacity(_) | Kvm2Error::HostFull { .. } => ErrorClass::Quota,
+            Kvm2Error::NotFound(_) => ErrorClass::NotFound,
+            Kvm2Error::Ops { source, .. } => source.class(),
+            Kvm2Error::Image(e) => e.class(),
+            Kvm2Error::Plugin(e) => e.class(),
+            Kvm2Error::Template(e) => e.class(),
+            Kvm2Error::Seed(e) => e.class(),
+            Kvm2Error::StartTimeout { .. } | Kvm2Error::Runtime(_) | Kvm2Error::Unreachable(_) => {
+                ErrorClass::Transient
+            }
+        }
+    }
+}
+
+impl From<ImageError> for Kvm2Error {
+    fn from(e: ImageError) -> Self {
+        Kvm2Error::Image(Box::new(e))
+    }
+}
+
+fn step(step: &'static str) -> impl FnOnce(OpsError) -> Kvm2Error {
+    move |source| Kvm2Error::Ops { step, source }
+}
+
+/// Tunables of the provider.
+#[derive(Debug, Clone)]
+pub struct Kvm2Options {
+    /// The image cache.
+    pub images: ImageCacheOptions,
+    /// How long a started domain may take to report running.
+    pub start_timeout: Duration,
+    /// How long a graceful shutdown may take before the domain is destroyed.
+    pub shutdown_timeout: Duration,
+    /// Poll interval while waiting for a state.
+    pub poll_every: Duration,
+}
+
+impl Default for Kvm2Options {
+    fn default() -> Self {
+        Self {
+            images: ImageCacheOptions::default(),
+            start_timeout: Duration::from_secs(60),
+            shutdown_timeout: Duration::from_secs(30),
+            poll_every: Duration::from_millis(250),
+        }
+    }
+}
+
+/// The kvm2 provider.
+pub struct Kvm2Provider {
+    config: Arc<ValidConfig>,
+    ops: Arc<dyn HostOps>,
+    images: ImageCache,
+    templates: Arc<TemplateSet>,
+    names: KeyedLocks,
+    creates: BTreeMap<String, Arc<Semaphore>>,
+    options: Kvm2Options,
+}
+
+impl std::fmt::Debug for Kvm2Provider {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Kvm2Provider")
+            .field("hosts", &self.creates.keys().collect::<Vec<_>>())
+            .finish_non_exhaustive()
+    }
+}
+
+/// Creates made for one request, so a failure removes exactly those.
+#[derive(Default)]
+struct Made {
+    root: bool,
+    seed: bool,
+    domain: bool,
+}
+
+impl Kvm2Provider {
+    /// A provider over `ops` for the hosts of `config`, rendering with `templates`.
+    pub fn new(
+        config: Arc<ValidConfig>,
+        ops: Arc<dyn HostOps>,
+        templates: Arc<TemplateSet>,
+        options: Kvm2Options,
+        image_metrics: ImageMetrics,
+    ) -> Self {
+        let creates = config
+            .kvm2
+            .hosts
+            .iter()
+            .map(|h| {
+                let permits = usize::try_from(h.max_concurrent_creates.max(1)).unwrap_or(1);
+                (h.name.clone(), Arc::new(Semaphore::new(permits)))
+            })
+            .collect();
+        Self {
+            images: ImageCache::new(ops.clone(), options.images.clone(), image_metrics),
+            config,
+            ops,
+            templates,
+            names: KeyedLocks::new(),
+            creates,
+            options,
+        }
+    }
+
+    /// The image cache (its metrics are read by tests).
+    pub fn image_cache(&self) -> &ImageCache {
+        &self.images
+    }
+
+    /// The host operations underneath (the CLI reads the domain XML through them).
+    pub fn ops(&self) -> &Arc<dyn HostOps> {
+        &self.ops
+    }
+
+    fn host(&self, name: &str) -> Result<&HostConfig, Kvm2Error> {
+        self.config
+            .host(name)
+            .ok_or_else(|| Kvm2Error::InvalidRequest(format!("host {name:?} is not configured")))
+    }
+
+    fn is_ours(&self, mark: &MetadataMark) -> bool {
+        mark.cluster_id == self.config.cluster_id
+    }
+
+    fn instance(&self, host: &str, rec: &DomainRecord, mark: &MetadataMark) -> Instance {
+        Instance {
+            id: InstanceId {
+                host: host.to_string(),
+                name: rec.name.clone(),
+            },
+            proxy: ProxyRef {
+                namespace: mark.namespace.clone(),
+                name: mark.name.clone(),
+                uid: mark.uid.clone(),
+            },
+            state: rec.state,
+            addresses: Vec::new(),
+            created_at: mark.created_at.clone(),
+        }
+    }
+
+    /// Picks the host: the pinned one, the one already holding this domain, or the
+    /// reachable host with the fewest of our domains that still has room.
+    async fn place(&self, req: &CreateRequest, domain: &str) -> Result<String, Kvm2Error> {
+        if let Some(h) = &req.spec.host {
+            self.host(h)?;
+            return Ok(h.clone());
+        }
+        let mut best: Option<(usize, String)> = None;
+        let mut failures = Vec::new();
+        for host in &self.config.kvm2.hosts {
+            match self.ops.list_domains(&host.name).await {
+                Ok(list) => {
+                    if list.iter().any(|d| d.name == domain) {
+                        return Ok(host.name.clone());
+                    }
+                    let ours = list
+                        .iter()
+                        .filter(|d| d.mark.as_ref().is_some_and(|m| self.is_ours(m)))
+                        .count();
+                    let room = u32::try_from(ours).unwrap_or(u32::MAX) < host.max_domains;
+                    if room && best.as_ref().is_none_or(|(n, _)| ours < *n) {
+                        best = Some((ours, host.name.clone()));
+                    }
+                }
+                Err(e) => {
+                    tracing::warn!(host = %host.name, error = %e, "host skipped in placement");
+                    failures.push(format!("{}: {}", host.name, e.class()));
+                }
+            }
+        }
+        match best {
+            Some((_, h)) => Ok(h),
+            None if failures.len() == self.config.kvm2.hosts.len() => {
+                Err(Kvm2Error::Unreachable(failures.join(", ")))
+            }
+            None => Err(Kvm2Error::NoCapacity(format!(
+                "every reachable host is at maxDomains (unreachable: {})",
+                if failures.is_empty() {
+                    "none".to_string()
+                } else {
+                    failures.join(", ")
+                }
+            ))),
+        }
+    }
+
+    async fn render_blocking<T, F>(&self, f: F) -> Result<T, Kvm2Error>
+    where
+        T: Send + 'static,
+        F: FnOnce(&TemplateSet) -> Result<T, Kvm2Error> + Send + 'static,
+    {
+        let templates = self.templates.clone();
+        tokio::task::spawn_blocking(move || f(&templates))
+            .await
+            .map_err(|e| Kvm2Error::Runtime(e.to_string()))?
+    }
+
+    async fn create_inner(&self, req: &CreateRequest) -> Result<Instance, Kvm2Error> {
+        let mut problems = Problems::default();
+        req.spec.check(&self.config, &mut problems);
+        if !problems.is_empty() {
+            let all: Vec<String> = problems.into_vec().iter().map(|p| p.to_string()).collect();
+            return Err(Kvm2Error::InvalidRequest(all.join("; ")));
+        }
+        let identity =
+            InstanceIdentity::for_uid(&req.proxy.uid).map_err(Kvm2Error::InvalidRequest)?;
+        let _name_lock = self.names.lock(&identity.domain_name).await;
+        let host_name = self.place(req, &identity.domain_name).await?;
+        let host = self.host(&host_name)?.clone();
+        let h = host.name.as_str();
+        let pool = host.storage_pool.as_str();
+
+        if let Some(rec) = self
+            .ops
+            .domain(h, &identity.domain_name)
+            .await
+            .map_err(step("domain lookup"))?
+        {
+            match rec.mark.clone() {
+                Some(m) if self.is_ours(&m) && m.uid == req.proxy.uid => {
+                    if self.adoptable(&host, &identity).await? {
+                        tracing::info!(host = h, domain = %identity.domain_name, "adopting our existing domain");
+                        return self.finish_start(&host, &identity, rec, m).await;
+                    }
+                    tracing::warn!(host = h, domain = %identity.domain_name,
+                        "our domain lost its volumes; replacing it");
+                    self.remove_domain(h, &identity.domain_name).await?;
+                }
+                other => {
+                    return Err(Kvm2Error::Foreign {
+                        host: h.into(),
+                        domain: identity.domain_name.clone(),
+                        owner: match &other {
+                            Some(m) => format!(
+                                "cluster {:?}, Proxy {}/{} uid {}",
+                                m.cluster_id, m.namespace, m.name, m.uid
+                            ),
+                            None => "no egress-operator mark".into(),
+                        },
+                    });
+                }
+            }
+        }
+
+        let permits = self.creates.get(h).cloned();
+        let _create_permit = match &permits {
+            Some(p) => Some(
+                p.clone()
+                    .acquire_owned()
+                    .await
+                    .map_err(|e| Kvm2Error::Runtime(e.to_string()))?,
+            ),
+            None => None,
+        };
+        if req.spec.host.is_some() {
+            self.check_room(&host).await?;
+        }
+
+        let mut made = Made::default();
+        match self.build(req, &host, &identity, &mut made).await {
+            Ok(instance) => Ok(instance),
+            Err(e) => {
+                tracing::warn!(host = h, domain = %identity.domain_name, class = %e.class(), error = %e,
+                    "create failed; removing what it made");
+                self.cleanup(h, pool, &identity, &made).await;
+                Err(e)
+            }
+        }
+    }
+
+    /// Whether our existing domain still has its root volume (else it cannot boot).
+    async fn adoptable(
+        &self,
+        host: &HostConfig,
+        identity: &InstanceIdentity,
+    ) -> Result<bool, Kvm2Error> {
+        Ok(self
+            .ops
+            .volume(&host.name, &host.storage_pool, &identity.root_volume)
+            .await
+            .map_err(step("root volume lookup"))?
+            .is_some())
+    }
+
+    async fn check_room(&self, host: &HostConfig) -> Result<(), Kvm2Error> {
+        let list = self
+            .ops
+            .list_domains(&host.name)
+            .await
+            .map_err(step("domain list"))?;
+        let count = list
+            .iter()
+            .filter(|d| d.mark.as_ref().is_some_and(|m| self.is_ours(m)))
+            .count();
+        if u32::try_from(count).unwrap_or(u32::MAX) >= host.max_domains {
+            return Err(Kvm2Error::HostFull {
+                host: host.name.clone(),
+                count,
+                max: host.max_domains,
+            });
+        }
+        Ok(())
+    }
+
+    async fn build(
+        &self,
+        req: &CreateRequest,
+        host: &HostConfig,
+        identity: &InstanceIdentity,
+        made: &mut Made,
+    ) -> Result<Instance, Kvm2Error> {
+        let (h, pool) = (host.name.as_str(), host.storage_pool.as_str());
+        let mut facts = self.ops.facts(h).await.map_err(step("host facts"))?;
+        facts.kvm &= !host.disable_kvm;
+        let created_at =
+            humantime::format_rfc3339_seconds(std::time::SystemTime::now()).to_string();
+        let inputs = crate::render::inputs_for(
+            &self.config,
+            &req.proxy,
+            &req.spec,
+            Some(h),
+            &facts,
+            &created_at,
+        )
+        .map_err(Kvm2Error::InvalidRequest)?;
+
+        // Base image, then the overlay over it.
+        let base = self.images.ensure(host, &inputs.image).await?;
+        let base_info = self
+            .ops
+            .volume(h, pool, &base.volume)
+            .await
+            .map_err(step("base volume lookup"))?
+            .ok_or_else(|| {
+                Kvm2Error::Unreachable(format!(
+                    "base volume {} vanished from pool {pool} on {h} after it was verified",
+                    base.volume
+                ))
+            })?;
+        let capacity = inputs.machine_type.disk_gib.saturating_mul(1 << 30);
+        let overlay = volume::overlay_volume_xml(
+            &identity.root_volume,
+            capacity.max(base_info.capacity),
+            &base_info.path,
+            base.format,
+        );
+        if self
+            .ops
+            .create_volume(h, pool, &identity.root_volume, overlay)
+            .await
+            .map_err(step("root volume create"))?
+            == Created::Created
+        {
+            made.root = true;
+        }
+
+        // Seed ISO: vendor-data from the plugin, user-data from the request.
+        let vendor_input = inputs.vendor_data.clone();
+        let vendor_data = self
+            .render_blocking(move |t| Ok(t.vendor_data()?.render(&vendor_input)?))
+            .await?;
+        let files = SeedFiles {
+            meta_data: seed::meta_data(&identity.uid, &req.proxy.name),
+            user_data: req.user_data.as_ref().map(|u| u.expose().to_vec()),
+            vendor_data: vendor_data.into_bytes(),
+            network_config: None,
+        };
+        let iso = tokio::task::spawn_blocking(move || seed::build(&files))
+            .await
+            .map_err(|e| Kvm2Error::Runtime(e.to_string()))??;
+        made.seed = true;
+        volume::put_seed(self.ops.as_ref(), h, pool, &identity.seed_volume, iso)
+            .await
+            .map_err(step("seed volume"))?;
+
+        // Domain.
+        let domain_input = inputs.domain.clone();
+        let xml = self
+            .render_blocking(move |t| Ok(t.domain()?.render(&domain_input)?))
+            .await?;
+        self.ops
+            .define(h, xml)
+            .await
+            .map_err(step("domain define"))?;
+        made.domain = true;
+        let rec = self
+            .ops
+            .domain(h, &identity.domain_name)
+            .await
+            .map_err(step("domain lookup"))?
+            .ok_or_else(|| {
+                Kvm2Error::NotFound(InstanceId {
+                    host: h.into(),
+                    name: identity.domain_name.clone(),
+                })
+            })?;
+        let mark = rec.mark.clone().ok_or_else(|| {
+            Kvm2Error::InvalidRequest(
+                "the domain plugin's XML dropped the operator's metadata mark".into(),
+            )
+        })?;
+        self.finish_start(host, identity, rec, mark).await
+    }
+
+    /// Starts the domain if needed, waits until it runs, and reports it.
+    async fn finish_start(
+        &self,
+        host: &HostConfig,
+        identity: &InstanceIdentity,
+        rec: DomainRecord,
+        mark: MetadataMark,
+    ) -> Result<Instance, Kvm2Error> {
+        let h = host.name.as_str();
+        if rec.state != InstanceState::Running {
+            self.ops
+                .start(h, &identity.domain_name)
+                .await
+                .map_err(step("domain start"))?;
+        }
+        let started = Instant::now();
+        let mut last;
+        loop {
+            let now = self
+                .ops
+                .domain(h, &identity.domain_name)
+                .await
+                .map_err(step("domain state"))?
+                .ok_or_else(|| {
+                    Kvm2Error::NotFound(InstanceId {
+                        host: h.into(),
+                        name: identity.domain_name.clone(),
+                    })
+                })?;
+            last = now.state;
+            if last == InstanceState::Running {
+                let mut inst = self.instance(h, &now, &mark);
+                inst.addresses = self
+                    .addresses(h, &identity.domain_name, Some(&identity.mac))
+                    .await;
+                return Ok(inst);
+            }
+            if started.elapsed() >= self.options.start_timeout {
+                break;
+            }
+            tokio::time::sleep(self.options.poll_every).await;
+        }
+        Err(Kvm2Error::StartTimeout {
+            host: h.into(),
+            domain: identity.domain_name.clone(),
+            state: last,
+            waited: started.elapsed(),
+        })
+    }
+
+    /// Addresses from the lease, then the guest agent, then ARP; best effort (an address
+    /// is a report, not a condition of success).
+    async fn addresses(&self, host: &str, name: &str, mac: Option<&str>) -> Vec<std::net::IpAddr> {
+        for source in [
+            AddressSource::Lease,
+            AddressSource::Agent,
+            AddressSource::Arp,
+        ] {
+            match self.ops.addresses(host, name, source).await {
+                Ok(nics) => {
+                    let picked = addresses::pick_addresses(mac, &[(source, nics)]);
+                    if !picked.is_empty() {
+                        return picked;
+                    }
+                }
+                Err(e) => {
+                    tracing::debug!(host, domain = name, ?source, error = %e, "address source failed");
+                }
+            }
+        }
+        Vec::new()
+    }
+
+    /// Removes what a failed Create made; what remains (cleanup failed) is adopted or
+    /// replaced by the next Create, or collected by GC.
+    async fn cleanup(&self, host: &str, pool: &str, identity: &InstanceIdentity, made: &Made) {
+        if made.domain
+            && let Err(e) = self.remove_domain(host, &identity.domain_name).await
+        {
+            tracing::warn!(host, domain = %identity.domain_name, error = %e, "cleanup: could not remove the domain");
+        }
+        for (flag, name) in [
+            (made.seed, &identity.seed_volume),
+            (made.root, &identity.root_volume),
+        ] {
+            if flag && let Err(e) = self.ops.delete_volume(host, pool, name).await {
+                tracing::warn!(host, volume = %name, error = %e, "cleanup: could not remove a volume");
+            }
+        }
+    }
+
+    /// Destroys (no graceful wait) and undefines a domain.
+    async fn remove_domain(&self, host: &str, name: &str) -> Result<(), Kvm2Error> {
+        self.ops
+            .destroy(host, name)
+            .await
+            .map_err(step("domain destroy"))?;
+        self.ops
+            .undefine(host, name)
+            .await
+            .map_err(step("domain undefine"))?;
+        Ok(())
+    }
+
+    async fn get_inner(&self, id: &InstanceId) -> Result<Instance, Kvm2Error> {
+        self.host(&id.host)?;
+        let rec = self
+            .ops
+            .domain(&id.host, &id.name)
+            .await
+            .map_err(step("domain lookup"))?
+            .ok_or_else(|| Kvm2Error::NotFound(id.clone()))?;
+        let Some(mark) = rec.mark.clone().filter(|m| self.is_ours(m)) else {
+            // Someone else's domain under that name is not our instance.
+            return Err(Kvm2Error::NotFound(id.clone()));
+        };
+        let mut inst = self.instance(&id.host, &rec, &mark);
+        if rec.state == InstanceState::Running {
+            let mac = InstanceIdentity::for_uid(&mark.uid).ok().map(|i| i.mac);
+            let found = self.addresses(&id.host, &id.name, mac.as_deref()).await;
+            inst.addresses = addresses::running_only(rec.state, found);
+        }
+        Ok(inst)
+    }
+
+    async fn delete_inner(&self, id: &InstanceId) -> Result<(), Kvm2Error> {
+        let host = self.host(&id.host)?.clone();
+        let (h, pool) = (host.name.as_str(), host.storage_pool.as_str());
+        let _name_lock = self.names.lock(&id.name).await;
+        let rec = self
+            .ops
+            .domain(h, &id.name)
+            .await
+            .map_err(step("domain lookup"))?;
+        // Volumes are named from the UID; with the domain gone, the name tells it.
+        let uid = match &rec {
+            Some(r) => match &r.mark {
+                Some(m) if self.is_ours(m) => m.uid.clone(),
+                other => {
+                    return Err(Kvm2Error::Foreign {
+                        host: h.into(),
+                        domain: id.name.clone(),
+                        owner: match other {
+                            Some(m) => format!("cluster {:?}", m.cluster_id),
+                            None => "no egress-operator mark".into(),
+                        },
+                    });
+                }
+            },
+            None => id
+                .name
+                .strip_prefix(crate::instance::NAME_PREFIX)
+                .unwrap_or_default()
+                .to_string(),
+        };
+        let identity = InstanceIdentity::for_uid(&uid).map_err(Kvm2Error::InvalidRequest)?;
+        if let Some(rec) = rec {
+            if rec.state == InstanceState::Running {
+                self.graceful_stop(h, &id.name).await?;
+            }
+            self.remove_domain(h, &id.name).await?;
+        }
+        for name in [&identity.seed_volume, &identity.root_volume] {
+            self.ops
+                .delete_volume(h, pool, name)
+                .await
+                .map_err(step("volume delete"))?;
+        }
+        Ok(())
+    }
+
+    /// Asks the guest to shut down and waits (bounded) for it; the caller destroys after.
+    async fn graceful_stop(&self, host: &str, name: &str) -> Result<(), Kvm2Error> {
+        self.ops
+            .shutdown(host, name)
+            .await
+            .map_err(step("domain shutdown"))?;
+        let started = Instant::now();
+        while started.elapsed() < self.options.shutdown_timeout {
+            match self
+                .ops
+                .domain(host, name)
+                .await
+                .map_err(step("domain state"))?
+            {
+                Some(r) if r.state == InstanceState::Running || r.state == InstanceState::Dying => {
+                    tokio::time::sleep(self.options.poll_every).await;
+                }
+                _ => return Ok(()),
+            }
+        }
+        tracing::info!(
+            host,
+            domain = name,
+            "guest did not shut down in time; destroying"
+        );
+        Ok(())
+    }
+
+    async fn list_inner(&self) -> Vec<TargetListing> {
+        let futures = self.config.kvm2.hosts.iter().map(|host| async move {
+            let result = self
+                .ops
+                .list_domains(&host.name)
+                .await
+                .map(|list| {
+                    list.iter()
+                        .filter_map(|rec| {
+                            let mark = rec.mark.as_ref().filter(|m| self.is_ours(m))?;
+                            Some(self.instance(&host.name, rec, mark))
+                        })
+                        .collect()
+                })
+                .map_err(|e| {
+                    ProviderError::new(Kvm2Error::Ops {
+                        step: "domain list",
+                        source: e,
+                    })
+                });
+            TargetListing {
+                target: host.name.clone(),
+                result,
+            }
+        });
+        futures_util::future::join_all(futures).await
+    }
+}
+
+impl Provider for Kvm2Provider {
+    fn name(&self) -> &str {
+        PROVIDER_NAME
+    }
+
+    fn create<'a>(
+        &'a self,
+        req: &'a CreateRequest,
+    ) -> BoxFuture<'a, Result<Instance, ProviderError>> {
+        Box::pin(async move { self.create_inner(req).await.map_err(ProviderError::new) })
+    }
+
+    fn get<'a>(&'a self, id: &'a InstanceId) -> BoxFuture<'a, Result<Instance, ProviderError>> {
+        Box::pin(async move { self.get_inner(id).await.map_err(ProviderError::new) })
+    }
+
+    fn delete<'a>(&'a self, id: &'a InstanceId) -> BoxFuture<'a, Result<(), ProviderError>> {
+        Box::pin(async move { self.delete_inner(id).await.map_err(ProviderError::new) })
+    }
+
+    fn list(&self) -> BoxFuture<'_, Vec<TargetListing>> {
+        Box::pin(self.list_inner())
+    }
+
+    fn health(&self) -> Option<&dyn HealthCheck> {
+        Some(self)
+    }
+}
+
+impl HealthCheck for Kvm2Provider {
+    fn check(&self, timeout: Duration) -> BoxFuture<'_, Vec<TargetHealth>> {
+        Box::pin(async move {
+            let futures = self.config.kvm2.hosts.iter().map(|host| async move {
+                let started = Instant::now();
+                let probe = async {
+                    self.ops.facts(&host.name).await?;
+                    self.ops.pool_space(&host.name, &host.storage_pool).await
+                };
+                let (reachable, reason, message) = match tokio::time::timeout(timeout, probe).await
+                {
+                    Ok(Ok(space)) => (
+                        true,
+                        None,
+                        format!(
+                            "pool {} has {} bytes free",
+                            host.storage_pool, space.available
+                        ),
+                    ),
+                    Ok(Err(e)) => (false, Some(reason_code(&e)), e.to_string()),
+                    Err(_) => (
+                        false,
+                        Some("timeout".to_string()),
+                        format!("no answer within {timeout:?}"),
+                    ),
+                };
+                TargetHealth {
+                    target: host.name.clone(),
+                    reachable,
+                    reason,
+                    message,
+                    latency: started.elapsed(),
+                }
+            });
+            futures_util::future::join_all(futures).await
+        })
+    }
+}
+
+fn reason_code(e: &OpsError) -> String {
+    match e {
+        OpsError::Host(h) => match h.libvirt() {
+            Some(l) if l.class() == ErrorClass::NotFound => "pool-missing".into(),
+            _ => h.reason_code().into(),
+        },
+        OpsError::UploadAborted { .. } => "upload".into(),
+        OpsError::Injected { .. } => "injected".into(),
+    }
+}

@@ -1,0 +1,623 @@
+//! Test doubles for [`HostOps`]: an in-memory host ([`FakeOps`]) for unit tests of the
+//! provider's own logic, and a fault injector ([`FaultyOps`]) that wraps any `HostOps`,
+//! the real one included, so integration tests can fail a chosen step on real libvirt.
+
+use std::collections::{BTreeMap, BTreeSet};
+use std::sync::Arc;
+use std::sync::Mutex;
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+use std::time::Duration;
+
+use super::addresses::{AddressSource, NicAddrs};
+use super::metadata;
+use super::ops::{Created, DomainRecord, HostOps, OpsError, PoolSpace, UploadChunks, VolumeInfo};
+use crate::error::ErrorClass;
+use crate::provider::{BoxFuture, InstanceState};
+use crate::render::Facts;
+
+#[derive(Debug, Clone)]
+struct FakeVolume {
+    capacity: u64,
+    data: Vec<u8>,
+}
+
+#[derive(Debug, Clone)]
+struct FakeDomain {
+    xml: String,
+    state: InstanceState,
+}
+
+#[derive(Debug, Default)]
+struct FakeHost {
+    volumes: BTreeMap<String, FakeVolume>,
+    domains: BTreeMap<String, FakeDomain>,
+    free: u64,
+    down: bool,
+}
+
+/// An in-memory set of hosts: volumes with content, domains with state.
+#[derive(Debug)]
+pub struct FakeOps {
+    hosts: Mutex<BTreeMap<String, FakeHost>>,
+    uploads: AtomicUsize,
+}
+
+impl FakeOps {
+    /// Hosts with these names, each with `free` bytes in its pool.
+    pub fn new(hosts: &[&str], free: u64) -> Self {
+        Self {
+            hosts: Mutex::new(
+                hosts
+                    .iter()
+                    .map(|h| {
+                        (
+                            h.to_string(),
+                            FakeHost {
+                                free,
+                                ..FakeHost::default()
+                            },
+                        )
+                    })
+                    .collect(),
+            ),
+            uploads: AtomicUsize::new(0),
+        }
+    }
+
+    fn with<T>(
+        &self,
+        host: &str,
+        op: &'static str,
+        f: impl FnOnce(&mut FakeHost) -> T,
+    ) -> Result<T, OpsError> {
+        let mut hosts = self
+            .hosts
+            .lock()
+            .map_err(|_| injected(op, host, ErrorClass::Transient))?;
+        match hosts.get_mut(host) {
+            Some(h) if !h.down => Ok(f(h)),
+            _ => Err(injected(op, host, ErrorClass::Transient)),
+        }
+    }
+
+    /// Takes a host down (every call fails, transiently) or brings it back.
+    pub fn set_down(&self, host: &str, down: bool) {
+        if let Ok(mut hosts) = self.hosts.lock()
+            && let Some(h) = hosts.get_mut(host)
+        {
+            h.down = down;
+        }
+    }
+
+    /// Volume names on a host.
+    pub fn volumes(&self, host: &str) -> BTreeSet<String> {
+        self.hosts
+            .lock()
+            .ok()
+            .and_then(|h| h.get(host).map(|h| h.volumes.keys().cloned().collect()))
+            .unwrap_or_default()
+    }
+
+    /// Content of a volume.
+    pub fn volume_data(&self, host: &str, name: &str) -> Option<Vec<u8>> {
+        self.hosts
+            .lock()
+            .ok()?
+            .get(host)?
+            .volumes
+            .get(name)
+            .map(|v| v.data.clone())
+    }
+
+    /// Domain names on a host.
+    pub fn domains(&self, host: &str) -> BTreeSet<String> {
+        self.hosts
+            .lock()
+            .ok()
+            .and_then(|h| h.get(host).map(|h| h.domains.keys().cloned().collect()))
+            .unwrap_or_default()
+    }
+
+    /// Defines a domain directly (a foreign one, or a leftover).
+    pub fn put_domain(&self, host: &str, name: &str, xml: &str, state: InstanceState) {
+        if let Ok(mut hosts) = self.hosts.lock()
+            && let Some(h) = hosts.get_mut(host)
+        {
+            h.domains.insert(
+                name.into(),
+                FakeDomain {
+                    xml: xml.into(),
+                    state,
+                },
+            );
+        }
+    }
+
+    /// Creates a volume directly.
+    pub fn put_volume(&self, host: &str, name: &str, data: &[u8]) {
+        if let Ok(mut hosts) = self.hosts.lock()
+            && let Some(h) = hosts.get_mut(host)
+        {
+            h.volumes.insert(
+                name.into(),
+                FakeVolume {
+                    capacity: data.len() as u64,
+                    data: data.to_vec(),
+                },
+            );
+        }
+    }
+
+    /// Uploads that reached the end.
+    pub fn uploads(&self) -> usize {
+        self.uploads.load(Ordering::SeqCst)
+    }
+}
+
+fn injected(op: &'static str, host: &str, class: ErrorClass) -> OpsError {
+    OpsError::Injected {
+        op,
+        host: host.to_string(),
+        class,
+    }
+}
+
+fn domain_name(xml: &str) -> Option<String> {
+    let start = xml.find("<name>")? + "<name>".len();
+    let end = xml[start..].find("</name>")? + start;
+    Some(xml[start..end].to_string())
+}
+
+fn capacity(xml: &str) -> u64 {
+    xml.find("'bytes'>")
+        .and_then(|i| {
+            let rest = &xml[i + "'bytes'>".len()..];
+            rest[..rest.find('<')?].parse().ok()
+        })
+        .unwrap_or(0)
+}
+
+fn record(name: &str, d: &FakeDomain) -> DomainRecord {
+    DomainRecord {
+        name: name.to_string(),
+        state: d.state,
+        mark: metadata::mark_from_domain_xml(&d.xml).ok().flatten(),
+    }
+}
+
+impl HostOps for FakeOps {
+    fn hosts(&self) -> Vec<String> {
+        self.hosts
+            .lock()
+            .map(|h| h.keys().cloned().collect())
+            .unwrap_or_default()
+    }
+
+    fn facts<'a>(&'a self, host: &'a str) -> BoxFuture<'a, Result<Facts, OpsError>> {
+        Box::pin(async move { self.with(host, "host-facts", |_| Facts::default()) })
+    }
+
+    fn pool_space<'a>(
+        &'a self,
+        host: &'a str,
+        _pool: &'a str,
+    ) -> BoxFuture<'a, Result<PoolSpace, OpsError>> {
+        Box::pin(async move {
+            self.with(host, "pool-info", |h| PoolSpace {
+                capacity: h.free,
+                available: h.free,
+            })
+        })
+    }
+
+    fn volume<'a>(
+        &'a self,
+        host: &'a str,
+        pool: &'a str,
+        name: &'a str,
+    ) -> BoxFuture<'a, Result<Option<VolumeInfo>, OpsError>> {
+        Box::pin(async move {
+            self.with(host, "volume-info", |h| {
+                h.volumes.get(name).map(|v| VolumeInfo {
+                    capacity: v.capacity,
+                    allocation: v.data.len() as u64,
+                    path: format!("/fake/{pool}/{name}"),
+                })
+            })
+        })
+    }
+
+    fn create_volume<'a>(
+        &'a self,
+        host: &'a str,
+        _pool: &'a str,
+        name: &'a str,
+        xml: String,
+    ) -> BoxFuture<'a, Result<Created, OpsError>> {
+        Box::pin(async move {
+            self.with(host, "volume-create", |h| {
+                if h.volumes.contains_key(name) {
+                    Created::Exists
+                } else {
+                    h.volumes.insert(
+                        name.to_string(),
+                        FakeVolume {
+                            capacity: capacity(&xml),
+                            data: Vec::new(),
+                        },
+                    );
+                    Created::Created
+                }
+            })
+        })
+    }
+
+    fn delete_volume<'a>(
+        &'a self,
+        host: &'a str,
+        _pool: &'a str,
+        name: &'a str,
+    ) -> BoxFuture<'a, Result<bool, OpsError>> {
+        Box::pin(
+            async move { self.with(host, "volume-delete", |h| h.volumes.remove(name).is_some()) },
+        )
+    }
+
+    fn upload<'a>(
+        &'a self,
+        host: &'a str,
+        _pool: &'a str,
+        name: &'a str,
+        length: u64,
+        mut chunks: UploadChunks,
+        _deadline: Duration,
+    ) -> BoxFuture<'a, Result<(), OpsError>> {
+        Box::pin(async move {
+            let mut data = Vec::new();
+            while let Some(chunk) = chunks.recv().await {
+                match chunk {
+                    Ok(c) => data.extend_from_slice(&c),
+                    Err(reason) => {
+                        return Err(OpsError::UploadAborted {
+                            host: host.into(),
+                            volume: name.into(),
+                            reason,
+                        });
+                    }
+                }
+            }
+            if data.len() as u64 != length {
+                return Err(OpsError::UploadAborted {
+                    host: host.into(),
+                    volume: name.into(),
+                    reason: format!("got {} of {length} bytes", data.len()),
+                });
+            }
+            self.with(host, "volume-upload", |h| match h.volumes.get_mut(name) {
+                Some(v) => {
+                    v.data = data;
+                    true
+                }
+                None => false,
+            })?
+            .then_some(())
+            .ok_or_else(|| injected("volume-upload", host, ErrorClass::NotFound))?;
+            self.uploads.fetch_add(1, Ordering::SeqCst);
+            Ok(())
+        })
+    }
+
+    fn domain<'a>(
+        &'a self,
+        host: &'a str,
+        name: &'a str,
+    ) -> BoxFuture<'a, Result<Option<DomainRecord>, OpsError>> {
+        Box::pin(async move {
+            self.with(host, "domain-lookup", |h| {
+                h.domains.get(name).map(|d| record(name, d))
+            })
+        })
+    }
+
+    fn domain_xml<'a>(
+        &'a self,
+        host: &'a str,
+        name: &'a str,
+    ) -> BoxFuture<'a, Result<Option<String>, OpsError>> {
+        Box::pin(async move {
+            self.with(host, "domain-xml", |h| {
+                h.domains.get(name).map(|d| d.xml.clone())
+            })
+        })
+    }
+
+    fn define<'a>(&'a self, host: &'a str, xml: String) -> BoxFuture<'a, Result<(), OpsError>> {
+        Box::pin(async move {
+            let name = domain_name(&xml)
+                .ok_or_else(|| injected("domain-define", host, ErrorClass::Permanent))?;
+            self.with(host, "domain-define", |h| {
+                let state = h
+                    .domains
+                    .get(&name)
+                    .map_or(InstanceState::ShutOff, |d| d.state);
+                h.domains.insert(name, FakeDomain { xml, state });
+            })
+        })
+    }
+
+    fn start<'a>(&'a self, host: &'a str, name: &'a str) -> BoxFuture<'a, Result<(), OpsError>> {
+        Box::pin(async move {
+            self.with(host, "domain-start", |h| match h.domains.get_mut(name) {
+                Some(d) => {
+                    d.state = InstanceState::Running;
+                    Ok(())
+                }
+                None => Err(injected("domain-start", host, ErrorClass::NotFound)),
+            })?
+        })
+    }
+
+    fn shutdown<'a>(&'a self, host: &'a str, name: &'a str) -> BoxFuture<'a, Result<(), OpsError>> {
+        Box::pin(async move {
+            self.with(host, "domain-shutdown", |h| {
+                if let Some(d) = h.domains.get_mut(name) {
+                    d.state = InstanceState::ShutOff;
+                }
+            })
+        })
+    }
+
+    fn destroy<'a>(&'a self, host: &'a str, name: &'a str) -> BoxFuture<'a, Result<(), OpsError>> {
+        Box::pin(async move {
+            self.with(host, "domain-destroy", |h| {
+                if let Some(d) = h.domains.get_mut(name) {
+                    d.state = InstanceState::ShutOff;
+                }
+            })
+        })
+    }
+
+    fn undefine<'a>(
+        &'a self,
+        host: &'a str,
+        name: &'a str,
+    ) -> BoxFuture<'a, Result<bool, OpsError>> {
+        Box::pin(async move {
+            self.with(host, "domain-undefine", |h| {
+                h.domains.remove(name).is_some()
+            })
+        })
+    }
+
+    fn addresses<'a>(
+        &'a self,
+        host: &'a str,
+        _name: &'a str,
+        _source: AddressSource,
+    ) -> BoxFuture<'a, Result<Vec<NicAddrs>, OpsError>> {
+        Box::pin(async move { self.with(host, "domain-addresses", |_| Vec::new()) })
+    }
+
+    fn list_domains<'a>(
+        &'a self,
+        host: &'a str,
+    ) -> BoxFuture<'a, Result<Vec<DomainRecord>, OpsError>> {
+        Box::pin(async move {
+            self.with(host, "domain-list", |h| {
+                h.domains
+                    .iter()
+                    .filter(|(n, _)| n.starts_with(crate::instance::NAME_PREFIX))
+                    .map(|(n, d)| record(n, d))
+                    .collect()
+            })
+        })
+    }
+}
+
+/// The operations [`FaultyOps`] can fail, by name.
+pub const FAULT_POINTS: [&str; 7] = [
+    "volume-create",
+    "volume-upload",
+    "domain-define",
+    "domain-start",
+    "domain-lookup",
+    "volume-delete",
+    "domain-undefine",
+];
+
+/// Wraps a [`HostOps`] and fails the `nth` call (0-based) of operation `op`.
+///
+/// With `crash`, every call after the fault fails too, as if the process had died there:
+/// no cleanup runs, and the next provider must converge from what is left.
+pub struct FaultyOps {
+    inner: Arc<dyn HostOps>,
+    op: &'static str,
+    nth: usize,
+    crash: bool,
+    seen: AtomicUsize,
+    tripped: AtomicBool,
+}
+
+impl std::fmt::Debug for FaultyOps {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("FaultyOps")
+            .field("op", &self.op)
+            .field("nth", &self.nth)
+            .field("crash", &self.crash)
+            .finish_non_exhaustive()
+    }
+}
+
+impl FaultyOps {
+    /// Fails the `nth` call of `op` (one of [`FAULT_POINTS`]).
+    pub fn new(inner: Arc<dyn HostOps>, op: &'static str, nth: usize, crash: bool) -> Self {
+        Self {
+            inner,
+            op,
+            nth,
+            crash,
+            seen: AtomicUsize::new(0),
+            tripped: AtomicBool::new(false),
+        }
+    }
+
+    /// Whether the fault fired.
+    pub fn tripped(&self) -> bool {
+        self.tripped.load(Ordering::SeqCst)
+    }
+
+    fn gate(&self, op: &'static str, host: &str) -> Result<(), OpsError> {
+        if self.crash && self.tripped() {
+            return Err(injected(op, host, ErrorClass::Transient));
+        }
+        if op == self.op && self.seen.fetch_add(1, Ordering::SeqCst) == self.nth {
+            self.tripped.store(true, Ordering::SeqCst);
+            return Err(injected(op, host, ErrorClass::Transient));
+        }
+        Ok(())
+    }
+}
+
+macro_rules! gated {
+    ($self:ident, $op:literal, $host:expr, $call:expr) => {
+        Box::pin(async move {
+            $self.gate($op, $host)?;
+            $call.await
+        })
+    };
+}
+
+impl HostOps for FaultyOps {
+    fn hosts(&self) -> Vec<String> {
+        self.inner.hosts()
+    }
+    fn facts<'a>(&'a self, host: &'a str) -> BoxFuture<'a, Result<Facts, OpsError>> {
+        gated!(self, "host-facts", host, self.inner.facts(host))
+    }
+    fn pool_space<'a>(
+        &'a self,
+        host: &'a str,
+        pool: &'a str,
+    ) -> BoxFuture<'a, Result<PoolSpace, OpsError>> {
+        gated!(self, "pool-info", host, self.inner.pool_space(host, pool))
+    }
+    fn volume<'a>(
+        &'a self,
+        host: &'a str,
+        pool: &'a str,
+        name: &'a str,
+    ) -> BoxFuture<'a, Result<Option<VolumeInfo>, OpsError>> {
+        gated!(
+            self,
+            "volume-info",
+            host,
+            self.inner.volume(host, pool, name)
+        )
+    }
+    fn create_volume<'a>(
+        &'a self,
+        host: &'a str,
+        pool: &'a str,
+        name: &'a str,
+        xml: String,
+    ) -> BoxFuture<'a, Result<Created, OpsError>> {
+        gated!(
+            self,
+            "volume-create",
+            host,
+            self.inner.create_volume(host, pool, name, xml)
+        )
+    }
+    fn delete_volume<'a>(
+        &'a self,
+        host: &'a str,
+        pool: &'a str,
+        name: &'a str,
+    ) -> BoxFuture<'a, Result<bool, OpsError>> {
+        gated!(
+            self,
+            "volume-delete",
+            host,
+            self.inner.delete_volume(host, pool, name)
+        )
+    }
+    fn upload<'a>(
+        &'a self,
+        host: &'a str,
+        pool: &'a str,
+        name: &'a str,
+        length: u64,
+        chunks: UploadChunks,
+        deadline: Duration,
+    ) -> BoxFuture<'a, Result<(), OpsError>> {
+        gated!(
+            self,
+            "volume-upload",
+            host,
+            self.inner
+                .upload(host, pool, name, length, chunks, deadline)
+        )
+    }
+    fn domain<'a>(
+        &'a self,
+        host: &'a str,
+        name: &'a str,
+    ) -> BoxFuture<'a, Result<Option<DomainRecord>, OpsError>> {
+        gated!(self, "domain-lookup", host, self.inner.domain(host, name))
+    }
+    fn domain_xml<'a>(
+        &'a self,
+        host: &'a str,
+        name: &'a str,
+    ) -> BoxFuture<'a, Result<Option<String>, OpsError>> {
+        gated!(self, "domain-xml", host, self.inner.domain_xml(host, name))
+    }
+    fn define<'a>(&'a self, host: &'a str, xml: String) -> BoxFuture<'a, Result<(), OpsError>> {
+        gated!(self, "domain-define", host, self.inner.define(host, xml))
+    }
+    fn start<'a>(&'a self, host: &'a str, name: &'a str) -> BoxFuture<'a, Result<(), OpsError>> {
+        gated!(self, "domain-start", host, self.inner.start(host, name))
+    }
+    fn shutdown<'a>(&'a self, host: &'a str, name: &'a str) -> BoxFuture<'a, Result<(), OpsError>> {
+        gated!(
+            self,
+            "domain-shutdown",
+            host,
+            self.inner.shutdown(host, name)
+        )
+    }
+    fn destroy<'a>(&'a self, host: &'a str, name: &'a str) -> BoxFuture<'a, Result<(), OpsError>> {
+        gated!(self, "domain-destroy", host, self.inner.destroy(host, name))
+    }
+    fn undefine<'a>(
+        &'a self,
+        host: &'a str,
+        name: &'a str,
+    ) -> BoxFuture<'a, Result<bool, OpsError>> {
+        gated!(
+            self,
+            "domain-undefine",
+            host,
+            self.inner.undefine(host, name)
+        )
+    }
+    fn addresses<'a>(
+        &'a self,
+        host: &'a str,
+        name: &'a str,
+        source: AddressSource,
+    ) -> BoxFuture<'a, Result<Vec<NicAddrs>, OpsError>> {
+        gated!(
+            self,
+            "domain-addresses",
+            host,
+            self.inner.addresses(host, name, source)
+        )
+    }
+    fn list_domains<'a>(
+        &'a self,
+        host: &'a str,
+    ) -> BoxFuture<'a, Result<Vec<DomainRecord>, OpsError>> {
+        gated!(self, "domain-list", host, self.inner.list_domains(host))
+    }
+}

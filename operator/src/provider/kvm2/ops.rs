@@ -1,0 +1,703 @@
+//! The libvirt operations the kvm2 provider is built from, as a trait.
+//!
+//! The provider's logic (image cache protocol, adopt-or-refuse, cleanup on failure,
+//! half-deleted domains) is written against [`HostOps`], not against `virt` directly, so
+//! it can be unit-tested against the in-memory [`super::fake::FakeOps`] and fault-injected
+//! with [`super::fake::FaultyOps`] around the real [`LibvirtOps`]. Each operation is one
+//! libvirt round trip (or a short fixed sequence) with the hosts table's deadline, and
+//! reports "absent" as `None`/`false` rather than an error, because absence is a normal
+//! state for an idempotent step.
+
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use bytes::Bytes;
+use tokio::sync::mpsc;
+use virt::domain::Domain;
+use virt::error::ErrorNumber;
+use virt::storage_pool::StoragePool;
+use virt::storage_vol::StorageVol;
+use virt::stream::Stream;
+
+use super::addresses::{AddressSource, NicAddrs};
+use super::hosts::{HostError, Hosts};
+use super::libvirt::LibvirtError;
+use super::metadata;
+use super::state::instance_state;
+use crate::error::{Classified, ErrorClass};
+use crate::instance::MetadataMark;
+use crate::provider::{BoxFuture, InstanceState};
+use crate::render::Facts;
+
+/// Free space of a storage pool.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct PoolSpace {
+    /// Total bytes.
+    pub capacity: u64,
+    /// Bytes free for new volumes.
+    pub available: u64,
+}
+
+/// A storage volume.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct VolumeInfo {
+    /// Logical size.
+    pub capacity: u64,
+    /// Bytes actually allocated on the host (grows while an upload writes).
+    pub allocation: u64,
+    /// Path on the host (an overlay's backing store refers to its base by path).
+    pub path: String,
+}
+
+/// A domain as the provider needs to see it.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct DomainRecord {
+    /// Domain name.
+    pub name: String,
+    /// Run state.
+    pub state: InstanceState,
+    /// Our ownership mark, if the domain carries a valid one.
+    pub mark: Option<MetadataMark>,
+}
+
+/// Chunks of an upload. `Err` aborts it (the download failed or did not verify), so a
+/// volume is never finished with partial content.
+pub type UploadChunks = mpsc::Receiver<Result<Bytes, String>>;
+
+/// A failed host operation.
+#[derive(Debug, thiserror::Error)]
+pub enum OpsError {
+    /// The host, the SSH link or libvirt failed.
+    #[error(transparent)]
+    Host(#[from] HostError),
+    /// An upload was aborted by its producer or could not run.
+    #[error("upload of volume {volume:?} on host {host:?} aborted: {reason}")]
+    UploadAborted {
+        /// Host.
+        host: String,
+        /// Volume.
+        volume: String,
+        /// Why.
+        reason: String,
+    },
+    /// A failure made on purpose by [`super::fake::FaultyOps`] or [`super::fake::FakeOps`].
+    #[error("injected failure in {op} on host {host:?}")]
+    Injected {
+        /// The operation.
+        op: &'static str,
+        /// Host.
+        host: String,
+        /// The class to report.
+        class: ErrorClass,
+    },
+}
+
+impl Classified for OpsError {
+    fn class(&self) -> ErrorClass {
+        match self {
+            OpsError::Host(e) => e.class(),
+            OpsError::UploadAborted { .. } => ErrorClass::Transient,
+            OpsError::Injected { class, .. } => *class,
+        }
+    }
+}
+
+/// Result of creating a volume: libvirt refuses a name in use, which is what makes
+/// volume creation an exclusive claim for the image cache protocol.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Created {
+    /// We created it.
+    Created,
+    /// A volume of that name already existed; nothing was changed.
+    Exists,
+}
+
+/// Everything the kvm2 provider does to a host.
+pub trait HostOps: Send + Sync {
+    /// Configured host names.
+    fn hosts(&self) -> Vec<String>;
+    /// What the templates need to know about the host.
+    fn facts<'a>(&'a self, host: &'a str) -> BoxFuture<'a, Result<Facts, OpsError>>;
+    /// Refreshes the pool (it may have changed behind libvirt's back) and reads its space.
+    fn pool_space<'a>(
+        &'a self,
+        host: &'a str,
+        pool: &'a str,
+    ) -> BoxFuture<'a, Result<PoolSpace, OpsError>>;
+    /// The volume, or `None` when absent.
+    fn volume<'a>(
+        &'a self,
+        host: &'a str,
+        pool: &'a str,
+        name: &'a str,
+    ) -> BoxFuture<'a, Result<Option<VolumeInfo>, OpsError>>;
+    /// Creates a volume from XML; an existing name is reported, not overwritten.
+    fn create_volume<'a>(
+        &'a self,
+        host: &'a str,
+        pool: &'a str,
+        name: &'a str,
+        xml: String,
+    ) -> BoxFuture<'a, Result<Created, OpsError>>;
+    /// Deletes a volume; `false` when it was already gone.
+    fn delete_volume<'a>(
+        &'a self,
+        host: &'a str,
+        pool: &'a str,
+        name: &'a str,
+    ) -> BoxFuture<'a, Result<bool, OpsError>>;
+    /// Writes exactly `length` bytes from `chunks` into the volume, within `deadline`.
+    fn upload<'a>(
+        &'a self,
+        host: &'a str,
+        pool: &'a str,
+        name: &'a str,
+        length: u64,
+        chunks: UploadChunks,
+        deadline: Duration,
+    ) -> BoxFuture<'a, Result<(), OpsError>>;
+    /// The domain, or `None` when absent.
+    fn domain<'a>(
+        &'a self,
+        host: &'a str,
+        name: &'a str,
+    ) -> BoxFuture<'a, Result<Option<DomainRecord>, OpsError>>;
+    /// The domain's XML (for `provision` to show it).
+    fn domain_xml<'a>(
+        &'a self,
+        host: &'a str,
+        name: &'a str,
+    ) -> BoxFuture<'a, Result<Option<String>, OpsError>>;
+    /// Defines a persistent domain.
+    fn define<'a>(&'a self, host: &'a str, xml: String) -> BoxFuture<'a, Result<(), OpsError>>;
+    /// Starts a defined domain; starting a running one is not an error.
+    fn start<'a>(&'a self, host: &'a str, name: &'a str) -> BoxFuture<'a, Result<(), OpsError>>;
+    /// Asks the guest to shut down (ACPI); absent or already off is not an error.
+    fn shutdown<'a>(&'a self, host: &'a str, name: &'a str) -> BoxFuture<'a, Result<(), OpsError>>;
+    /// Stops the domain at once; absent or already off is not an error.
+    fn destroy<'a>(&'a self, host: &'a str, name: &'a str) -> BoxFuture<'a, Result<(), OpsError>>;
+    /// Undefines the domain with its NVRAM, managed save and snapshot metadata; `false`
+    /// when it was already gone.
+    fn undefine<'a>(
+        &'a self,
+        host: &'a str,
+        name: &'a str,
+    ) -> BoxFuture<'a, Result<bool, OpsError>>;
+    /// Guest addresses from one source.
+    fn addresses<'a>(
+        &'a self,
+        host: &'a str,
+        name: &'a str,
+        source: AddressSource,
+    ) -> BoxFuture<'a, Result<Vec<NicAddrs>, OpsError>>;
+    /// Every domain on the host whose name has our prefix, with its mark if valid.
+    fn list_domains<'a>(
+        &'a self,
+        host: &'a str,
+    ) -> BoxFuture<'a, Result<Vec<DomainRecord>, OpsError>>;
+}
+
+/// [`HostOps`] on real hosts, through the hosts table (one SSH link per host).
+#[derive(Debug, Clone)]
+pub struct LibvirtOps {
+    hosts: Arc<Hosts>,
+}
+
+impl LibvirtOps {
+    /// Operations over `hosts`.
+    pub fn new(hosts: Arc<Hosts>) -> Self {
+        Self { hosts }
+    }
+
+    /// The hosts table underneath.
+    pub fn hosts_table(&self) -> &Arc<Hosts> {
+        &self.hosts
+    }
+}
+
+fn is(e: &virt::error::Error, code: ErrorNumber) -> bool {
+    e.code() == code
+}
+
+fn absent(e: &virt::error::Error) -> bool {
+    matches!(
+        e.code(),
+        ErrorNumber::NoDomain | ErrorNumber::NoStorageVolume
+    )
+}
+
+fn record(dom: &Domain, name: String) -> Result<DomainRecord, virt::error::Error> {
+    let (state, _reason) = dom.get_state()?;
+    // The mark is read from the full domain XML, where it keeps its namespace:
+    // virDomainGetMetadata returns the element with the namespace stripped, which cannot
+    // be told apart from anyone else's `<instance>`.
+    let xml = dom.get_xml_desc(0)?;
+    let mark = match metadata::mark_from_domain_xml(&xml) {
+        Ok(m) => m,
+        Err(e) => {
+            tracing::warn!(domain = %name, error = %e, "domain carries a broken ownership mark; treated as not ours");
+            None
+        }
+    };
+    Ok(DomainRecord {
+        name,
+        state: instance_state(state),
+        mark,
+    })
+}
+
+impl HostOps for LibvirtOps {
+    fn hosts(&self) -> Vec<String> {
+        self.hosts.names().map(str::to_string).collect()
+    }
+
+    fn facts<'a>(&'a self, host: &'a str) -> BoxFuture<'a, Result<Facts, OpsError>> {
+        Box::pin(async move {
+            let facts = self
+                .hosts
+                .call(host, "host-facts", |c| {
+                    let v = c.get_lib_version()?;
+                    let caps = c.get_capabilities()?;
+                    Ok((v, caps))
+                })
+                .await?;
+            let (version, caps) = facts;
+            Ok(Facts {
+                arch: capabilities_arch(&caps).unwrap_or_else(|| "x86_64".into()),
+                kvm: caps.contains("domain type='kvm'") || caps.contains("domain type=\"kvm\""),
+                libvirt_version: format!(
+                    "{}.{}.{}",
+                    version / 1_000_000,
+                    (version / 1000) % 1000,
+                    version % 1000
+                ),
+            })
+        })
+    }
+
+    fn pool_space<'a>(
+        &'a self,
+        host: &'a str,
+        pool: &'a str,
+    ) -> BoxFuture<'a, Result<PoolSpace, OpsError>> {
+        let pool = pool.to_string();
+        Box::pin(async move {
+            let info = self
+                .hosts
+                .call(host, "pool-info", move |c| {
+                    let p = StoragePool::lookup_by_name(c, &pool)?;
+                    p.refresh(0)?;
+                    p.get_info()
+                })
+                .await?;
+            Ok(PoolSpace {
+                capacity: info.capacity,
+                available: info.available,
+            })
+        })
+    }
+
+    fn volume<'a>(
+        &'a self,
+        host: &'a str,
+        pool: &'a str,
+        name: &'a str,
+    ) -> BoxFuture<'a, Result<Option<VolumeInfo>, OpsError>> {
+        let (pool, name) = (pool.to_string(), name.to_string());
+        Box::pin(async move {
+            Ok(self
+                .hosts
+                .call(host, "volume-info", move |c| {
+                    let p = StoragePool::lookup_by_name(c, &pool)?;
+                    match StorageVol::lookup_by_name(&p, &name) {
+                        Ok(v) => {
+                            let i = v.get_info()?;
+                            Ok(Some(VolumeInfo {
+                                capacity: i.capacity,
+                                allocation: i.allocation,
+                                path: v.get_path()?,
+                            }))
+                        }
+                        Err(e) if absent(&e) => Ok(None),
+                        Err(e) => Err(e),
+                    }
+                })
+                .await?)
+        })
+    }
+
+    fn create_volume<'a>(
+        &'a self,
+        host: &'a str,
+        pool: &'a str,
+        name: &'a str,
+        xml: String,
+    ) -> BoxFuture<'a, Result<Created, OpsError>> {
+        let (pool, name) = (pool.to_string(), name.to_string());
+        Box::pin(async move {
+            Ok(self
+                .hosts
+                .call(host, "volume-create", move |c| {
+                    let p = StoragePool::lookup_by_name(c, &pool)?;
+                    match StorageVol::create_xml(&p, &xml, 0) {
+                        Ok(_) => Ok(Created::Created),
+                        Err(e) if is(&e, ErrorNumber::StorageVolExist) => Ok(Created::Exists),
+                        // Some pool backends report a name in use as a generic failure;
+                        // look before calling it an error.
+                        Err(e) => match StorageVol::lookup_by_name(&p, &name) {
+                            Ok(_) => Ok(Created::Exists),
+                            Err(_) => Err(e),
+                        },
+                    }
+                })
+                .await?)
+        })
+    }
+
+    fn delete_volume<'a>(
+        &'a self,
+        host: &'a str,
+        pool: &'a str,
+        name: &'a str,
+    ) -> BoxFuture<'a, Result<bool, OpsError>> {
+        let (pool, name) = (pool.to_string(), name.to_string());
+        Box::pin(async move {
+            Ok(self
+                .hosts
+                .call(host, "volume-delete", move |c| {
+                    let p = StoragePool::lookup_by_name(c, &pool)?;
+                    match StorageVol::lookup_by_name(&p, &name) {
+                        Ok(v) => match v.delete(0) {
+                            Ok(()) => Ok(true),
+                            Err(e) if absent(&e) => Ok(false),
+                            Err(e) => Err(e),
+                        },
+                        Err(e) if absent(&e) => Ok(false),
+                        Err(e) => Err(e),
+                    }
+                })
+                .await?)
+        })
+    }
+
+    fn upload<'a>(
+        &'a self,
+        host: &'a str,
+        pool: &'a str,
+        name: &'a str,
+        length: u64,
+        chunks: UploadChunks,
+        deadline: Duration,
+    ) -> BoxFuture<'a, Result<(), OpsError>> {
+        let (pool_name, vol_name) = (pool.to_string(), name.to_string());
+        // The receiver can be consumed once: a retry of a half-sent upload would write
+        // garbage, so the hosts table's single retry finds it gone and fails instead.
+        let chunks = Arc::new(Mutex::new(Some(chunks)));
+        Box::pin(async move {
+            let outcome = self
+                .hosts
+                .call_within(host, "volume-upload", deadline, move |c| {
+                    let Some(mut rx) = chunks.lock().ok().and_then(|mut g| g.take()) else {
+                        return Ok(Err("the upload was interrupted and cannot resume".into()));
+                    };
+                    let p = StoragePool::lookup_by_name(c, &pool_name)?;
+                    let v = StorageVol::lookup_by_name(&p, &vol_name)?;
+                    let stream = Stream::new(c, 0)?;
+                    v.upload(&stream, 0, length, 0)?;
+                    let mut sent: u64 = 0;
+                    loop {
+                        match rx.blocking_recv() {
+                            Some(Ok(chunk)) => {
+                                let mut rest: &[u8] = &chunk;
+                                while !rest.is_empty() {
+                                    match stream.send(rest) {
+                                        Ok(n) if n > 0 => rest = &rest[n.min(rest.len())..],
+                                        Ok(_) => {}
+                                        Err(e) => {
+                                            let _ = stream.abort();
+                                            return Err(e);
+                                        }
+                                    }
+                                }
+                                sent += chunk.len() as u64;
+                            }
+                            Some(Err(reason)) => {
+                                let _ = stream.abort();
+                                return Ok(Err(reason));
+                            }
+                            None if sent == length => {
+                                stream.finish()?;
+                                return Ok(Ok(()));
+                            }
+                            None => {
+                                let _ = stream.abort();
+                                return Ok(Err(format!(
+                                    "the source ended after {sent} of {length} bytes"
+                                )));
+                            }
+                        }
+                    }
+                })
+                .await?;
+            outcome.map_err(|reason| OpsError::UploadAborted {
+                host: host.to_string(),
+                volume: name.to_string(),
+                reason,
+            })
+        })
+    }
+
+    fn domain<'a>(
+        &'a self,
+        host: &'a str,
+        name: &'a str,
+    ) -> BoxFuture<'a, Result<Option<DomainRecord>, OpsError>> {
+        let name = name.to_string();
+        Box::pin(async move {
+            Ok(self
+                .hosts
+                .call(
+                    host,
+                    "domain-lookup",
+                    move |c| match Domain::lookup_by_name(c, &name) {
+                        Ok(d) => match record(&d, name.clone()) {
+                            Ok(r) => Ok(Some(r)),
+                            Err(e) if absent(&e) => Ok(None),
+                            Err(e) => Err(e),
+                        },
+                        Err(e) if absent(&e) => Ok(None),
+                        Err(e) => Err(e),
+                    },
+                )
+                .await?)
+        })
+    }
+
+    fn domain_xml<'a>(
+        &'a self,
+        host: &'a str,
+        name: &'a str,
+    ) -> BoxFuture<'a, Result<Option<String>, OpsError>> {
+        let name = name.to_string();
+        Box::pin(async move {
+            Ok(self
+                .hosts
+                .call(host, "domain-xml", move |c| {
+                    match Domain::lookup_by_name(c, &name).and_then(|d| d.get_xml_desc(0)) {
+                        Ok(x) => Ok(Some(x)),
+                        Err(e) if absent(&e) => Ok(None),
+                        Err(e) => Err(e),
+                    }
+                })
+                .await?)
+        })
+    }
+
+    fn define<'a>(&'a self, host: &'a str, xml: String) -> BoxFuture<'a, Result<(), OpsError>> {
+        Box::pin(async move {
+            self.hosts
+                .call(host, "domain-define", move |c| {
+                    Domain::define_xml(c, &xml).map(drop)
+                })
+                .await?;
+            Ok(())
+        })
+    }
+
+    fn start<'a>(&'a self, host: &'a str, name: &'a str) -> BoxFuture<'a, Result<(), OpsError>> {
+        let name = name.to_string();
+        Box::pin(async move {
+            self.hosts
+                .call(host, "domain-start", move |c| {
+                    let d = Domain::lookup_by_name(c, &name)?;
+                    if d.is_active()? {
+                        return Ok(());
+                    }
+                    match d.create_with_flags(0) {
+                        Ok(_) => Ok(()),
+                        // Started by someone else between the two calls.
+                        Err(e) if is(&e, ErrorNumber::OperationInvalid) && d.is_active()? => Ok(()),
+                        Err(e) => Err(e),
+                    }
+                })
+                .await?;
+            Ok(())
+        })
+    }
+
+    fn shutdown<'a>(&'a self, host: &'a str, name: &'a str) -> BoxFuture<'a, Result<(), OpsError>> {
+        let name = name.to_string();
+        Box::pin(async move {
+            self.hosts
+                .call(
+                    host,
+                    "domain-shutdown",
+                    move |c| match Domain::lookup_by_name(c, &name) {
+                        Ok(d) => match d.shutdown() {
+                            Ok(_) => Ok(()),
+                            Err(e) if absent(&e) || is(&e, ErrorNumber::OperationInvalid) => Ok(()),
+                            Err(e) => Err(e),
+                        },
+                        Err(e) if absent(&e) => Ok(()),
+                        Err(e) => Err(e),
+                    },
+                )
+                .await?;
+            Ok(())
+        })
+    }
+
+    fn destroy<'a>(&'a self, host: &'a str, name: &'a str) -> BoxFuture<'a, Result<(), OpsError>> {
+        let name = name.to_string();
+        Box::pin(async move {
+            self.hosts
+                .call(
+                    host,
+                    "domain-destroy",
+                    move |c| match Domain::lookup_by_name(c, &name) {
+                        Ok(d) => match d.destroy() {
+                            Ok(()) => Ok(()),
+                            Err(e) if absent(&e) || is(&e, ErrorNumber::OperationInvalid) => Ok(()),
+                            Err(e) => Err(e),
+                        },
+                        Err(e) if absent(&e) => Ok(()),
+                        Err(e) => Err(e),
+                    },
+                )
+                .await?;
+            Ok(())
+        })
+    }
+
+    fn undefine<'a>(
+        &'a self,
+        host: &'a str,
+        name: &'a str,
+    ) -> BoxFuture<'a, Result<bool, OpsError>> {
+        let name = name.to_string();
+        Box::pin(async move {
+            Ok(self
+                .hosts
+                .call(host, "domain-undefine", move |c| {
+                    let flags = virt::sys::VIR_DOMAIN_UNDEFINE_MANAGED_SAVE
+                        | virt::sys::VIR_DOMAIN_UNDEFINE_SNAPSHOTS_METADATA
+                        | virt::sys::VIR_DOMAIN_UNDEFINE_NVRAM
+                        | virt::sys::VIR_DOMAIN_UNDEFINE_CHECKPOINTS_METADATA;
+                    match Domain::lookup_by_name(c, &name) {
+                        Ok(d) => match d.undefine_flags(flags) {
+                            Ok(()) => Ok(true),
+                            Err(e) if absent(&e) => Ok(false),
+                            Err(e) => Err(e),
+                        },
+                        Err(e) if absent(&e) => Ok(false),
+                        Err(e) => Err(e),
+                    }
+                })
+                .await?)
+        })
+    }
+
+    fn addresses<'a>(
+        &'a self,
+        host: &'a str,
+        name: &'a str,
+        source: AddressSource,
+    ) -> BoxFuture<'a, Result<Vec<NicAddrs>, OpsError>> {
+        let name = name.to_string();
+        let src = match source {
+            AddressSource::Lease => virt::sys::VIR_DOMAIN_INTERFACE_ADDRESSES_SRC_LEASE,
+            AddressSource::Agent => virt::sys::VIR_DOMAIN_INTERFACE_ADDRESSES_SRC_AGENT,
+            AddressSource::Arp => virt::sys::VIR_DOMAIN_INTERFACE_ADDRESSES_SRC_ARP,
+        };
+        Box::pin(async move {
+            let nics = self
+                .hosts
+                .call(host, "domain-addresses", move |c| {
+                    let d = Domain::lookup_by_name(c, &name)?;
+                    match d.interface_addresses(src, 0) {
+                        Ok(list) => Ok(list.iter().map(NicAddrs::from).collect()),
+                        // No agent, no lease database, a bridge libvirt does not
+                        // manage: that source has nothing, the next one may.
+                        Err(e) if !absent(&e) && !is_transport(&e) => Ok(Vec::new()),
+                        Err(e) => Err(e),
+                    }
+                })
+                .await;
+            match nics {
+                Ok(n) => Ok(n),
+                Err(e) => Err(e.into()),
+            }
+        })
+    }
+
+    fn list_domains<'a>(
+        &'a self,
+        host: &'a str,
+    ) -> BoxFuture<'a, Result<Vec<DomainRecord>, OpsError>> {
+        Box::pin(async move {
+            Ok(self
+                .hosts
+                .call(host, "domain-list", |c| {
+                    let mut out = Vec::new();
+                    for d in c.list_all_domains(0)? {
+                        let name = match d.get_name() {
+                            Ok(n) => n,
+                            Err(e) if absent(&e) => continue,
+                            Err(e) => return Err(e),
+                        };
+                        if !name.starts_with(crate::instance::NAME_PREFIX) {
+                            continue;
+                        }
+                        match record(&d, name) {
+                            Ok(r) => out.push(r),
+                            // Undefined while we listed: not there.
+                            Err(e) if absent(&e) => {}
+                            Err(e) => return Err(e),
+                        }
+                    }
+                    Ok(out)
+                })
+                .await?)
+        })
+    }
+}
+
+fn is_transport(e: &virt::error::Error) -> bool {
+    super::virt_error::is_link_failure(e)
+}
+
+/// The default guest architecture from capabilities XML (`<host><cpu><arch>`).
+fn capabilities_arch(caps: &str) -> Option<String> {
+    let start = caps.find("<arch>")? + "<arch>".len();
+    let end = caps[start..].find("</arch>")? + start;
+    let arch = caps[start..end].trim();
+    (!arch.is_empty() && arch.bytes().all(|b| b.is_ascii_alphanumeric() || b == b'_'))
+        .then(|| arch.to_string())
+}
+
+/// Whether an error from a lookup means "absent" (used by callers that get errors from
+/// elsewhere).
+pub fn is_not_found(e: &OpsError) -> bool {
+    e.class() == ErrorClass::NotFound
+}
+
+/// Converts a libvirt error for a given host into an [`OpsError`].
+pub fn libvirt_error(host: &str, source: LibvirtError) -> OpsError {
+    OpsError::Host(HostError::Libvirt {
+        host: host.to_string(),
+        source,
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn arch_from_capabilities() {
+        let caps = "<capabilities><host><cpu><arch>x86_64</arch></cpu></host></capabilities>";
+        assert_eq!(capabilities_arch(caps).as_deref(), Some("x86_64"));
+        assert_eq!(capabilities_arch("<arch>x<y</arch>"), None);
+        assert_eq!(capabilities_arch("nothing"), None);
+    }
+}

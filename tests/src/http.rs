@@ -1,0 +1,163 @@
+//! A plain HTTP/1.1 image server on 127.0.0.1 for provider tests and the demo: fixed
+//! routes, faults on purpose (a body shorter than its Content-Length, no Content-Length,
+//! redirects), a request count per path. Bodies are streamed from memory or a file.
+
+use std::collections::HashMap;
+use std::io::{Read, Write};
+use std::net::{TcpListener, TcpStream};
+use std::path::PathBuf;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Mutex};
+use std::thread::JoinHandle;
+
+use anyhow::Context;
+
+/// What a route answers.
+#[derive(Debug, Clone)]
+pub enum Route {
+    /// 200 with this body and its Content-Length.
+    Body(Arc<Vec<u8>>),
+    /// 200 streaming this file, with its Content-Length.
+    File(PathBuf),
+    /// 200 claiming `declared` bytes, sending only the body, then closing.
+    Truncated {
+        /// The body actually sent.
+        body: Arc<Vec<u8>>,
+        /// The Content-Length claimed.
+        declared: u64,
+    },
+    /// 302 to this location (absolute, or a path on this server).
+    Redirect(String),
+}
+
+/// A running server; stops on drop.
+#[derive(Debug)]
+pub struct HttpServer {
+    port: u16,
+    hits: Arc<Mutex<HashMap<String, usize>>>,
+    stop: Arc<AtomicBool>,
+    thread: Option<JoinHandle<()>>,
+}
+
+impl HttpServer {
+    /// Starts serving `routes`; other paths get 404.
+    pub fn start(routes: Vec<(String, Route)>) -> anyhow::Result<Self> {
+        let listener = TcpListener::bind("127.0.0.1:0").context("binding 127.0.0.1:0")?;
+        let port = listener.local_addr()?.port();
+        let hits = Arc::new(Mutex::new(HashMap::new()));
+        let stop = Arc::new(AtomicBool::new(false));
+        let routes = Arc::new(routes);
+        let (h, flag) = (hits.clone(), stop.clone());
+        let thread = std::thread::spawn(move || {
+            for stream in listener.incoming() {
+                if flag.load(Ordering::SeqCst) {
+                    break;
+                }
+                let Ok(stream) = stream else { continue };
+                let (routes, hits) = (routes.clone(), h.clone());
+                // One thread per connection: concurrent downloads must not queue.
+                std::thread::spawn(move || {
+                    let _ = serve(stream, &routes, &hits, port);
+                });
+            }
+        });
+        Ok(Self {
+            port,
+            hits,
+            stop,
+            thread: Some(thread),
+        })
+    }
+
+    /// `http://127.0.0.1:PORT/path`.
+    pub fn url(&self, path: &str) -> String {
+        format!("http://127.0.0.1:{}{path}", self.port)
+    }
+
+    /// Requests for `path` so far.
+    pub fn hits(&self, path: &str) -> usize {
+        self.hits
+            .lock()
+            .map(|h| h.get(path).copied().unwrap_or(0))
+            .unwrap_or(0)
+    }
+}
+
+impl Drop for HttpServer {
+    fn drop(&mut self) {
+        self.stop.store(true, Ordering::SeqCst);
+        let _ = TcpStream::connect(("127.0.0.1", self.port));
+        if let Some(t) = self.thread.take() {
+            let _ = t.join();
+        }
+    }
+}
+
+fn serve(
+    mut tcp: TcpStream,
+    routes: &[(String, Route)],
+    hits: &Mutex<HashMap<String, usize>>,
+    port: u16,
+) -> anyhow::Result<()> {
+    tcp.set_read_timeout(Some(std::time::Duration::from_secs(10)))?;
+    let mut request = Vec::new();
+    let mut buf = [0u8; 1024];
+    while !request.windows(4).any(|w| w == b"\r\n\r\n") {
+        let n = tcp.read(&mut buf)?;
+        if n == 0 {
+            return Ok(());
+        }
+        request.extend_from_slice(&buf[..n]);
+    }
+    let head = String::from_utf8_lossy(&request);
+    let path = head.split_whitespace().nth(1).unwrap_or("/").to_string();
+    if let Ok(mut h) = hits.lock() {
+        *h.entry(path.clone()).or_default() += 1;
+    }
+    let route = routes
+        .iter()
+        .find(|(p, _)| *p == path)
+        .map(|(_, r)| r.clone());
+    match route {
+        None => tcp.write_all(
+            b"HTTP/1.1 404 Not Found\r\nContent-Length: 0\r\nConnection: close\r\n\r\n",
+        )?,
+        Some(Route::Redirect(to)) => {
+            let to = if to.starts_with('/') {
+                format!("http://127.0.0.1:{port}{to}")
+            } else {
+                to
+            };
+            write!(
+                tcp,
+                "HTTP/1.1 302 Found\r\nLocation: {to}\r\nContent-Length: 0\r\nConnection: close\r\n\r\n"
+            )?;
+        }
+        Some(Route::Body(body)) => {
+            write!(
+                tcp,
+                "HTTP/1.1 200 OK\r\nContent-Length: {}\r\nConnection: close\r\n\r\n",
+                body.len()
+            )?;
+            tcp.write_all(&body)?;
+        }
+        Some(Route::Truncated { body, declared }) => {
+            write!(
+                tcp,
+                "HTTP/1.1 200 OK\r\nContent-Length: {declared}\r\nConnection: close\r\n\r\n"
+            )?;
+            tcp.write_all(&body)?;
+        }
+        Some(Route::File(file)) => {
+            let mut f = std::fs::File::open(&file)?;
+            let len = f.metadata()?.len();
+            write!(
+                tcp,
+                "HTTP/1.1 200 OK\r\nContent-Length: {len}\r\nConnection: close\r\n\r\n"
+            )?;
+            std::io::copy(&mut f, &mut tcp)?;
+        }
+    }
+    tcp.flush()?;
+    Ok(())
+}

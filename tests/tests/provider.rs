@@ -1,0 +1,399 @@
+//! The kvm2 provider on real components: OpenSSH's sshd, an isolated libvirtd with QEMU
+//! (software emulation) in a network namespace, reached only through our SSH tunnel, and
+//! base images served by a local HTTP server.
+#![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)] // tests fail loudly
+
+use std::future::Future;
+use std::sync::{Arc, Mutex, PoisonError};
+use std::time::Duration;
+
+use egress_operator::Classified as _;
+use egress_operator::api::proxy::ProxySpec;
+use egress_operator::config::ValidConfig;
+use egress_operator::error::ErrorClass;
+use egress_operator::instance::{InstanceIdentity, image_marker_name, image_volume_name};
+use egress_operator::provider::kvm2::backend::{Kvm2Options, Kvm2Provider};
+use egress_operator::provider::kvm2::fake::FaultyOps;
+use egress_operator::provider::kvm2::hosts::Hosts;
+use egress_operator::provider::kvm2::image::{ImageCacheOptions, ImageMetrics};
+use egress_operator::provider::kvm2::libvirt::BlockingPool;
+use egress_operator::provider::kvm2::observe::CallMetrics;
+use egress_operator::provider::kvm2::ops::{HostOps, LibvirtOps};
+use egress_operator::provider::{
+    CreateRequest, InstanceId, InstanceState, Provider, ProxyRef, UserData,
+};
+use egress_operator::templates::{TemplateEngine, TemplateSet};
+use integration_tests::harness::{self, Libvirtd, Need, Sshd};
+use integration_tests::http::{HttpServer, Route};
+use integration_tests::{TestImage, provider_config, small_qcow2};
+
+/// Generous guard: a hang fails the test instead of blocking CI; not a timing assertion.
+const HANG_GUARD: Duration = Duration::from_secs(300);
+
+/// These tests start daemons and QEMU; one at a time keeps a 2-core machine responsive.
+static SERIAL: Mutex<()> = Mutex::new(());
+
+fn run<F: Future>(f: F) -> F::Output {
+    let _serial = SERIAL.lock().unwrap_or_else(PoisonError::into_inner);
+    let rt = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .enable_all()
+        .build()
+        .unwrap();
+    rt.block_on(async {
+        tokio::time::timeout(HANG_GUARD, f)
+            .await
+            .expect("hang guard")
+    })
+}
+
+/// Everything one test needs: daemons, a pool, an image server, a provider.
+struct Rig {
+    sshd: Sshd,
+    libvirtd: Libvirtd,
+    pool_dir: std::path::PathBuf,
+    _images: tempfile::TempDir,
+    http: HttpServer,
+    config: Arc<ValidConfig>,
+    hosts: Arc<Hosts>,
+    ops: Arc<dyn HostOps>,
+    image_sha: String,
+}
+
+impl Rig {
+    fn start(
+        extra_routes: Vec<(String, Route)>,
+        images: impl Fn(&HttpServer, &str) -> Vec<TestImage>,
+    ) -> Option<Rig> {
+        if harness::skip(&[Need::Sshd, Need::Libvirtd]) {
+            return None;
+        }
+        if which("qemu-img").is_none() {
+            eprintln!("SKIPPED: qemu-img missing");
+            return None;
+        }
+        let sshd = Sshd::start().unwrap();
+        let libvirtd = Libvirtd::start().unwrap();
+        let pool_dir = libvirtd.define_dir_pool("default").unwrap();
+        let dir = tempfile::tempdir().unwrap();
+        let (path, sha) = small_qcow2(dir.path(), "base").unwrap();
+        let mut routes = vec![("/base.qcow2".to_string(), Route::File(path))];
+        routes.extend(extra_routes);
+        let http = HttpServer::start(routes).unwrap();
+        let config =
+            Arc::new(provider_config(&sshd, &libvirtd, "h1", &images(&http, &sha), &[]).unwrap());
+        let hosts = Arc::new(
+            Hosts::new(
+                &config.kvm2.ssh,
+                &config.kvm2.hosts,
+                BlockingPool::default(),
+                Arc::new(CallMetrics::unregistered()),
+            )
+            .unwrap(),
+        );
+        let ops: Arc<dyn HostOps> = Arc::new(LibvirtOps::new(hosts.clone()));
+        Some(Rig {
+            sshd,
+            libvirtd,
+            pool_dir,
+            _images: dir,
+            http,
+            config,
+            hosts,
+            ops,
+            image_sha: sha,
+        })
+    }
+
+    fn base_image(http: &HttpServer, sha: &str) -> Vec<TestImage> {
+        vec![TestImage {
+            name: "base".into(),
+            url: http.url("/base.qcow2"),
+            sha256: sha.into(),
+            max_size_mib: None,
+        }]
+    }
+
+    fn provider(&self, ops: Arc<dyn HostOps>) -> Kvm2Provider {
+        let engine = TemplateEngine::new(None).unwrap();
+        let templates = Arc::new(TemplateSet::load(&engine, &self.config.kvm2.templates));
+        assert!(templates.is_healthy(), "{:?}", templates.health());
+        let images = ImageCacheOptions {
+            // A crashed uploader's staging volume is taken over quickly here.
+            stale_after: Duration::from_secs(3),
+            poll_every: Duration::from_millis(200),
+            ..ImageCacheOptions::default()
+        };
+        let options = Kvm2Options {
+            images,
+            start_timeout: Duration::from_secs(60),
+            shutdown_timeout: Duration::from_secs(2),
+            ..Kvm2Options::default()
+        };
+        Kvm2Provider::new(
+            self.config.clone(),
+            ops,
+            templates,
+            options,
+            ImageMetrics::default(),
+        )
+    }
+
+    fn virsh(&self, args: &[&str]) -> String {
+        self.libvirtd
+            .virsh(&self.libvirtd.qemu_uri(), args)
+            .unwrap()
+    }
+
+    /// Volume names in the pool.
+    fn volumes(&self) -> Vec<String> {
+        self.virsh(&["pool-refresh", "default"]);
+        let mut v: Vec<String> = self
+            .virsh(&["vol-list", "default"])
+            .lines()
+            .filter_map(|l| l.split_whitespace().next())
+            .map(String::from)
+            .collect();
+        v.sort();
+        v
+    }
+
+    /// Domain names (all states).
+    fn domains(&self) -> Vec<String> {
+        self.virsh(&["list", "--all", "--name"])
+            .lines()
+            .map(str::trim)
+            .filter(|l| !l.is_empty())
+            .map(String::from)
+            .collect()
+    }
+
+    fn base_volumes(&self) -> Vec<String> {
+        vec![
+            image_volume_name(&self.image_sha),
+            image_marker_name(&self.image_sha),
+        ]
+    }
+}
+
+fn which(name: &str) -> Option<std::path::PathBuf> {
+    std::env::var_os("PATH").and_then(|p| {
+        std::env::split_paths(&p)
+            .map(|d| d.join(name))
+            .find(|c| c.exists())
+    })
+}
+
+fn request(uid: &str, name: &str) -> CreateRequest {
+    CreateRequest {
+        proxy: ProxyRef {
+            namespace: "default".into(),
+            name: name.into(),
+            uid: uid.into(),
+        },
+        spec: ProxySpec {
+            provider: "kvm2".into(),
+            machine_type: None,
+            image: None,
+            host: Some("h1".into()),
+            user_data: None,
+        },
+        user_data: Some(UserData::new(
+            b"#cloud-config\npassword: not-in-any-log\n".to_vec(),
+        )),
+    }
+}
+
+fn uid(n: u8) -> String {
+    format!("0b7c3c1e-9a43-4f5e-a1d2-3c4b5a6978{n:02x}")
+}
+
+#[test]
+fn create_runs_get_reports_delete_leaves_nothing() {
+    let Some(rig) = Rig::start(vec![], Rig::base_image) else {
+        return;
+    };
+    run(async {
+        let p = rig.provider(rig.ops.clone());
+        let req = request(&uid(1), "office-egress");
+        let inst = p.create(&req).await.unwrap();
+        assert_eq!(inst.state, InstanceState::Running);
+        assert_eq!(inst.id.host, "h1");
+        assert_eq!(inst.proxy.uid, uid(1));
+        let id = InstanceIdentity::for_uid(&uid(1)).unwrap();
+        assert_eq!(inst.id.name, id.domain_name);
+        assert_eq!(rig.domains(), vec![id.domain_name.clone()]);
+        let state = rig.virsh(&["domstate", &id.domain_name]);
+        assert_eq!(state.trim(), "running");
+
+        // Get: same instance; a non-booting image has no address, and that is reported
+        // as none rather than guessed.
+        let got = p.get(&inst.id).await.unwrap();
+        assert_eq!(got.state, InstanceState::Running);
+        assert_eq!(got.proxy, inst.proxy);
+        assert!(got.addresses.is_empty(), "{:?}", got.addresses);
+
+        // Create again: adopted, not duplicated, and the image is not fetched again.
+        let again = p.create(&req).await.unwrap();
+        assert_eq!(again.id, inst.id);
+        assert_eq!(rig.http.hits("/base.qcow2"), 1);
+
+        // Listing shows it with our mark.
+        let listing = p.list().await;
+        assert_eq!(listing.len(), 1);
+        let found = listing[0].result.as_ref().unwrap();
+        assert_eq!(found.len(), 1);
+        assert_eq!(found[0].proxy.name, "office-egress");
+
+        let mut expected = rig.base_volumes();
+        expected.extend([id.root_volume.clone(), id.seed_volume.clone()]);
+        expected.sort();
+        assert_eq!(rig.volumes(), expected);
+
+        p.delete(&inst.id).await.unwrap();
+        assert!(rig.domains().is_empty(), "{:?}", rig.domains());
+        let mut base = rig.base_volumes();
+        base.sort();
+        assert_eq!(
+            rig.volumes(),
+            base,
+            "only the shared base image stays cached"
+        );
+        let e = p.get(&inst.id).await.unwrap_err();
+        assert_eq!(e.class(), ErrorClass::NotFound, "{e}");
+        // Delete is idempotent.
+        p.delete(&inst.id).await.unwrap();
+        rig.hosts.close().await;
+    });
+    // The user-data secret never reached the daemons' logs through us.
+    assert!(!rig.sshd.log().contains("not-in-any-log"));
+    let _ = &rig.pool_dir;
+}
+
+#[test]
+fn three_concurrent_creates_upload_the_image_once() {
+    let Some(rig) = Rig::start(vec![], Rig::base_image) else {
+        return;
+    };
+    run(async {
+        let p = Arc::new(rig.provider(rig.ops.clone()));
+        let tasks: Vec<_> = (10..13)
+            .map(|n| {
+                let p = p.clone();
+                tokio::spawn(async move { p.create(&request(&uid(n), &format!("p{n}"))).await })
+            })
+            .collect();
+        let mut ids = Vec::new();
+        for t in tasks {
+            ids.push(t.await.unwrap().unwrap().id);
+        }
+        assert_eq!(
+            rig.http.hits("/base.qcow2"),
+            1,
+            "one download for three Creates"
+        );
+        assert_eq!(p.image_cache().metrics().uploads("h1", "base", "ok"), 1);
+        assert_eq!(rig.domains().len(), 3);
+        for id in &ids {
+            p.delete(id).await.unwrap();
+        }
+        assert!(rig.domains().is_empty());
+        rig.hosts.close().await;
+    });
+}
+
+#[test]
+fn a_foreign_domain_with_our_name_is_refused_and_left_alone() {
+    let Some(rig) = Rig::start(vec![], Rig::base_image) else {
+        return;
+    };
+    let id = InstanceIdentity::for_uid(&uid(20)).unwrap();
+    let dir = tempfile::tempdir().unwrap();
+    let xml_path = dir.path().join("foreign.xml");
+    std::fs::write(&xml_path, rig.libvirtd.minimal_domain_xml(&id.domain_name)).unwrap();
+    rig.virsh(&["define", xml_path.to_str().unwrap()]);
+    run(async {
+        let p = rig.provider(rig.ops.clone());
+        let e = p.create(&request(&uid(20), "x")).await.unwrap_err();
+        assert_eq!(e.class(), ErrorClass::Permanent, "{e}");
+        assert!(e.to_string().contains("not this Proxy's"), "{e}");
+        let e = p
+            .delete(&InstanceId {
+                host: "h1".into(),
+                name: id.domain_name.clone(),
+            })
+            .await
+            .unwrap_err();
+        assert_eq!(e.class(), ErrorClass::Permanent, "{e}");
+        rig.hosts.close().await;
+    });
+    assert_eq!(
+        rig.domains(),
+        vec![id.domain_name.clone()],
+        "left untouched"
+    );
+    assert!(rig.volumes().is_empty(), "{:?}", rig.volumes());
+    rig.virsh(&["undefine", &id.domain_name]);
+}
+
+/// A failure injected at each step of a Create in turn, once as an error (cleanup runs)
+/// and once as a crash (nothing after the fault runs): a fresh Create then converges to
+/// one running domain and no leaked volume.
+#[test]
+fn a_failure_after_each_create_step_converges_on_the_next_create() {
+    let Some(rig) = Rig::start(vec![], Rig::base_image) else {
+        return;
+    };
+    run(async {
+        let points: [(&'static str, usize); 6] = [
+            ("volume-create", 0), // the base image's data volume
+            ("volume-upload", 0), // the base image upload
+            ("volume-create", 2), // the root overlay (after data + marker)
+            ("volume-upload", 1), // the seed ISO
+            ("domain-define", 0),
+            ("domain-start", 0),
+        ];
+        let mut n = 30u8;
+        for (op, nth) in points {
+            for crash in [false, true] {
+                n += 1;
+                // A fresh image each round would need a new server; instead the cache is
+                // cleared, so the early steps really run every time.
+                for v in rig.base_volumes() {
+                    let _ = rig.libvirtd.virsh(
+                        &rig.libvirtd.qemu_uri(),
+                        &["vol-delete", &v, "--pool", "default"],
+                    );
+                }
+                let faulty = Arc::new(FaultyOps::new(rig.ops.clone(), op, nth, crash));
+                let p = rig.provider(faulty.clone());
+                let req = request(&uid(n), "f");
+                let e = p.create(&req).await.unwrap_err();
+                assert!(faulty.tripped(), "{op}#{nth}: the fault did not fire: {e}");
+                let healthy = rig.provider(rig.ops.clone());
+                let inst = healthy
+                    .create(&req)
+                    .await
+                    .unwrap_or_else(|e| panic!("{op}#{nth} crash={crash}: {e}"));
+                assert_eq!(inst.state, InstanceState::Running);
+                let id = InstanceIdentity::for_uid(&uid(n)).unwrap();
+                assert_eq!(
+                    rig.domains(),
+                    vec![id.domain_name.clone()],
+                    "{op}#{nth} crash={crash}"
+                );
+                let mut expected = rig.base_volumes();
+                expected.extend([id.root_volume.clone(), id.seed_volume.clone()]);
+                expected.sort();
+                assert_eq!(
+                    rig.volumes(),
+                    expected,
+                    "{op}#{nth} crash={crash}: leaked volumes"
+                );
+                healthy.delete(&inst.id).await.unwrap();
+                assert!(rig.domains().is_empty());
+            }
+        }
+        rig.hosts.close().await;
+    });
+}
