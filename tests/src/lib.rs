@@ -4,6 +4,7 @@
 pub mod harness;
 pub mod http;
 pub mod https;
+pub mod provider_rig;
 
 use std::path::PathBuf;
 

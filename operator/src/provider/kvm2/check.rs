@@ -78,8 +78,11 @@ pub struct ImageReport {
     pub name: String,
     /// Volume it is cached as.
     pub volume: String,
-    /// Whether that volume exists.
+    /// Whether it is cached and verified (its data volume and its commit marker exist).
     pub cached: bool,
+    /// Whether only the data volume exists: an upload in progress, or one that died (the
+    /// next Create takes it over once it stops growing).
+    pub staging: bool,
 }
 
 fn version_string(v: u32) -> String {
@@ -179,9 +182,15 @@ async fn facts(
     report.kvm = Some(caps.contains("domain type='kvm'") || caps.contains("domain type=\"kvm\""));
 
     let pool_name = host.storage_pool.clone();
-    let volumes: Vec<(String, String)> = images
+    let volumes: Vec<(String, String, String)> = images
         .iter()
-        .map(|i| (i.name.clone(), instance::image_volume_name(&i.sha256)))
+        .map(|i| {
+            (
+                i.name.clone(),
+                instance::image_volume_name(&i.sha256),
+                instance::image_marker_name(&i.sha256),
+            )
+        })
         .collect();
     let lookups = volumes.clone();
     let pool_facts = conn
@@ -197,9 +206,10 @@ async fn facts(
             } else {
                 0
             };
-            let cached: Vec<bool> = lookups
+            let exists = |name: &str| active && StorageVol::lookup_by_name(&pool, name).is_ok();
+            let cached: Vec<(bool, bool)> = lookups
                 .iter()
-                .map(|(_, vol)| active && StorageVol::lookup_by_name(&pool, vol).is_ok())
+                .map(|(_, vol, marker)| (exists(vol), exists(marker)))
                 .collect();
             Ok(Some((active, free, cached)))
         })
@@ -225,10 +235,11 @@ async fn facts(
             report.images = volumes
                 .into_iter()
                 .zip(cached)
-                .map(|((name, volume), cached)| ImageReport {
+                .map(|((name, volume, _), (data, marker))| ImageReport {
                     name,
                     volume,
-                    cached,
+                    cached: data && marker,
+                    staging: data && !marker,
                 })
                 .collect();
         }
@@ -303,7 +314,11 @@ pub fn table(reports: &[HostReport]) -> String {
             out.push_str(&format!(
                 "  image {:<14} {}\n",
                 i.name,
-                if i.cached { "cached" } else { "not cached" }
+                match (i.cached, i.staging) {
+                    (true, _) => "cached (verified)",
+                    (false, true) => "staging (upload in progress or abandoned)",
+                    _ => "not cached",
+                }
             ));
         }
         if let Some(m) = &r.message {

@@ -1,0 +1,210 @@
+//! The rig of the provider tests: daemons, a storage pool, an image server, and a
+//! kvm2 provider over them (or over a fault-injecting wrapper), plus the request shapes
+//! the tests use.
+#![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)] // test rig: failures are test failures
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use egress_operator::api::proxy::ProxySpec;
+use egress_operator::config::ValidConfig;
+use egress_operator::instance::{image_marker_name, image_volume_name};
+use egress_operator::provider::kvm2::backend::{Kvm2Options, Kvm2Provider};
+use egress_operator::provider::kvm2::hosts::Hosts;
+use egress_operator::provider::kvm2::image::{ImageCacheOptions, ImageMetrics};
+use egress_operator::provider::kvm2::libvirt::BlockingPool;
+use egress_operator::provider::kvm2::observe::CallMetrics;
+use egress_operator::provider::kvm2::ops::{HostOps, LibvirtOps};
+use egress_operator::provider::{CreateRequest, ProxyRef, UserData};
+use egress_operator::templates::{TemplateEngine, TemplateSet};
+
+use crate::harness::{self, Libvirtd, Need, Sshd};
+use crate::http::{HttpServer, Route};
+use crate::{TestImage, provider_config, small_qcow2};
+
+/// Everything one test needs: daemons, a pool, an image server, a provider.
+pub struct Rig {
+    /// OpenSSH's sshd on 127.0.0.1.
+    pub sshd: Sshd,
+    /// The isolated libvirtd.
+    pub libvirtd: Libvirtd,
+    /// Directory of the `default` pool.
+    pub pool_dir: std::path::PathBuf,
+    /// Where the served image files live.
+    pub images_dir: tempfile::TempDir,
+    /// The image server.
+    pub http: HttpServer,
+    /// The providers config (host `h1`).
+    pub config: Arc<ValidConfig>,
+    /// The hosts table (close it at the end of a test).
+    pub hosts: Arc<Hosts>,
+    /// Real host operations through the tunnel.
+    pub ops: Arc<dyn HostOps>,
+    /// sha256 of `/base.qcow2`.
+    pub image_sha: String,
+}
+
+impl std::fmt::Debug for Rig {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Rig")
+            .field("sshd", &self.sshd)
+            .field("libvirtd", &self.libvirtd)
+            .finish_non_exhaustive()
+    }
+}
+
+impl Rig {
+    /// Starts everything; `None` (after printing why) where the daemons cannot run.
+    pub fn start(
+        extra_routes: Vec<(String, Route)>,
+        images: impl Fn(&HttpServer, &str) -> Vec<TestImage>,
+    ) -> Option<Rig> {
+        if harness::skip(&[Need::Sshd, Need::Libvirtd]) {
+            return None;
+        }
+        if which("qemu-img").is_none() {
+            eprintln!("SKIPPED: qemu-img missing");
+            return None;
+        }
+        let sshd = Sshd::start().unwrap();
+        let libvirtd = Libvirtd::start().unwrap();
+        let pool_dir = libvirtd.define_dir_pool("default").unwrap();
+        let dir = tempfile::tempdir().unwrap();
+        let (path, sha) = small_qcow2(dir.path(), "base").unwrap();
+        let mut routes = vec![("/base.qcow2".to_string(), Route::File(path))];
+        routes.extend(extra_routes);
+        let http = HttpServer::start(routes).unwrap();
+        let config =
+            Arc::new(provider_config(&sshd, &libvirtd, "h1", &images(&http, &sha), &[]).unwrap());
+        let hosts = Arc::new(
+            Hosts::new(
+                &config.kvm2.ssh,
+                &config.kvm2.hosts,
+                BlockingPool::default(),
+                Arc::new(CallMetrics::unregistered()),
+            )
+            .unwrap(),
+        );
+        let ops: Arc<dyn HostOps> = Arc::new(LibvirtOps::new(hosts.clone()));
+        Some(Rig {
+            sshd,
+            libvirtd,
+            pool_dir,
+            images_dir: dir,
+            http,
+            config,
+            hosts,
+            ops,
+            image_sha: sha,
+        })
+    }
+
+    /// The one image every rig serves: `/base.qcow2`, named `base`.
+    pub fn base_image(http: &HttpServer, sha: &str) -> Vec<TestImage> {
+        vec![TestImage {
+            name: "base".into(),
+            url: http.url("/base.qcow2"),
+            sha256: sha.into(),
+            max_size_mib: None,
+        }]
+    }
+
+    /// A provider over `ops` (the rig's own, or a wrapper of it), with short waits.
+    pub fn provider(&self, ops: Arc<dyn HostOps>) -> Kvm2Provider {
+        let engine = TemplateEngine::new(None).unwrap();
+        let templates = Arc::new(TemplateSet::load(&engine, &self.config.kvm2.templates));
+        assert!(templates.is_healthy(), "{:?}", templates.health());
+        let images = ImageCacheOptions {
+            // A crashed uploader's staging volume is taken over quickly here.
+            stale_after: Duration::from_secs(3),
+            poll_every: Duration::from_millis(200),
+            ..ImageCacheOptions::default()
+        };
+        let options = Kvm2Options {
+            images,
+            start_timeout: Duration::from_secs(60),
+            shutdown_timeout: Duration::from_secs(2),
+            ..Kvm2Options::default()
+        };
+        Kvm2Provider::new(
+            self.config.clone(),
+            ops,
+            templates,
+            options,
+            ImageMetrics::default(),
+        )
+    }
+
+    /// virsh against the rig's libvirtd; panics on failure (tests only).
+    pub fn virsh(&self, args: &[&str]) -> String {
+        self.libvirtd
+            .virsh(&self.libvirtd.qemu_uri(), args)
+            .unwrap()
+    }
+
+    /// Volume names in the pool.
+    pub fn volumes(&self) -> Vec<String> {
+        self.virsh(&["pool-refresh", "default"]);
+        let mut v: Vec<String> = self
+            .virsh(&["vol-list", "default"])
+            .lines()
+            .filter_map(|l| l.split_whitespace().next())
+            .map(String::from)
+            .collect();
+        v.sort();
+        v
+    }
+
+    /// Domain names (all states).
+    pub fn domains(&self) -> Vec<String> {
+        self.virsh(&["list", "--all", "--name"])
+            .lines()
+            .map(str::trim)
+            .filter(|l| !l.is_empty())
+            .map(String::from)
+            .collect()
+    }
+
+    /// The cached base image's data and marker volumes.
+    pub fn base_volumes(&self) -> Vec<String> {
+        vec![
+            image_volume_name(&self.image_sha),
+            image_marker_name(&self.image_sha),
+        ]
+    }
+}
+
+/// The full path of a program on PATH.
+pub fn which(name: &str) -> Option<std::path::PathBuf> {
+    std::env::var_os("PATH").and_then(|p| {
+        std::env::split_paths(&p)
+            .map(|d| d.join(name))
+            .find(|c| c.exists())
+    })
+}
+
+/// A Create for Proxy `default/NAME` with this UID, pinned to host `h1`, with user-data.
+pub fn request(uid: &str, name: &str) -> CreateRequest {
+    CreateRequest {
+        proxy: ProxyRef {
+            namespace: "default".into(),
+            name: name.into(),
+            uid: uid.into(),
+        },
+        spec: ProxySpec {
+            provider: "kvm2".into(),
+            machine_type: None,
+            image: None,
+            host: Some("h1".into()),
+            user_data: None,
+        },
+        user_data: Some(UserData::new(
+            b"#cloud-config\npassword: not-in-any-log\n".to_vec(),
+        )),
+    }
+}
+
+/// A valid UID numbered `n`.
+pub fn uid(n: u8) -> String {
+    format!("0b7c3c1e-9a43-4f5e-a1d2-3c4b5a6978{n:02x}")
+}
