@@ -141,6 +141,7 @@ pub struct RenderArgs {
 
 /// Runs one command, writing to the process's stdout and stderr.
 pub fn run(cli: Cli) -> ExitCode {
+    crate::telemetry::init("warn");
     let mut out = std::io::stdout().lock();
     let mut err = std::io::stderr().lock();
     ExitCode::from(execute(cli.command, &mut out, &mut err))

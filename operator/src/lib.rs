@@ -11,6 +11,7 @@ pub mod instance;
 pub mod provider;
 pub mod provision;
 pub mod render;
+pub mod telemetry;
 pub mod templates;
 pub mod validation;
 
