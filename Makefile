@@ -68,6 +68,7 @@ demo: setup plugins
 bench: setup plugins
 	$(CARGO) bench --locked -p integration-tests --bench templates
 	$(CARGO) bench --locked -p integration-tests --bench transport
+	$(CARGO) bench --locked -p integration-tests --bench provider
 
 clean:
 	$(CARGO) clean
