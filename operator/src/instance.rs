@@ -81,6 +81,13 @@ pub fn image_marker_name(sha256: &str) -> String {
     format!("{NAME_PREFIX}imgok-{}", short_digest(sha256))
 }
 
+/// The empty volume a waiter creates (exclusively) before it takes over a staging image
+/// volume whose uploader died: only one waiter can take over, and the old uploader, should
+/// it wake up, sees the claim and does not commit.
+pub fn image_takeover_name(sha256: &str) -> String {
+    format!("{NAME_PREFIX}imgtk-{}", short_digest(sha256))
+}
+
 fn short_digest(sha256: &str) -> String {
     sha256
         .chars()

@@ -169,7 +169,28 @@ pub struct Kvm2Provider {
     templates: Arc<TemplateSet>,
     names: KeyedLocks,
     creates: BTreeMap<String, Arc<Semaphore>>,
+    /// Creates in flight per host that have passed the room check: they count against
+    /// `maxDomains` before their domain exists.
+    reserved: Arc<std::sync::Mutex<BTreeMap<String, usize>>>,
     options: Kvm2Options,
+}
+
+/// A slot on a host held by a Create in flight; released on drop.
+struct Reservation {
+    host: String,
+    table: Arc<std::sync::Mutex<BTreeMap<String, usize>>>,
+}
+
+impl Drop for Reservation {
+    fn drop(&mut self) {
+        let mut t = match self.table.lock() {
+            Ok(t) => t,
+            Err(p) => p.into_inner(),
+        };
+        if let Some(n) = t.get_mut(&self.host) {
+            *n = n.saturating_sub(1);
+        }
+    }
 }
 
 impl std::fmt::Debug for Kvm2Provider {
@@ -213,6 +234,7 @@ impl Kvm2Provider {
             templates,
             names: KeyedLocks::new(),
             creates,
+            reserved: Arc::default(),
             options,
         }
     }
@@ -272,7 +294,8 @@ impl Kvm2Provider {
                     let ours = list
                         .iter()
                         .filter(|d| d.mark.as_ref().is_some_and(|m| self.is_ours(m)))
-                        .count();
+                        .count()
+                        + self.in_flight(&host.name);
                     let room = u32::try_from(ours).unwrap_or(u32::MAX) < host.max_domains;
                     if room && best.as_ref().is_none_or(|(n, _)| ours < *n) {
                         best = Some((ours, host.name.clone()));
@@ -297,6 +320,13 @@ impl Kvm2Provider {
                     failures.join(", ")
                 }
             ))),
+        }
+    }
+
+    fn in_flight(&self, host: &str) -> usize {
+        match self.reserved.lock() {
+            Ok(t) => t.get(host).copied().unwrap_or(0),
+            Err(p) => p.into_inner().get(host).copied().unwrap_or(0),
         }
     }
 
@@ -368,9 +398,7 @@ impl Kvm2Provider {
             ),
             None => None,
         };
-        if req.spec.host.is_some() {
-            self.check_room(&host).await?;
-        }
+        let _slot = self.reserve(&host).await?;
 
         let mut made = Made::default();
         match self.build(req, &host, &identity, &mut made).await {
@@ -398,16 +426,24 @@ impl Kvm2Provider {
             .is_some())
     }
 
-    async fn check_room(&self, host: &HostConfig) -> Result<(), Kvm2Error> {
+    /// Takes a slot on `host` if its domains plus the Creates in flight stay within
+    /// `maxDomains`; the slot is held until the returned guard drops.
+    async fn reserve(&self, host: &HostConfig) -> Result<Reservation, Kvm2Error> {
         let list = self
             .ops
             .list_domains(&host.name)
             .await
             .map_err(step("domain list"))?;
-        let count = list
+        let defined = list
             .iter()
             .filter(|d| d.mark.as_ref().is_some_and(|m| self.is_ours(m)))
             .count();
+        let mut table = match self.reserved.lock() {
+            Ok(t) => t,
+            Err(p) => p.into_inner(),
+        };
+        let in_flight = table.entry(host.name.clone()).or_insert(0);
+        let count = defined + *in_flight;
         if u32::try_from(count).unwrap_or(u32::MAX) >= host.max_domains {
             return Err(Kvm2Error::HostFull {
                 host: host.name.clone(),
@@ -415,7 +451,11 @@ impl Kvm2Provider {
                 max: host.max_domains,
             });
         }
-        Ok(())
+        *in_flight += 1;
+        Ok(Reservation {
+            host: host.name.clone(),
+            table: self.reserved.clone(),
+        })
     }
 
     async fn build(
@@ -630,7 +670,12 @@ impl Kvm2Provider {
             .await
             .map_err(step("domain lookup"))?
             .ok_or_else(|| Kvm2Error::NotFound(id.clone()))?;
-        let Some(mark) = rec.mark.clone().filter(|m| self.is_ours(m)) else {
+        let named_uid = id.name.strip_prefix(crate::instance::NAME_PREFIX);
+        let Some(mark) = rec
+            .mark
+            .clone()
+            .filter(|m| self.is_ours(m) && Some(m.uid.as_str()) == named_uid)
+        else {
             // Someone else's domain under that name is not our instance.
             return Err(Kvm2Error::NotFound(id.clone()));
         };
@@ -652,27 +697,29 @@ impl Kvm2Provider {
             .domain(h, &id.name)
             .await
             .map_err(step("domain lookup"))?;
-        // Volumes are named from the UID; with the domain gone, the name tells it.
-        let uid = match &rec {
-            Some(r) => match &r.mark {
-                Some(m) if self.is_ours(m) => m.uid.clone(),
-                other => {
-                    return Err(Kvm2Error::Foreign {
-                        host: h.into(),
-                        domain: id.name.clone(),
-                        owner: match other {
-                            Some(m) => format!("cluster {:?}", m.cluster_id),
-                            None => "no egress-operator mark".into(),
-                        },
-                    });
-                }
-            },
-            None => id
-                .name
-                .strip_prefix(crate::instance::NAME_PREFIX)
-                .unwrap_or_default()
-                .to_string(),
-        };
+        // Volume names come from the instance name (egress-<uid>), never from a mark: a
+        // domain whose mark names another Proxy must not lead us to that Proxy's volumes.
+        let uid = id
+            .name
+            .strip_prefix(crate::instance::NAME_PREFIX)
+            .unwrap_or_default()
+            .to_string();
+        if let Some(r) = &rec {
+            let ours = r.mark.as_ref().filter(|m| self.is_ours(m));
+            if ours.is_none_or(|m| m.uid != uid) {
+                return Err(Kvm2Error::Foreign {
+                    host: h.into(),
+                    domain: id.name.clone(),
+                    owner: match &r.mark {
+                        Some(m) => format!(
+                            "cluster {:?}, Proxy {}/{} uid {}",
+                            m.cluster_id, m.namespace, m.name, m.uid
+                        ),
+                        None => "no egress-operator mark".into(),
+                    },
+                });
+            }
+        }
         let identity = InstanceIdentity::for_uid(&uid).map_err(Kvm2Error::InvalidRequest)?;
         if let Some(rec) = rec {
             if rec.state == InstanceState::Running {

@@ -18,9 +18,20 @@
 //! the loser sees a data volume without marker and waits, polling, until the marker
 //! appears. If the data volume stops growing for [`ImageCacheOptions::stale_after`] its
 //! uploader is taken to be dead (a live uploader never stalls that long: its own download
-//! idle timeout and upload deadline are far shorter), and the waiter deletes it and tries
-//! the exclusive create again; only one taker can win that. A marker whose data volume is
-//! gone is deleted and the image cached again.
+//! idle timeout and upload deadline are far shorter). A waiter takes over only after it
+//! created the **takeover claim** `egress-imgtk-<48 hex>` (exclusive, so one taker), then
+//! deletes the dead volume and uploads as above, and deletes the claim when done. An
+//! uploader that did not take over and finds a claim when it is about to commit has been
+//! taken over: it neither commits nor deletes the volume (it is the taker's now). A claim
+//! whose taker also went silent for the stale window is removed. A marker whose data
+//! volume is gone is deleted and the image cached again.
+//!
+//! The protocol assumes that no participant pauses for longer than the stale window
+//! between two of its own steps (10 minutes by default; every step is one libvirt call
+//! with a deadline far shorter). A process frozen longer than that, between taking the
+//! claim and deleting, can still delete a later taker's volume; closing that needs a
+//! fencing token stored in the claim, which libvirt volumes make costly (a stream read per
+//! check).
 //!
 //! Memory stays flat: chunks go from the HTTP body through a small bounded channel into a
 //! libvirt stream on a blocking thread, never into a buffer of the image's size.
@@ -40,7 +51,7 @@ use super::locks::KeyedLocks;
 use super::ops::{Created, HostOps, OpsError};
 use crate::config::{HostConfig, ImageConfig, ImageFormat};
 use crate::error::{Classified, ErrorClass};
-use crate::instance::{image_marker_name, image_volume_name};
+use crate::instance::{image_marker_name, image_takeover_name, image_volume_name};
 
 /// Chunks buffered between the download and the upload: with ~64 KiB chunks, about
 /// 1 MiB in flight whatever the image size.
@@ -99,6 +110,14 @@ pub enum ImageError {
         /// Image name.
         image: String,
     },
+    /// Our upload was taken over by another replica (we stalled past the stale window).
+    #[error("image {image:?} on host {host:?}: another replica took over this upload")]
+    TakenOver {
+        /// Host.
+        host: String,
+        /// Image name.
+        image: String,
+    },
     /// Another uploader neither committed nor went stale in time.
     #[error(
         "image {image:?} on host {host:?}: gave up waiting for another uploader after {waited:?}"
@@ -120,7 +139,7 @@ impl Classified for ImageError {
             ImageError::Ops { source, .. } => source.class(),
             ImageError::NoSpace { .. } => ErrorClass::Quota,
             ImageError::UnknownSize { .. } => ErrorClass::Permanent,
-            ImageError::WaitTimeout { .. } => ErrorClass::Transient,
+            ImageError::WaitTimeout { .. } | ImageError::TakenOver { .. } => ErrorClass::Transient,
         }
     }
 }
@@ -352,22 +371,33 @@ impl ImageCache {
         let started = Instant::now();
         // The staging volume we watch: its allocation and when it last changed.
         let mut watching: Option<(u64, Instant)> = None;
-        loop {
-            match self.look(host, image).await? {
+        // Whether we hold the takeover claim, and whether we saw someone else's claim at
+        // the last stale verdict (a claim still there one stale window later is dead too).
+        let mut claimed = false;
+        let mut claim_seen = false;
+        let result = loop {
+            let seen = match self.look(host, image).await {
+                Ok(seen) => seen,
+                Err(e) => break Err(e),
+            };
+            match seen {
                 Seen::Committed => {
                     self.metrics.hits.get_or_create(&labels).inc();
-                    return Ok(BaseVolume {
-                        volume: data_name,
+                    break Ok(BaseVolume {
+                        volume: data_name.clone(),
                         format: image.format,
                         uploaded: false,
                     });
                 }
                 Seen::Orphan => {
                     tracing::warn!(host = h, image = %image.name, "image marker without its volume; caching again");
-                    self.ops
+                    if let Err(e) = self
+                        .ops
                         .delete_volume(h, pool, &image_marker_name(&image.sha256))
                         .await
-                        .map_err(|e| Self::ops_err(host, image, e))?;
+                    {
+                        break Err(Self::ops_err(host, image, e));
+                    }
                 }
                 Seen::Staging(allocation) => {
                     let now = Instant::now();
@@ -381,16 +411,31 @@ impl ImageCache {
                         }
                     };
                     if stale {
-                        tracing::warn!(host = h, image = %image.name, "staging volume stopped growing; taking over");
-                        self.ops
-                            .delete_volume(h, pool, &data_name)
-                            .await
-                            .map_err(|e| Self::ops_err(host, image, e))?;
                         watching = None;
+                        let claim = image_takeover_name(&image.sha256);
+                        let xml = super::volume::raw_volume_xml(&claim, 0);
+                        match self.ops.create_volume(h, pool, &claim, xml).await {
+                            Ok(Created::Created) => {
+                                claimed = true;
+                                tracing::warn!(host = h, image = %image.name, "staging volume stopped growing; taking over");
+                                if let Err(e) = self.ops.delete_volume(h, pool, &data_name).await {
+                                    break Err(Self::ops_err(host, image, e));
+                                }
+                            }
+                            Ok(Created::Exists) if claim_seen => {
+                                // The taker went silent too: drop its claim, try again.
+                                claim_seen = false;
+                                if let Err(e) = self.ops.delete_volume(h, pool, &claim).await {
+                                    break Err(Self::ops_err(host, image, e));
+                                }
+                            }
+                            Ok(Created::Exists) => claim_seen = true,
+                            Err(e) => break Err(Self::ops_err(host, image, e)),
+                        }
                         continue;
                     }
                     if started.elapsed() >= self.options.max_wait {
-                        return Err(ImageError::WaitTimeout {
+                        break Err(ImageError::WaitTimeout {
                             host: h.into(),
                             image: image.name.clone(),
                             waited: started.elapsed(),
@@ -399,14 +444,35 @@ impl ImageCache {
                     tracing::debug!(host = h, image = %image.name, "another uploader is caching the image; waiting");
                     tokio::time::sleep(self.options.poll_every).await;
                 }
-                Seen::Absent => {
-                    if let Some(done) = self.upload(host, image, &labels).await? {
-                        return Ok(done);
-                    }
+                Seen::Absent => match self.upload(host, image, &labels, claimed).await {
+                    Ok(Some(done)) => break Ok(done),
                     // Lost the exclusive create to another replica: wait for it.
-                }
+                    Ok(None) => {}
+                    Err(e) => break Err(e),
+                },
+            }
+        };
+        if claimed {
+            let claim = image_takeover_name(&image.sha256);
+            if let Err(e) = self.ops.delete_volume(h, pool, &claim).await {
+                tracing::warn!(host = h, image = %image.name, error = %e, "could not remove the takeover claim; it is dropped once stale");
             }
         }
+        result
+    }
+
+    /// Whether another waiter holds the takeover claim (so our staging volume is theirs).
+    async fn taken_over(&self, host: &HostConfig, image: &ImageConfig) -> Result<bool, ImageError> {
+        Ok(self
+            .ops
+            .volume(
+                &host.name,
+                &host.storage_pool,
+                &image_takeover_name(&image.sha256),
+            )
+            .await
+            .map_err(|e| Self::ops_err(host, image, e))?
+            .is_some())
     }
 
     /// Downloads and uploads the image. `Ok(None)` when another uploader claimed the data
@@ -416,6 +482,7 @@ impl ImageCache {
         host: &HostConfig,
         image: &ImageConfig,
         labels: &ImageLabels,
+        claimed: bool,
     ) -> Result<Option<BaseVolume>, ImageError> {
         let (h, pool) = (host.name.as_str(), host.storage_pool.as_str());
         let data_name = image_volume_name(&image.sha256);
@@ -424,7 +491,7 @@ impl ImageCache {
             image: image.name.clone(),
             source,
         };
-        let mut download = fetch::open(image, &self.options.fetch)
+        let download = fetch::open(image, &self.options.fetch)
             .await
             .map_err(fetch_err)?;
         let Some(size) = download.content_length() else {
@@ -457,13 +524,17 @@ impl ImageCache {
             Created::Exists => return Ok(None),
         }
         tracing::info!(host = h, image = %image.name, bytes = size, "uploading base image");
-        let result = self.stream(host, image, labels, &mut download, size).await;
-        let result = match result {
-            Ok(()) => download.finish().map(drop).map_err(fetch_err),
-            Err(e) => Err(e),
-        };
-        // The upload finished only if the producer let it; a failed verification aborted
-        // the stream. Either way, on error the data volume goes.
+        // The upload is finished only when the download verified (length and sha256);
+        // otherwise the stream is aborted. Either way, on error the data volume goes.
+        let result = self.stream(host, image, labels, download, size).await;
+        // Taken over while we stalled: the volume is the taker's now; leave it alone.
+        if !claimed && self.taken_over(host, image).await? {
+            self.metrics.upload_progress.get_or_create(labels).set(0);
+            return Err(ImageError::TakenOver {
+                host: h.into(),
+                image: image.name.clone(),
+            });
+        }
         let outcome = match result {
             Ok(()) => {
                 let marker = super::volume::raw_volume_xml(&image_marker_name(&image.sha256), 0);
@@ -512,13 +583,15 @@ impl ImageCache {
     }
 
     /// Pumps the download into the upload. The producer (this task) hashes and checks as
-    /// it goes; on any failure it sends an abort, so the volume is never finished.
+    /// it goes and verifies length and sha256 at the end of the body *before* it lets the
+    /// upload finish; on any failure it sends an abort, so an unverified volume is never
+    /// finished.
     async fn stream(
         &self,
         host: &HostConfig,
         image: &ImageConfig,
         labels: &ImageLabels,
-        download: &mut fetch::ImageDownload,
+        mut download: fetch::ImageDownload,
         size: u64,
     ) -> Result<(), ImageError> {
         let (h, pool) = (host.name.as_str(), host.storage_pool.as_str());
@@ -561,7 +634,15 @@ impl ImageCache {
                             tracing::info!(host = h, image = %image.name, done, total = size, "uploading base image");
                         }
                     }
-                    Ok(None) => return Ok(()),
+                    Ok(None) => {
+                        return match download.finish() {
+                            Ok(_) => Ok(()),
+                            Err(e) => {
+                                let _ = tx.send(Err(e.to_string())).await;
+                                Err(e)
+                            }
+                        };
+                    }
                     Err(e) => {
                         let _ = tx.send(Err(e.to_string())).await;
                         return Err(e);

@@ -1,0 +1,1480 @@
+//! The kvm2 provider's own logic against the in-memory fake hosts ([`FakeOps`]), with
+//! faults injected by [`FaultyOps`]: placement, adopt-or-refuse, cleanup after failures
+//! and crashes, the image cache's marker-volume protocol, racing replicas, half-deleted
+//! instances, listing, health and secrets. No daemons, no root: the real template plugins
+//! (built by `make plugins`) render, and a loopback HTTP server serves the image.
+//!
+//! Every test asserts the exact end state of the fake hosts (volume and domain names).
+#![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)] // tests fail loudly
+
+use std::collections::{BTreeSet, HashMap};
+use std::future::Future;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Mutex, OnceLock};
+use std::time::{Duration, Instant};
+
+use egress_operator::Classified as _;
+use egress_operator::api::proxy::ProxySpec;
+use egress_operator::config::{self, ValidConfig};
+use egress_operator::error::ErrorClass;
+use egress_operator::instance::{
+    InstanceIdentity, MetadataMark, image_marker_name, image_volume_name,
+};
+use egress_operator::provider::kvm2::addresses::{AddressSource, NicAddrs};
+use egress_operator::provider::kvm2::backend::{Kvm2Options, Kvm2Provider};
+use egress_operator::provider::kvm2::fake::{FAULT_POINTS, FakeOps, FaultyOps};
+use egress_operator::provider::kvm2::image::{ImageCacheOptions, ImageMetrics};
+use egress_operator::provider::kvm2::ops::{
+    Created, DomainRecord, HostOps, OpsError, PoolSpace, UploadChunks, VolumeInfo,
+};
+use egress_operator::provider::{
+    BoxFuture, CreateRequest, InstanceId, InstanceState, Provider, ProviderError, ProxyRef,
+    UserData,
+};
+use egress_operator::render::Facts;
+use egress_operator::templates::{TemplateEngine, TemplateSet};
+use integration_tests::http::{HttpServer, Route};
+use integration_tests::{plugin_path, sha256_hex};
+use tokio::sync::Notify;
+
+/// A hang fails the test instead of blocking CI; not a timing assertion.
+const HANG_GUARD: Duration = Duration::from_secs(60);
+/// A staging volume that has not grown for this long is taken over.
+const STALE_AFTER: Duration = Duration::from_millis(300);
+/// Plenty of pool space.
+const BIG_POOL: u64 = 1 << 40;
+/// In the user-data of every request: must never show in an error.
+const SECRET: &str = "pw-5f0c9e-never-in-errors";
+/// The Create steps [`FaultyOps`] can fail.
+const CREATE_POINTS: [&str; 5] = [
+    "volume-create",
+    "volume-upload",
+    "domain-define",
+    "domain-start",
+    "domain-lookup",
+];
+
+fn run<F: Future>(f: F) -> F::Output {
+    let rt = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .enable_all()
+        .build()
+        .unwrap();
+    rt.block_on(async {
+        tokio::time::timeout(HANG_GUARD, f)
+            .await
+            .expect("hang guard")
+    })
+}
+
+/// The image the server sends: a few KB, not all alike.
+fn image_bytes() -> Arc<Vec<u8>> {
+    Arc::new((0..6000u32).map(|i| (i * 7 % 251) as u8).collect())
+}
+
+/// How a test's world is set up.
+#[derive(Debug, Clone, Copy)]
+struct Opts {
+    /// Hosts the fake knows (the config always has h1 and h2).
+    fake_hosts: &'static [&'static str],
+    /// Free bytes in every fake pool.
+    free: u64,
+    /// `maxDomains` of h1.
+    h1_max_domains: u32,
+    /// Path the image URL points at (`/img` or `/trunc`).
+    path: &'static str,
+    /// Configure a sha256 that the served bytes do not have.
+    wrong_sha: bool,
+}
+
+impl Default for Opts {
+    fn default() -> Self {
+        Self {
+            fake_hosts: &["h1", "h2"],
+            free: BIG_POOL,
+            h1_max_domains: 32,
+            path: "/img",
+            wrong_sha: false,
+        }
+    }
+}
+
+/// An image server, fake hosts, and the config over them.
+struct Env {
+    http: HttpServer,
+    fake: Arc<FakeOps>,
+    config: Arc<ValidConfig>,
+    bytes: Arc<Vec<u8>>,
+    /// sha256 in the config (of the served bytes unless `wrong_sha`).
+    sha: String,
+}
+
+impl Env {
+    fn new() -> Self {
+        Self::with(Opts::default())
+    }
+
+    fn with(opts: Opts) -> Self {
+        let bytes = image_bytes();
+        let http = HttpServer::start(vec![
+            ("/img".to_string(), Route::Body(bytes.clone())),
+            (
+                "/trunc".to_string(),
+                Route::Truncated {
+                    body: Arc::new(bytes[..1000].to_vec()),
+                    declared: bytes.len() as u64,
+                },
+            ),
+        ])
+        .unwrap();
+        let sha = if opts.wrong_sha {
+            sha256_hex(b"some other image")
+        } else {
+            sha256_hex(&bytes)
+        };
+        let config = test_config(&http.url(opts.path), &sha, opts.h1_max_domains);
+        Self {
+            http,
+            fake: Arc::new(FakeOps::new(opts.fake_hosts, opts.free)),
+            config,
+            bytes,
+            sha,
+        }
+    }
+
+    /// Requests for the image so far.
+    fn hits(&self) -> usize {
+        self.http.hits("/img") + self.http.hits("/trunc")
+    }
+
+    fn ops(&self) -> Arc<dyn HostOps> {
+        self.fake.clone()
+    }
+
+    /// A provider over the plain fake hosts.
+    fn provider(&self) -> Kvm2Provider {
+        provider(&self.config, self.ops())
+    }
+
+    /// Base image data volume and its marker.
+    fn base(&self) -> BTreeSet<String> {
+        names([image_volume_name(&self.sha), image_marker_name(&self.sha)])
+    }
+
+    /// The base image plus root and seed of each UID.
+    fn expected(&self, uids: &[&str]) -> BTreeSet<String> {
+        let mut v = self.base();
+        for u in uids {
+            v.extend(vm_volumes(u));
+        }
+        v
+    }
+
+    fn volumes(&self, host: &str) -> BTreeSet<String> {
+        self.fake.volumes(host)
+    }
+
+    fn domains(&self, host: &str) -> BTreeSet<String> {
+        self.fake.domains(host)
+    }
+}
+
+fn test_config(url: &str, sha: &str, h1_max_domains: u32) -> Arc<ValidConfig> {
+    let yaml = format!(
+        r#"
+clusterId: test
+kvm2:
+  ssh:
+    user: egress
+    privateKeyFile: /nonexistent/id_ed25519
+    knownHostsFile: /nonexistent/known_hosts
+  hosts:
+    - {{name: h1, address: "127.0.0.1:1", storagePool: default, bridge: br0, maxDomains: {h1_max_domains}}}
+    - {{name: h2, address: "127.0.0.1:2", storagePool: default, bridge: br0}}
+  images:
+    - {{name: base, url: "{url}", sha256: "{sha}", format: qcow2, allowHttp: true, allowPrivateAddresses: true}}
+  machineTypes:
+    - {{name: small, vcpus: 1, memoryMiB: 128, diskGiB: 1}}
+  defaults: {{machineType: small, image: base}}
+  templates:
+    domain: {{path: {domain}}}
+    vendorData:
+      path: {vendor}
+      settings: {{listenPort: 3128, allowedClientCidrs: [10.0.0.0/8]}}
+"#,
+        domain = plugin_path("domain-default").unwrap().display(),
+        vendor = plugin_path("vendor-data-default").unwrap().display(),
+    );
+    Arc::new(config::parse(&yaml, "provider-logic-config", std::path::Path::new("/")).unwrap())
+}
+
+/// The default plugins, compiled once for every test of this binary.
+fn templates() -> Arc<TemplateSet> {
+    static SET: OnceLock<Arc<TemplateSet>> = OnceLock::new();
+    SET.get_or_init(|| {
+        let config = test_config("http://127.0.0.1:1/img", &"a".repeat(64), 32);
+        // Leaked: the engine's epoch ticker must outlive every render of the binary.
+        let engine: &'static TemplateEngine =
+            Box::leak(Box::new(TemplateEngine::new(None).unwrap()));
+        let set = TemplateSet::load(engine, &config.kvm2.templates);
+        assert!(set.is_healthy(), "{:?}", set.health());
+        Arc::new(set)
+    })
+    .clone()
+}
+
+/// A provider over `ops` with short waits (mirrors the real rig's `provider()`).
+fn provider(config: &Arc<ValidConfig>, ops: Arc<dyn HostOps>) -> Kvm2Provider {
+    let images = ImageCacheOptions {
+        stale_after: STALE_AFTER,
+        poll_every: Duration::from_millis(20),
+        max_wait: Duration::from_secs(20),
+        ..ImageCacheOptions::default()
+    };
+    let options = Kvm2Options {
+        images,
+        start_timeout: Duration::from_secs(2),
+        shutdown_timeout: Duration::from_secs(1),
+        poll_every: Duration::from_millis(10),
+    };
+    Kvm2Provider::new(
+        config.clone(),
+        ops,
+        templates(),
+        options,
+        ImageMetrics::default(),
+    )
+}
+
+/// A valid UID numbered `n`.
+fn uid(n: u8) -> String {
+    format!("0b7c3c1e-9a43-4f5e-a1d2-3c4b5a6978{n:02x}")
+}
+
+fn identity(uid: &str) -> InstanceIdentity {
+    InstanceIdentity::for_uid(uid).unwrap()
+}
+
+fn dom(uid: &str) -> String {
+    identity(uid).domain_name
+}
+
+fn vm_volumes(uid: &str) -> [String; 2] {
+    let id = identity(uid);
+    [id.root_volume, id.seed_volume]
+}
+
+fn names<I: IntoIterator<Item = S>, S: Into<String>>(items: I) -> BTreeSet<String> {
+    items.into_iter().map(Into::into).collect()
+}
+
+/// A Create for Proxy `default/NAME` with this UID, pinned to `host` if given, with
+/// user-data carrying [`SECRET`].
+fn request(uid: &str, name: &str, host: Option<&str>) -> CreateRequest {
+    CreateRequest {
+        proxy: ProxyRef {
+            namespace: "default".into(),
+            name: name.into(),
+            uid: uid.into(),
+        },
+        spec: ProxySpec {
+            provider: "kvm2".into(),
+            machine_type: None,
+            image: None,
+            host: host.map(String::from),
+            user_data: None,
+        },
+        user_data: Some(UserData::new(
+            format!("#cloud-config\npassword: {SECRET}\n").into_bytes(),
+        )),
+    }
+}
+
+fn mark(cluster: &str, name: &str, uid: &str) -> MetadataMark {
+    MetadataMark {
+        cluster_id: cluster.into(),
+        namespace: "default".into(),
+        name: name.into(),
+        uid: uid.into(),
+        created_at: "2026-01-01T00:00:00Z".into(),
+    }
+}
+
+/// A minimal domain XML named `name`, with `mark` in its `<metadata>` if given.
+fn domain_xml(name: &str, mark: Option<&MetadataMark>) -> String {
+    let meta = mark
+        .map(|m| format!("<metadata>{}</metadata>", m.to_xml()))
+        .unwrap_or_default();
+    format!("<domain type='qemu'><name>{name}</name><memory unit='MiB'>128</memory>{meta}</domain>")
+}
+
+fn class_of<T: std::fmt::Debug>(r: &Result<T, ProviderError>) -> ErrorClass {
+    match r {
+        Ok(v) => panic!("expected an error, got {v:?}"),
+        Err(e) => e.class(),
+    }
+}
+
+/// Everything a failure shows: Display, Debug, and the whole source chain.
+fn shown(e: &ProviderError) -> String {
+    let mut all = format!("{e}\n{e:?}\n{:?}\n", e.inner());
+    let mut cur: Option<&(dyn std::error::Error + 'static)> = std::error::Error::source(e);
+    while let Some(s) = cur {
+        all.push_str(&format!("{s}\n{s:?}\n"));
+        cur = s.source();
+    }
+    all
+}
+
+async fn state(fake: &FakeOps, host: &str, name: &str) -> Option<InstanceState> {
+    fake.domain(host, name).await.unwrap().map(|d| d.state)
+}
+
+// 1. ------------------------------------------------------------------------------------
+
+#[test]
+fn create_adopt_get_delete_round_trip() {
+    let env = Env::new();
+    run(async {
+        let p = env.provider();
+        let u = uid(1);
+        let req = request(&u, "office-egress", Some("h1"));
+        let inst = p.create(&req).await.unwrap();
+        assert_eq!(inst.state, InstanceState::Running);
+        assert_eq!(
+            inst.id,
+            InstanceId {
+                host: "h1".into(),
+                name: dom(&u)
+            }
+        );
+        assert_eq!(inst.proxy, req.proxy);
+        assert_eq!(env.domains("h1"), names([dom(&u)]));
+        assert_eq!(env.volumes("h1"), env.expected(&[&u]));
+        assert!(env.domains("h2").is_empty() && env.volumes("h2").is_empty());
+        assert_eq!(
+            state(&env.fake, "h1", &dom(&u)).await,
+            Some(InstanceState::Running)
+        );
+        assert_eq!(env.hits(), 1);
+        // The verified bytes are what the base volume holds; one image + one seed upload.
+        let data = env
+            .fake
+            .volume_data("h1", &image_volume_name(&env.sha))
+            .unwrap();
+        assert_eq!(data, *env.bytes);
+        assert_eq!(env.fake.uploads(), 2);
+        // The seed holds the user-data (the ISO carries the file as is).
+        let seed = env
+            .fake
+            .volume_data("h1", &identity(&u).seed_volume)
+            .unwrap();
+        assert!(seed.windows(SECRET.len()).any(|w| w == SECRET.as_bytes()));
+
+        // Again: adopted, same ID, nothing downloaded or uploaded again.
+        let again = p.create(&req).await.unwrap();
+        assert_eq!(again.id, inst.id);
+        assert_eq!(again.proxy, inst.proxy);
+        assert_eq!(env.hits(), 1);
+        assert_eq!(env.fake.uploads(), 2);
+        assert_eq!(env.domains("h1"), names([dom(&u)]));
+        assert_eq!(env.volumes("h1"), env.expected(&[&u]));
+
+        let got = p.get(&inst.id).await.unwrap();
+        assert_eq!(got.state, InstanceState::Running);
+        assert_eq!(got.proxy, req.proxy);
+        assert_eq!(got.id, inst.id);
+
+        p.delete(&inst.id).await.unwrap();
+        assert!(env.domains("h1").is_empty(), "{:?}", env.domains("h1"));
+        assert_eq!(env.volumes("h1"), env.base(), "only the base image stays");
+        p.delete(&inst.id).await.unwrap();
+        assert_eq!(env.volumes("h1"), env.base());
+        let e = p.get(&inst.id).await.unwrap_err();
+        assert_eq!(e.class(), ErrorClass::NotFound, "{e}");
+    });
+}
+
+// 2. ------------------------------------------------------------------------------------
+
+#[test]
+fn placement_prefers_fewer_of_our_domains_and_skips_down_hosts() {
+    let env = Env::new();
+    run(async {
+        let p = env.provider();
+        // h1 carries one of ours; h2 carries two that are not ours (no mark, other cluster).
+        let (a, b, c, d) = (uid(0x21), uid(0x22), uid(0x23), uid(0x24));
+        env.fake.put_domain(
+            "h1",
+            &dom(&a),
+            &domain_xml(&dom(&a), Some(&mark("test", "a", &a))),
+            InstanceState::Running,
+        );
+        env.fake.put_domain(
+            "h2",
+            "egress-foreign-1",
+            &domain_xml("egress-foreign-1", None),
+            InstanceState::Running,
+        );
+        let other = uid(0x99);
+        env.fake.put_domain(
+            "h2",
+            &dom(&other),
+            &domain_xml(&dom(&other), Some(&mark("other", "x", &other))),
+            InstanceState::Running,
+        );
+        let inst = p.create(&request(&b, "b", None)).await.unwrap();
+        assert_eq!(inst.id.host, "h2", "h2 has none of ours");
+        assert_eq!(
+            env.domains("h2"),
+            names(["egress-foreign-1".to_string(), dom(&other), dom(&b)])
+        );
+        assert_eq!(env.volumes("h2"), env.expected(&[&b]));
+        assert_eq!(env.domains("h1"), names([dom(&a)]));
+        assert!(env.volumes("h1").is_empty());
+
+        // Now one each: a tie goes to the first host; with h1 down, h2 it is.
+        env.fake.set_down("h1", true);
+        let inst = p.create(&request(&c, "c", None)).await.unwrap();
+        assert_eq!(inst.id.host, "h2");
+        env.fake.set_down("h1", false);
+        assert_eq!(env.domains("h1"), names([dom(&a)]));
+        assert_eq!(
+            env.domains("h2"),
+            names([
+                "egress-foreign-1".to_string(),
+                dom(&other),
+                dom(&b),
+                dom(&c)
+            ])
+        );
+        assert_eq!(env.volumes("h2"), env.expected(&[&b, &c]));
+
+        // Everything down: transient, and nothing was made anywhere.
+        env.fake.set_down("h1", true);
+        env.fake.set_down("h2", true);
+        let r = p.create(&request(&d, "d", None)).await;
+        assert_eq!(class_of(&r), ErrorClass::Transient, "{r:?}");
+        env.fake.set_down("h1", false);
+        env.fake.set_down("h2", false);
+        assert_eq!(env.domains("h1"), names([dom(&a)]));
+        assert!(env.volumes("h1").is_empty());
+        assert_eq!(env.volumes("h2"), env.expected(&[&b, &c]));
+        assert_eq!(env.domains("h2").len(), 4);
+    });
+}
+
+// 3. ------------------------------------------------------------------------------------
+
+#[test]
+fn foreign_domains_are_refused_and_untouched_ours_are_adopted() {
+    let env = Env::new();
+    run(async {
+        let p = env.provider();
+        let u = uid(0x31);
+        let name = dom(&u);
+        let foreign = [
+            ("no mark", domain_xml(&name, None)),
+            (
+                "other cluster",
+                domain_xml(&name, Some(&mark("other", "office", &u))),
+            ),
+            // Our cluster's mark for another Proxy under this Proxy's name.
+            (
+                "other uid",
+                domain_xml(&name, Some(&mark("test", "office", &uid(0x32)))),
+            ),
+        ];
+        for (what, xml) in foreign {
+            env.fake
+                .put_domain("h1", &name, &xml, InstanceState::ShutOff);
+            for host in [Some("h1"), None] {
+                let r = p.create(&request(&u, "office", host)).await;
+                assert_eq!(class_of(&r), ErrorClass::Permanent, "{what}: {r:?}");
+                assert_eq!(env.domains("h1"), names([name.clone()]), "{what}");
+                let rec = env.fake.domain("h1", &name).await.unwrap().unwrap();
+                assert_eq!(rec.state, InstanceState::ShutOff, "{what}: not started");
+                assert_eq!(
+                    env.fake.domain_xml("h1", &name).await.unwrap(),
+                    Some(xml.clone()),
+                    "{what}: not redefined"
+                );
+                assert!(
+                    env.volumes("h1").is_empty(),
+                    "{what}: {:?}",
+                    env.volumes("h1")
+                );
+                assert!(
+                    env.domains("h2").is_empty() && env.volumes("h2").is_empty(),
+                    "{what}"
+                );
+            }
+            if what == "other uid" {
+                // Delete of this one: see `delete_never_touches_another_proxys_volumes`.
+                continue;
+            }
+            // Delete refuses too, and leaves it.
+            let id = InstanceId {
+                host: "h1".into(),
+                name: name.clone(),
+            };
+            let r = p.delete(&id).await;
+            assert!(
+                r.as_ref()
+                    .is_err_and(|e| e.class() == ErrorClass::Permanent),
+                "{what}: {r:?}"
+            );
+            assert_eq!(env.domains("h1"), names([name.clone()]));
+            // Get does not report someone else's domain as ours.
+            let r = p.get(&id).await;
+            assert_eq!(class_of(&r), ErrorClass::NotFound, "{what}: {r:?}");
+        }
+        assert_eq!(env.hits(), 0);
+
+        // Ours (same cluster, same UID) with its root volume: adopted as it is.
+        let ours = domain_xml(&name, Some(&mark("test", "adopted-name", &u)));
+        env.fake
+            .put_domain("h1", &name, &ours, InstanceState::ShutOff);
+        env.fake
+            .put_volume("h1", &identity(&u).root_volume, b"overlay");
+        let inst = p.create(&request(&u, "office", Some("h1"))).await.unwrap();
+        assert_eq!(inst.state, InstanceState::Running);
+        assert_eq!(
+            inst.id,
+            InstanceId {
+                host: "h1".into(),
+                name: name.clone()
+            }
+        );
+        assert_eq!(inst.proxy.name, "adopted-name", "reported from the mark");
+        assert_eq!(inst.created_at, "2026-01-01T00:00:00Z");
+        assert_eq!(env.fake.domain_xml("h1", &name).await.unwrap(), Some(ours));
+        assert_eq!(env.domains("h1"), names([name.clone()]));
+        assert_eq!(env.volumes("h1"), names([identity(&u).root_volume]));
+        assert_eq!(env.hits(), 0);
+        assert_eq!(env.fake.uploads(), 0);
+    });
+}
+
+/// A domain named for Proxy A whose (our cluster's) mark names Proxy B: Create refuses it
+/// as foreign, but Delete takes the UID from the mark, not from the name, so it removes
+/// the domain *and Proxy B's root and seed volumes*, under B's running domain.
+#[test]
+fn delete_never_touches_another_proxys_volumes() {
+    let env = Env::new();
+    run(async {
+        let p = env.provider();
+        let (a, b) = (uid(0x34), uid(0x35));
+        p.create(&request(&b, "b", Some("h1"))).await.unwrap();
+        let xml = domain_xml(&dom(&a), Some(&mark("test", "b", &b)));
+        env.fake
+            .put_domain("h1", &dom(&a), &xml, InstanceState::Running);
+        let id = InstanceId {
+            host: "h1".into(),
+            name: dom(&a),
+        };
+        let r = p.delete(&id).await;
+        assert_eq!(
+            env.volumes("h1"),
+            env.expected(&[&b]),
+            "Proxy B's volumes (delete of {id} returned {r:?})"
+        );
+        assert_eq!(env.domains("h1"), names([dom(&a), dom(&b)]));
+        assert!(
+            r.as_ref()
+                .is_err_and(|e| e.class() == ErrorClass::Permanent),
+            "refused like Create refuses it: {r:?}"
+        );
+    });
+}
+
+#[test]
+fn our_domain_without_its_root_volume_is_replaced() {
+    let env = Env::new();
+    run(async {
+        let p = env.provider();
+        let u = uid(0x33);
+        let name = dom(&u);
+        let old = domain_xml(&name, Some(&mark("test", "old", &u)));
+        env.fake
+            .put_domain("h1", &name, &old, InstanceState::Running);
+        let inst = p.create(&request(&u, "office", Some("h1"))).await.unwrap();
+        assert_eq!(inst.state, InstanceState::Running);
+        assert_eq!(inst.proxy.name, "office", "the new mark");
+        assert_ne!(env.fake.domain_xml("h1", &name).await.unwrap(), Some(old));
+        assert_eq!(env.domains("h1"), names([name]));
+        assert_eq!(env.volumes("h1"), env.expected(&[&u]));
+    });
+}
+
+// 4. ------------------------------------------------------------------------------------
+
+/// Fails the `nth` call of `point` (every `nth` a Create reaches, then one more that it
+/// does not), and hands each failed world to `check` with the error.
+async fn each_fault(crash: bool, mut check: impl AsyncFnMut(&Env, &str, usize, ProviderError)) {
+    for point in CREATE_POINTS {
+        assert!(FAULT_POINTS.contains(&point), "{point}");
+        let mut nth = 0;
+        loop {
+            let env = Env::new();
+            let faulty = Arc::new(FaultyOps::new(env.ops(), point, nth, crash));
+            let p = provider(&env.config, faulty.clone());
+            let u = uid(0x41);
+            let r = p.create(&request(&u, "faulty", Some("h1"))).await;
+            if !faulty.tripped() {
+                let inst = r.unwrap_or_else(|e| panic!("{point}#{nth} not reached, yet: {e}"));
+                assert_eq!(inst.state, InstanceState::Running);
+                assert!(nth > 0, "a Create never reaches {point}");
+                break;
+            }
+            let e = r
+                .err()
+                .unwrap_or_else(|| panic!("{point}#{nth} fired, yet the Create succeeded"));
+            check(&env, point, nth, e).await;
+            nth += 1;
+        }
+    }
+}
+
+/// After the failure, a Create over healthy hosts converges to exactly one running domain
+/// and its volumes, and downloads at most once more.
+async fn converges(env: &Env, what: &str, hits_before: usize) {
+    let u = uid(0x41);
+    let p = env.provider();
+    let inst = p
+        .create(&request(&u, "faulty", Some("h1")))
+        .await
+        .unwrap_or_else(|e| panic!("{what}: did not converge: {e}"));
+    assert_eq!(inst.state, InstanceState::Running, "{what}");
+    assert_eq!(env.domains("h1"), names([dom(&u)]), "{what}");
+    assert_eq!(env.volumes("h1"), env.expected(&[&u]), "{what}");
+    assert_eq!(
+        state(&env.fake, "h1", &dom(&u)).await,
+        Some(InstanceState::Running),
+        "{what}"
+    );
+    assert_eq!(
+        env.fake
+            .volume_data("h1", &image_volume_name(&env.sha))
+            .unwrap(),
+        *env.bytes,
+        "{what}"
+    );
+    assert!(
+        env.hits() <= hits_before + 1,
+        "{what}: {} downloads",
+        env.hits()
+    );
+    assert!(
+        env.domains("h2").is_empty() && env.volumes("h2").is_empty(),
+        "{what}"
+    );
+}
+
+#[test]
+fn a_failed_create_cleans_up_what_it_made_then_converges() {
+    run(async {
+        let mut cases = 0;
+        each_fault(
+            false,
+            async |env: &Env, point: &str, nth: usize, e: ProviderError| {
+                let what = format!("{point}#{nth}");
+                assert_eq!(e.class(), ErrorClass::Transient, "{what}: {e}");
+                assert!(
+                    env.domains("h1").is_empty(),
+                    "{what}: {:?}",
+                    env.domains("h1")
+                );
+                // Nothing of the VM; the base image either committed (data + marker) or gone.
+                let v = env.volumes("h1");
+                assert!(v.is_empty() || v == env.base(), "{what}: left {v:?}");
+                converges(env, &what, env.hits()).await;
+                cases += 1;
+            },
+        )
+        .await;
+        assert!(cases >= CREATE_POINTS.len(), "{cases}");
+    });
+}
+
+// 5. ------------------------------------------------------------------------------------
+
+#[test]
+fn after_a_crash_at_any_step_a_fresh_provider_converges() {
+    run(async {
+        let mut cases = 0;
+        each_fault(
+            true,
+            async |env: &Env, point: &str, nth: usize, e: ProviderError| {
+                let what = format!("crash at {point}#{nth}");
+                assert_eq!(e.class(), ErrorClass::Transient, "{what}: {e}");
+                let started = Instant::now();
+                let staging = env.volumes("h1").contains(&image_volume_name(&env.sha))
+                    && !env.volumes("h1").contains(&image_marker_name(&env.sha));
+                converges(env, &what, env.hits()).await;
+                if staging {
+                    // A dead uploader's staging volume is taken over, not used, and not early.
+                    assert!(started.elapsed() >= STALE_AFTER, "{what}");
+                }
+                cases += 1;
+            },
+        )
+        .await;
+        assert!(cases >= CREATE_POINTS.len(), "{cases}");
+    });
+}
+
+// 6. ------------------------------------------------------------------------------------
+
+#[test]
+fn stale_staging_volume_is_taken_over() {
+    let env = Env::new();
+    run(async {
+        let data = image_volume_name(&env.sha);
+        env.fake.put_volume("h1", &data, &env.bytes[..100]);
+        let u = uid(0x61);
+        let started = Instant::now();
+        env.provider()
+            .create(&request(&u, "p", Some("h1")))
+            .await
+            .unwrap();
+        assert!(started.elapsed() >= STALE_AFTER);
+        assert_eq!(env.hits(), 1);
+        assert_eq!(env.fake.uploads(), 2, "one image upload, one seed");
+        assert_eq!(env.fake.volume_data("h1", &data).unwrap(), *env.bytes);
+        assert_eq!(env.volumes("h1"), env.expected(&[&u]));
+        assert_eq!(env.domains("h1"), names([dom(&u)]));
+    });
+}
+
+#[test]
+fn growing_staging_volume_is_waited_for_not_taken_over() {
+    let env = Env::new();
+    run(async {
+        let data = image_volume_name(&env.sha);
+        env.fake.put_volume("h1", &data, &env.bytes[..10]);
+        // Another replica's live upload: grows faster than STALE_AFTER, then commits.
+        let (fake, bytes, marker) = (
+            env.fake.clone(),
+            env.bytes.clone(),
+            image_marker_name(&env.sha),
+        );
+        let other = tokio::spawn({
+            let data = data.clone();
+            async move {
+                for i in 1..=15 {
+                    tokio::time::sleep(Duration::from_millis(50)).await;
+                    fake.put_volume("h1", &data, &bytes[..i * 100]);
+                }
+                fake.put_volume("h1", &data, &bytes);
+                fake.put_volume("h1", &marker, b"");
+            }
+        });
+        let u = uid(0x62);
+        env.provider()
+            .create(&request(&u, "p", Some("h1")))
+            .await
+            .unwrap();
+        other.await.unwrap();
+        assert_eq!(env.hits(), 0, "waited for the other uploader");
+        assert_eq!(env.fake.uploads(), 1, "the seed only");
+        assert_eq!(env.fake.volume_data("h1", &data).unwrap(), *env.bytes);
+        assert_eq!(env.volumes("h1"), env.expected(&[&u]));
+    });
+}
+
+#[test]
+fn marker_without_data_is_deleted_and_the_image_cached_again() {
+    let env = Env::new();
+    run(async {
+        env.fake.put_volume("h1", &image_marker_name(&env.sha), b"");
+        let u = uid(0x63);
+        env.provider()
+            .create(&request(&u, "p", Some("h1")))
+            .await
+            .unwrap();
+        assert_eq!(env.hits(), 1);
+        assert_eq!(
+            env.fake
+                .volume_data("h1", &image_volume_name(&env.sha))
+                .unwrap(),
+            *env.bytes
+        );
+        assert_eq!(env.volumes("h1"), env.expected(&[&u]));
+    });
+}
+
+#[test]
+fn committed_image_is_used_without_any_download() {
+    let env = Env::new();
+    run(async {
+        env.fake
+            .put_volume("h1", &image_volume_name(&env.sha), &env.bytes);
+        env.fake.put_volume("h1", &image_marker_name(&env.sha), b"");
+        let u = uid(0x64);
+        env.provider()
+            .create(&request(&u, "p", Some("h1")))
+            .await
+            .unwrap();
+        assert_eq!(env.hits(), 0);
+        assert_eq!(env.fake.uploads(), 1, "the seed only");
+        assert_eq!(env.volumes("h1"), env.expected(&[&u]));
+    });
+}
+
+#[test]
+fn digest_mismatch_is_permanent_and_leaves_no_volume() {
+    let env = Env::with(Opts {
+        wrong_sha: true,
+        ..Opts::default()
+    });
+    run(async {
+        let r = env
+            .provider()
+            .create(&request(&uid(0x65), "p", Some("h1")))
+            .await;
+        assert_eq!(class_of(&r), ErrorClass::Permanent, "{r:?}");
+        assert_eq!(env.hits(), 1);
+        assert!(env.volumes("h1").is_empty(), "{:?}", env.volumes("h1"));
+        assert!(env.domains("h1").is_empty());
+    });
+}
+
+/// The image module says a failed verification aborts the upload stream, so a volume is
+/// never finished with content that did not verify. The digest is only checked in
+/// `finish()`, after the producer dropped the channel: the upload completes first.
+#[test]
+fn digest_mismatch_aborts_the_upload_instead_of_finishing_it() {
+    let env = Env::with(Opts {
+        wrong_sha: true,
+        ..Opts::default()
+    });
+    run(async {
+        let r = env
+            .provider()
+            .create(&request(&uid(0x65), "p", Some("h1")))
+            .await;
+        assert_eq!(class_of(&r), ErrorClass::Permanent, "{r:?}");
+        assert_eq!(
+            env.fake.uploads(),
+            0,
+            "an unverified image upload ran to the end"
+        );
+    });
+}
+
+#[test]
+fn truncated_download_is_transient_and_leaves_no_volume() {
+    let env = Env::with(Opts {
+        path: "/trunc",
+        ..Opts::default()
+    });
+    run(async {
+        let r = env
+            .provider()
+            .create(&request(&uid(0x66), "p", Some("h1")))
+            .await;
+        assert_eq!(class_of(&r), ErrorClass::Transient, "{r:?}");
+        assert_eq!(env.http.hits("/trunc"), 1);
+        assert!(env.volumes("h1").is_empty(), "{:?}", env.volumes("h1"));
+        assert!(env.domains("h1").is_empty());
+        assert_eq!(env.fake.uploads(), 0);
+    });
+}
+
+#[test]
+fn pool_too_small_is_quota_and_creates_no_volume() {
+    let env = Env::with(Opts {
+        fake_hosts: &["h1"],
+        free: 1000,
+        ..Opts::default()
+    });
+    run(async {
+        let r = env
+            .provider()
+            .create(&request(&uid(0x67), "p", Some("h1")))
+            .await;
+        assert_eq!(class_of(&r), ErrorClass::Quota, "{r:?}");
+        assert!(env.volumes("h1").is_empty(), "{:?}", env.volumes("h1"));
+        assert!(env.domains("h1").is_empty());
+        assert_eq!(env.fake.uploads(), 0);
+    });
+}
+
+// 7. ------------------------------------------------------------------------------------
+
+/// Two replicas (own image caches, own locks) over the same hosts.
+async fn race_two_replicas(env: &Env) {
+    let p1 = Arc::new(env.provider());
+    let p2 = Arc::new(env.provider());
+    let (a, b) = (uid(0x71), uid(0x72));
+    let t1 = tokio::spawn({
+        let (p, a) = (p1.clone(), a.clone());
+        async move { p.create(&request(&a, "a", Some("h1"))).await }
+    });
+    let t2 = tokio::spawn({
+        let (p, b) = (p2.clone(), b.clone());
+        async move { p.create(&request(&b, "b", Some("h1"))).await }
+    });
+    for t in [t1, t2] {
+        let inst = t.await.unwrap().unwrap();
+        assert_eq!(inst.state, InstanceState::Running);
+    }
+    assert_eq!(env.domains("h1"), names([dom(&a), dom(&b)]));
+    assert_eq!(env.volumes("h1"), env.expected(&[&a, &b]));
+    assert_eq!(
+        env.fake
+            .volume_data("h1", &image_volume_name(&env.sha))
+            .unwrap(),
+        *env.bytes
+    );
+    for u in [&a, &b] {
+        assert_eq!(
+            state(&env.fake, "h1", &dom(u)).await,
+            Some(InstanceState::Running)
+        );
+    }
+}
+
+#[test]
+fn racing_replicas_upload_the_image_once() {
+    let env = Env::new();
+    run(async {
+        race_two_replicas(&env).await;
+        assert_eq!(
+            env.fake.uploads(),
+            3,
+            "one image upload plus one seed per VM"
+        );
+        assert!(env.hits() <= 2, "{}", env.hits());
+    });
+}
+
+// 8. ------------------------------------------------------------------------------------
+
+#[test]
+fn delete_finishes_half_deleted_instances() {
+    let env = Env::new();
+    run(async {
+        let p = env.provider();
+        let (a, b) = (uid(0x81), uid(0x82));
+        let ia = p.create(&request(&a, "a", Some("h1"))).await.unwrap();
+        let ib = p.create(&request(&b, "b", Some("h1"))).await.unwrap();
+
+        // (a) volumes gone, domain left.
+        for v in vm_volumes(&a) {
+            assert!(env.fake.delete_volume("h1", "default", &v).await.unwrap());
+        }
+        p.delete(&ia.id).await.unwrap();
+        assert_eq!(env.domains("h1"), names([dom(&b)]));
+        assert_eq!(env.volumes("h1"), env.expected(&[&b]));
+
+        // (b) domain gone, volumes left.
+        assert!(env.fake.undefine("h1", &dom(&b)).await.unwrap());
+        p.delete(&ib.id).await.unwrap();
+        assert!(env.domains("h1").is_empty());
+        assert_eq!(env.volumes("h1"), env.base());
+    });
+}
+
+// 9. ------------------------------------------------------------------------------------
+
+#[test]
+fn list_reports_a_down_host_as_failed_and_only_our_marked_domains() {
+    let env = Env::new();
+    run(async {
+        let p = env.provider();
+        let u = uid(0x91);
+        p.create(&request(&u, "ours", Some("h1"))).await.unwrap();
+        env.fake.put_domain(
+            "h1",
+            "egress-not-ours",
+            &domain_xml("egress-not-ours", None),
+            InstanceState::Running,
+        );
+        let other = uid(0x92);
+        env.fake.put_domain(
+            "h1",
+            &dom(&other),
+            &domain_xml(&dom(&other), Some(&mark("other", "theirs", &other))),
+            InstanceState::Running,
+        );
+        env.fake.put_domain(
+            "h1",
+            "web",
+            &domain_xml("web", Some(&mark("test", "web", &uid(0x93)))),
+            InstanceState::Running,
+        );
+        env.fake.set_down("h2", true);
+
+        let listing = p.list().await;
+        let targets: Vec<&str> = listing.iter().map(|l| l.target.as_str()).collect();
+        assert_eq!(targets, ["h1", "h2"]);
+        let h1 = listing[0].result.as_ref().unwrap();
+        assert_eq!(h1.len(), 1, "{h1:?}");
+        assert_eq!(
+            h1[0].id,
+            InstanceId {
+                host: "h1".into(),
+                name: dom(&u)
+            }
+        );
+        assert_eq!(h1[0].proxy.name, "ours");
+        assert_eq!(h1[0].state, InstanceState::Running);
+        match &listing[1].result {
+            Ok(v) => panic!("a down host listed as Ok({v:?})"),
+            Err(e) => assert_eq!(e.class(), ErrorClass::Transient, "{e}"),
+        }
+        // Nothing was touched by listing.
+        assert_eq!(env.domains("h1").len(), 4);
+    });
+}
+
+// 10. -----------------------------------------------------------------------------------
+
+#[test]
+fn a_full_host_refuses_a_pinned_create_with_quota() {
+    let env = Env::with(Opts {
+        h1_max_domains: 1,
+        ..Opts::default()
+    });
+    run(async {
+        let p = env.provider();
+        let (a, b, c) = (uid(0xa1), uid(0xa2), uid(0xa3));
+        p.create(&request(&a, "a", Some("h1"))).await.unwrap();
+        let r = p.create(&request(&b, "b", Some("h1"))).await;
+        assert_eq!(class_of(&r), ErrorClass::Quota, "{r:?}");
+        assert_eq!(env.domains("h1"), names([dom(&a)]));
+        assert_eq!(env.volumes("h1"), env.expected(&[&a]));
+        // Adopting the existing one is not blocked by the limit.
+        p.create(&request(&a, "a", Some("h1"))).await.unwrap();
+        // Unpinned, the full host is skipped.
+        let inst = p.create(&request(&c, "c", None)).await.unwrap();
+        assert_eq!(inst.id.host, "h2");
+        assert_eq!(env.domains("h1"), names([dom(&a)]));
+        assert_eq!(env.domains("h2"), names([dom(&c)]));
+    });
+}
+
+/// `check_room` counts defined domains only, and runs under a semaphore of
+/// `maxConcurrentCreates` (2 by default) permits, so two Creates in flight both see room.
+#[test]
+fn concurrent_pinned_creates_respect_max_domains() {
+    let env = Env::with(Opts {
+        h1_max_domains: 1,
+        ..Opts::default()
+    });
+    run(async {
+        let p = Arc::new(env.provider());
+        let tasks: Vec<_> = [uid(0xa4), uid(0xa5)]
+            .into_iter()
+            .map(|u| {
+                let p = p.clone();
+                tokio::spawn(async move { p.create(&request(&u, "p", Some("h1"))).await })
+            })
+            .collect();
+        let mut ok = 0;
+        for t in tasks {
+            match t.await.unwrap() {
+                Ok(_) => ok += 1,
+                Err(e) => assert_eq!(e.class(), ErrorClass::Quota, "{e}"),
+            }
+        }
+        assert_eq!(ok, 1);
+        assert_eq!(env.domains("h1").len(), 1, "{:?}", env.domains("h1"));
+    });
+}
+
+// 11. -----------------------------------------------------------------------------------
+
+#[test]
+fn health_reports_a_down_host_with_a_reason() {
+    let env = Env::new();
+    run(async {
+        let p = env.provider();
+        env.fake.set_down("h2", true);
+        let report = p.health().unwrap().check(Duration::from_secs(2)).await;
+        assert_eq!(report.len(), 2);
+        let h1 = report.iter().find(|t| t.target == "h1").unwrap();
+        assert!(h1.reachable, "{h1:?}");
+        assert_eq!(h1.reason, None);
+        let h2 = report.iter().find(|t| t.target == "h2").unwrap();
+        assert!(!h2.reachable, "{h2:?}");
+        assert!(
+            h2.reason.as_deref().is_some_and(|r| !r.is_empty()),
+            "{h2:?}"
+        );
+        assert!(!h2.message.is_empty(), "{h2:?}");
+
+        env.fake.set_down("h2", false);
+        let report = p.health().unwrap().check(Duration::from_secs(2)).await;
+        assert!(report.iter().all(|t| t.reachable), "{report:?}");
+    });
+}
+
+// 12. -----------------------------------------------------------------------------------
+
+#[test]
+fn user_data_never_appears_in_errors() {
+    run(async {
+        let mut errors: Vec<(String, ProviderError)> = Vec::new();
+        // Faults at every step of a Create that runs after the user-data is read.
+        for (point, nth) in [
+            ("volume-upload", 1), // the seed upload
+            ("volume-create", 3), // the seed volume
+            ("domain-define", 0),
+            ("domain-start", 0),
+            ("domain-lookup", 1),
+        ] {
+            let env = Env::new();
+            let faulty = Arc::new(FaultyOps::new(env.ops(), point, nth, false));
+            let p = provider(&env.config, faulty.clone());
+            let r = p.create(&request(&uid(0xc1), "s", Some("h1"))).await;
+            assert!(faulty.tripped(), "{point}#{nth}");
+            errors.push((format!("{point}#{nth}"), r.unwrap_err()));
+        }
+        // A refused foreign domain, a bad image, and user-data too large for the seed.
+        let env = Env::new();
+        let u = uid(0xc2);
+        env.fake.put_domain(
+            "h1",
+            &dom(&u),
+            &domain_xml(&dom(&u), None),
+            InstanceState::Running,
+        );
+        let r = env.provider().create(&request(&u, "s", Some("h1"))).await;
+        errors.push(("foreign".into(), r.unwrap_err()));
+        let env = Env::with(Opts {
+            wrong_sha: true,
+            ..Opts::default()
+        });
+        let r = env
+            .provider()
+            .create(&request(&uid(0xc3), "s", Some("h1")))
+            .await;
+        errors.push(("digest".into(), r.unwrap_err()));
+        let env = Env::new();
+        let mut big = request(&uid(0xc4), "s", Some("h1"));
+        let huge = format!(
+            "#cloud-config\n{}",
+            format!("password: {SECRET}\n").repeat(200_000)
+        );
+        big.user_data = Some(UserData::new(huge.into_bytes()));
+        assert!(!format!("{big:?}").contains(SECRET));
+        let r = env.provider().create(&big).await;
+        assert_eq!(class_of(&r), ErrorClass::Permanent, "{r:?}");
+        assert_eq!(
+            env.volumes("h1"),
+            env.base(),
+            "the root overlay was removed"
+        );
+        errors.push(("oversize".into(), r.unwrap_err()));
+
+        for (what, e) in &errors {
+            let text = shown(e);
+            assert!(!text.contains(SECRET), "{what}: {text}");
+        }
+    });
+}
+
+// Extra: two replicas taking over the same dead staging volume. ------------------------
+
+/// A pause point: the first call that matches says `reached` and waits for `go`.
+struct Pause {
+    volume: String,
+    armed: AtomicBool,
+    reached: Arc<Notify>,
+    go: Arc<Notify>,
+}
+
+impl Pause {
+    fn new(volume: &str) -> (Arc<Self>, Arc<Notify>, Arc<Notify>) {
+        let (reached, go) = (Arc::new(Notify::new()), Arc::new(Notify::new()));
+        let p = Arc::new(Self {
+            volume: volume.into(),
+            armed: AtomicBool::new(true),
+            reached: reached.clone(),
+            go: go.clone(),
+        });
+        (p, reached, go)
+    }
+
+    async fn maybe(pause: &Option<Arc<Self>>, volume: &str) {
+        if let Some(p) = pause
+            && p.volume == volume
+            && p.armed.swap(false, Ordering::SeqCst)
+        {
+            p.reached.notify_one();
+            p.go.notified().await;
+        }
+    }
+}
+
+/// What the host holds besides the fake's state: a generation per volume name, bumped
+/// whenever a volume of that name is created.
+#[derive(Default)]
+struct HostSide {
+    generations: Mutex<HashMap<String, u64>>,
+    /// For every marker this view committed: whether the data volume then held exactly the
+    /// verified image.
+    commits: Mutex<Vec<bool>>,
+}
+
+impl HostSide {
+    fn generation(&self, name: &str) -> u64 {
+        self.generations
+            .lock()
+            .unwrap()
+            .get(name)
+            .copied()
+            .unwrap_or(0)
+    }
+}
+
+/// One replica's view of the shared fake hosts, with pause points, and libvirt's stream
+/// semantics: an upload writes into the volume it opened, so if that volume was deleted
+/// and a new one of the same name created meanwhile, the bytes go to the deleted file and
+/// the upload still reports success.
+struct ReplicaView {
+    inner: Arc<FakeOps>,
+    side: Arc<HostSide>,
+    pause_delete: Option<Arc<Pause>>,
+    pause_upload: Option<Arc<Pause>>,
+    /// (marker, data, verified bytes).
+    image: (String, String, Arc<Vec<u8>>),
+}
+
+impl HostOps for ReplicaView {
+    fn hosts(&self) -> Vec<String> {
+        self.inner.hosts()
+    }
+    fn facts<'a>(&'a self, host: &'a str) -> BoxFuture<'a, Result<Facts, OpsError>> {
+        self.inner.facts(host)
+    }
+    fn pool_space<'a>(
+        &'a self,
+        host: &'a str,
+        pool: &'a str,
+    ) -> BoxFuture<'a, Result<PoolSpace, OpsError>> {
+        self.inner.pool_space(host, pool)
+    }
+    fn volume<'a>(
+        &'a self,
+        host: &'a str,
+        pool: &'a str,
+        name: &'a str,
+    ) -> BoxFuture<'a, Result<Option<VolumeInfo>, OpsError>> {
+        self.inner.volume(host, pool, name)
+    }
+    fn create_volume<'a>(
+        &'a self,
+        host: &'a str,
+        pool: &'a str,
+        name: &'a str,
+        xml: String,
+    ) -> BoxFuture<'a, Result<Created, OpsError>> {
+        Box::pin(async move {
+            let created = self.inner.create_volume(host, pool, name, xml).await?;
+            if created == Created::Created {
+                *self
+                    .side
+                    .generations
+                    .lock()
+                    .unwrap()
+                    .entry(name.into())
+                    .or_default() += 1;
+                let (marker, data, bytes) = &self.image;
+                if name == marker {
+                    let held = self.inner.volume_data(host, data);
+                    self.side
+                        .commits
+                        .lock()
+                        .unwrap()
+                        .push(held.as_deref() == Some(bytes.as_slice()));
+                }
+            }
+            Ok(created)
+        })
+    }
+    fn delete_volume<'a>(
+        &'a self,
+        host: &'a str,
+        pool: &'a str,
+        name: &'a str,
+    ) -> BoxFuture<'a, Result<bool, OpsError>> {
+        Box::pin(async move {
+            Pause::maybe(&self.pause_delete, name).await;
+            self.inner.delete_volume(host, pool, name).await
+        })
+    }
+    fn upload<'a>(
+        &'a self,
+        host: &'a str,
+        pool: &'a str,
+        name: &'a str,
+        length: u64,
+        mut chunks: UploadChunks,
+        deadline: Duration,
+    ) -> BoxFuture<'a, Result<(), OpsError>> {
+        Box::pin(async move {
+            let opened = self.side.generation(name);
+            let mut all = Vec::new();
+            while let Some(c) = chunks.recv().await {
+                all.push(c);
+            }
+            Pause::maybe(&self.pause_upload, name).await;
+            if self.side.generation(name) != opened {
+                // The opened volume was deleted: the bytes went to an unlinked file.
+                return Ok(());
+            }
+            let (tx, rx) = tokio::sync::mpsc::channel(all.len().max(1));
+            for c in all {
+                tx.try_send(c).unwrap();
+            }
+            drop(tx);
+            self.inner
+                .upload(host, pool, name, length, rx, deadline)
+                .await
+        })
+    }
+    fn domain<'a>(
+        &'a self,
+        host: &'a str,
+        name: &'a str,
+    ) -> BoxFuture<'a, Result<Option<DomainRecord>, OpsError>> {
+        self.inner.domain(host, name)
+    }
+    fn domain_xml<'a>(
+        &'a self,
+        host: &'a str,
+        name: &'a str,
+    ) -> BoxFuture<'a, Result<Option<String>, OpsError>> {
+        self.inner.domain_xml(host, name)
+    }
+    fn define<'a>(&'a self, host: &'a str, xml: String) -> BoxFuture<'a, Result<(), OpsError>> {
+        self.inner.define(host, xml)
+    }
+    fn start<'a>(&'a self, host: &'a str, name: &'a str) -> BoxFuture<'a, Result<(), OpsError>> {
+        self.inner.start(host, name)
+    }
+    fn shutdown<'a>(&'a self, host: &'a str, name: &'a str) -> BoxFuture<'a, Result<(), OpsError>> {
+        self.inner.shutdown(host, name)
+    }
+    fn destroy<'a>(&'a self, host: &'a str, name: &'a str) -> BoxFuture<'a, Result<(), OpsError>> {
+        self.inner.destroy(host, name)
+    }
+    fn undefine<'a>(
+        &'a self,
+        host: &'a str,
+        name: &'a str,
+    ) -> BoxFuture<'a, Result<bool, OpsError>> {
+        self.inner.undefine(host, name)
+    }
+    fn addresses<'a>(
+        &'a self,
+        host: &'a str,
+        name: &'a str,
+        source: AddressSource,
+    ) -> BoxFuture<'a, Result<Vec<NicAddrs>, OpsError>> {
+        self.inner.addresses(host, name, source)
+    }
+    fn list_domains<'a>(
+        &'a self,
+        host: &'a str,
+    ) -> BoxFuture<'a, Result<Vec<DomainRecord>, OpsError>> {
+        self.inner.list_domains(host)
+    }
+}
+
+/// The emulated stream semantics themselves: without any race, a Create through a view
+/// commits only verified content (so the test below fails for the race alone).
+#[test]
+fn replica_view_commits_verified_content_without_a_race() {
+    let env = Env::new();
+    run(async {
+        let side = Arc::new(HostSide::default());
+        let view = ReplicaView {
+            inner: env.fake.clone(),
+            side: side.clone(),
+            pause_delete: None,
+            pause_upload: None,
+            image: (
+                image_marker_name(&env.sha),
+                image_volume_name(&env.sha),
+                env.bytes.clone(),
+            ),
+        };
+        let u = uid(0xd0);
+        provider(&env.config, Arc::new(view))
+            .create(&request(&u, "a", Some("h1")))
+            .await
+            .unwrap();
+        assert_eq!(*side.commits.lock().unwrap(), [true]);
+        assert_eq!(env.volumes("h1"), env.expected(&[&u]));
+    });
+}
+
+/// Two replicas wait on the same dead staging volume. Replica 2 decides it is stale and is
+/// about to delete it; replica 1 decides the same, deletes it, claims a new data volume
+/// and streams the image. Replica 2's delete then removes replica 1's *new* volume (the
+/// delete is by name, not by the volume it watched) and claims its own. Replica 1's
+/// upload went into the deleted volume, yet it commits the marker: the marker now vouches
+/// for replica 2's volume, which is still empty, and replica 1's VM gets an overlay over
+/// it (invariant 4: a base volume is used only after its content was verified).
+///
+/// With the takeover claim, this interleaving needs replica 2 to stay paused between its
+/// claim and its delete for more than two stale windows, which the protocol treats as
+/// dead (see the protocol notes in operator/src/provider/kvm2/image.rs). Closing that
+/// needs a fencing token kept in the claim; until then this reproduces the limit.
+#[test]
+#[ignore = "known limit: a taker paused for over two stale windows between claim and delete (image.rs protocol notes)"]
+fn racing_takeovers_never_commit_an_unwritten_image() {
+    let env = Env::new();
+    run(async {
+        let (marker, data) = (image_marker_name(&env.sha), image_volume_name(&env.sha));
+        // A dead uploader's leftovers.
+        env.fake.put_volume("h1", &data, &env.bytes[..100]);
+        let side = Arc::new(HostSide::default());
+        let (pause_delete2, at_delete2, go_delete2) = Pause::new(&data);
+        let (pause_upload2, at_upload2, go_upload2) = Pause::new(&data);
+        let (pause_upload1, at_upload1, go_upload1) = Pause::new(&data);
+        let view = |pause_delete, pause_upload| ReplicaView {
+            inner: env.fake.clone(),
+            side: side.clone(),
+            pause_delete,
+            pause_upload,
+            image: (marker.clone(), data.clone(), env.bytes.clone()),
+        };
+        let p1 = Arc::new(provider(
+            &env.config,
+            Arc::new(view(None, Some(pause_upload1))),
+        ));
+        let p2 = Arc::new(provider(
+            &env.config,
+            Arc::new(view(Some(pause_delete2), Some(pause_upload2))),
+        ));
+        let (a, b) = (uid(0xd1), uid(0xd2));
+        let t2 = tokio::spawn({
+            let (p, b) = (p2.clone(), b.clone());
+            async move { p.create(&request(&b, "b", Some("h1"))).await }
+        });
+        at_delete2.notified().await; // replica 2: "stale, deleting"
+        let t1 = tokio::spawn({
+            let (p, a) = (p1.clone(), a.clone());
+            async move { p.create(&request(&a, "a", Some("h1"))).await }
+        });
+        at_upload1.notified().await; // replica 1 took over and streamed the image
+        go_delete2.notify_one(); // replica 2 deletes replica 1's new volume, claims its own
+        at_upload2.notified().await;
+        go_upload1.notify_one(); // replica 1 finishes into the deleted volume and commits
+        let r1 = t1.await.unwrap();
+        go_upload2.notify_one();
+        let r2 = t2.await.unwrap();
+        let commits = side.commits.lock().unwrap().clone();
+        assert!(
+            commits.iter().all(|ok| *ok),
+            "a marker was committed over a data volume that did not hold the verified image \
+             (commits: {commits:?}; replica 1: {r1:?}; replica 2: {r2:?})"
+        );
+    });
+}
