@@ -75,6 +75,9 @@ pub struct ProvisionCliArgs {
     /// Do not draw the upload progress bar.
     #[arg(long)]
     pub no_progress: bool,
+    /// With --delete: how long the guest may take to shut down before it is destroyed.
+    #[arg(long, default_value_t = 30)]
+    pub shutdown_timeout_seconds: u64,
 }
 
 /// Arguments of `check`.
@@ -369,6 +372,7 @@ fn provision(
         show_xml: args.show_xml,
         wait_address: std::time::Duration::from_secs(args.wait_address_seconds),
         progress: !args.no_progress,
+        shutdown_timeout: std::time::Duration::from_secs(args.shutdown_timeout_seconds),
     };
     let runtime = match tokio::runtime::Builder::new_multi_thread()
         .worker_threads(2)

@@ -43,6 +43,8 @@ pub struct ProvisionArgs {
     pub wait_address: Duration,
     /// Draw a progress bar for image uploads.
     pub progress: bool,
+    /// How long a guest may take to shut down on delete before it is destroyed.
+    pub shutdown_timeout: Duration,
 }
 
 /// A failure of `provision`, as text for the terminal (the provider's typed errors are
@@ -147,7 +149,10 @@ pub async fn provision(args: &ProvisionArgs, out: &mut dyn Write) -> Result<(), 
     } else {
         Arc::new(templates(&config, args)?)
     };
-    let mut options = Kvm2Options::default();
+    let mut options = Kvm2Options {
+        shutdown_timeout: args.shutdown_timeout,
+        ..Kvm2Options::default()
+    };
     if args.progress {
         options.images.progress = Some(progress_bar());
     }

@@ -116,6 +116,22 @@ pub fn provider_config(
     images: &[TestImage],
     dead_hosts: &[(&str, &str)],
 ) -> anyhow::Result<egress_operator::config::ValidConfig> {
+    let yaml = provider_config_yaml(sshd, libvirtd, name, images, dead_hosts)?;
+    Ok(egress_operator::config::parse(
+        &yaml,
+        "provider-test-config",
+        std::path::Path::new("/"),
+    )?)
+}
+
+/// The YAML text of [`provider_config`] (for tests that hand a file to the CLI).
+pub fn provider_config_yaml(
+    sshd: &harness::Sshd,
+    libvirtd: &harness::Libvirtd,
+    name: &str,
+    images: &[TestImage],
+    dead_hosts: &[(&str, &str)],
+) -> anyhow::Result<String> {
     let host = |n: &str, address: &str| {
         format!(
             "    - {{name: {n}, address: \"{address}\", libvirtSocket: {socket}, driver: qemu, \
@@ -170,11 +186,7 @@ kvm2:
         domain = plugin_path("domain-default")?.display(),
         vendor = plugin_path("vendor-data-default")?.display(),
     );
-    Ok(egress_operator::config::parse(
-        &yaml,
-        "provider-test-config",
-        std::path::Path::new("/"),
-    )?)
+    Ok(yaml)
 }
 
 /// A small qcow2 file (64 MiB virtual, a few hundred KB on disk) made with qemu-img,

@@ -223,3 +223,66 @@ fn a_failure_after_each_create_step_converges_on_the_next_create() {
         rig.hosts.close().await;
     });
 }
+
+/// The `provision` command end to end on the same rig: create (with user-data from a
+/// file), then `--delete`, which reports that nothing is left.
+#[test]
+fn provision_command_creates_and_deletes() {
+    use egress_operator::cli::{Command, ProvisionCliArgs, execute};
+    let Some(rig) = Rig::start(vec![], Rig::base_image) else {
+        return;
+    };
+    let dir = tempfile::tempdir().unwrap();
+    let config = dir.path().join("config.yaml");
+    let yaml = integration_tests::provider_config_yaml(
+        &rig.sshd,
+        &rig.libvirtd,
+        "h1",
+        &Rig::base_image(&rig.http, &rig.image_sha),
+        &[],
+    )
+    .unwrap();
+    std::fs::write(&config, yaml).unwrap();
+    let proxy = dir.path().join("proxy.yaml");
+    std::fs::write(
+        &proxy,
+        format!(
+            "apiVersion: egress-operator.dev/v1alpha1\nkind: Proxy\nmetadata:\n  name: cli\n  \
+             namespace: default\n  uid: {}\nspec:\n  provider: kvm2\n",
+            uid(0x50)
+        ),
+    )
+    .unwrap();
+    let user_data = dir.path().join("user-data");
+    std::fs::write(&user_data, "#cloud-config\npassword: never-printed\n").unwrap();
+    let args = |delete: bool| ProvisionCliArgs {
+        config: config.clone(),
+        proxy: proxy.clone(),
+        user_data: (!delete).then(|| user_data.clone()),
+        delete,
+        plugin_dir: None,
+        cache_dir: None,
+        show_xml: !delete,
+        wait_address_seconds: 0,
+        no_progress: true,
+        shutdown_timeout_seconds: 1,
+    };
+    let (mut out, mut err) = (Vec::new(), Vec::new());
+    let code = execute(Command::Provision(args(false)), &mut out, &mut err);
+    let (o, e) = (String::from_utf8_lossy(&out), String::from_utf8_lossy(&err));
+    assert_eq!(code, 0, "stdout: {o}\nstderr: {e}");
+    assert!(o.contains("state:     running"), "{o}");
+    assert!(o.contains("<domain"), "the domain XML is shown: {o}");
+    assert!(!o.contains("never-printed") && !e.contains("never-printed"));
+    assert_eq!(rig.domains().len(), 1);
+
+    let (mut out, mut err) = (Vec::new(), Vec::new());
+    let code = execute(Command::Provision(args(true)), &mut out, &mut err);
+    let (o, e) = (String::from_utf8_lossy(&out), String::from_utf8_lossy(&err));
+    assert_eq!(code, 0, "stdout: {o}\nstderr: {e}");
+    assert!(o.contains("nothing left"), "{o}");
+    assert!(rig.domains().is_empty());
+    let mut base = rig.base_volumes();
+    base.sort();
+    assert_eq!(rig.volumes(), base);
+}
