@@ -1296,6 +1296,15 @@ impl HostOps for ReplicaView {
             Ok(created)
         })
     }
+    fn resize_volume<'a>(
+        &'a self,
+        host: &'a str,
+        pool: &'a str,
+        name: &'a str,
+        capacity: u64,
+    ) -> BoxFuture<'a, Result<(), OpsError>> {
+        self.inner.resize_volume(host, pool, name, capacity)
+    }
     fn delete_volume<'a>(
         &'a self,
         host: &'a str,

@@ -252,6 +252,21 @@ impl HostOps for FakeOps {
         })
     }
 
+    fn resize_volume<'a>(
+        &'a self,
+        host: &'a str,
+        _pool: &'a str,
+        name: &'a str,
+        capacity: u64,
+    ) -> BoxFuture<'a, Result<(), OpsError>> {
+        Box::pin(async move {
+            self.with(host, "volume-resize", |h| {
+                h.volumes.get_mut(name).map(|v| v.capacity = capacity)
+            })?
+            .ok_or_else(|| injected("volume-resize", host, ErrorClass::NotFound))
+        })
+    }
+
     fn delete_volume<'a>(
         &'a self,
         host: &'a str,
@@ -526,6 +541,20 @@ impl HostOps for FaultyOps {
             "volume-create",
             host,
             self.inner.create_volume(host, pool, name, xml)
+        )
+    }
+    fn resize_volume<'a>(
+        &'a self,
+        host: &'a str,
+        pool: &'a str,
+        name: &'a str,
+        capacity: u64,
+    ) -> BoxFuture<'a, Result<(), OpsError>> {
+        gated!(
+            self,
+            "volume-resize",
+            host,
+            self.inner.resize_volume(host, pool, name, capacity)
         )
     }
     fn delete_volume<'a>(

@@ -5,8 +5,9 @@
 //! libvirt cannot rename a volume, but it refuses to create a volume whose name is taken.
 //! That exclusive create is the only primitive the protocol needs:
 //!
-//! - **Data volume** `egress-image-<48 hex of sha256>`: whoever creates it is the one
-//!   uploader. It streams the download into it while hashing.
+//! - **Data volume** `egress-image-<48 hex of sha256>`: whoever creates it (empty, before
+//!   opening the download, so a losing replica never downloads) is the one uploader. It
+//!   sizes it from the Content-Length and streams the download into it while hashing.
 //! - **Marker volume** `egress-imgok-<48 hex>` (empty): created only after the hash of
 //!   everything written matched the config's sha256. *A data volume is used only when its
 //!   marker exists* (invariant 4), so a half-written or unverified volume is never a base.
@@ -491,29 +492,10 @@ impl ImageCache {
             image: image.name.clone(),
             source,
         };
-        let download = fetch::open(image, &self.options.fetch)
-            .await
-            .map_err(fetch_err)?;
-        let Some(size) = download.content_length() else {
-            return Err(ImageError::UnknownSize {
-                image: image.name.clone(),
-            });
-        };
-        let space = self
-            .ops
-            .pool_space(h, pool)
-            .await
-            .map_err(|e| Self::ops_err(host, image, e))?;
-        if space.available < size {
-            return Err(ImageError::NoSpace {
-                host: h.into(),
-                pool: pool.into(),
-                image: image.name.clone(),
-                needed: size,
-                available: space.available,
-            });
-        }
-        let xml = super::volume::raw_volume_xml(&data_name, size);
+        // Claim first (the exclusive create), download second: a replica that loses the
+        // claim never opens the download. The volume starts empty and is sized once the
+        // server has said how large the image is.
+        let xml = super::volume::raw_volume_xml(&data_name, 0);
         match self
             .ops
             .create_volume(h, pool, &data_name, xml)
@@ -523,6 +505,46 @@ impl ImageCache {
             Created::Created => {}
             Created::Exists => return Ok(None),
         }
+        let prepared = async {
+            let download = fetch::open(image, &self.options.fetch)
+                .await
+                .map_err(fetch_err)?;
+            let Some(size) = download.content_length() else {
+                return Err(ImageError::UnknownSize {
+                    image: image.name.clone(),
+                });
+            };
+            let space = self
+                .ops
+                .pool_space(h, pool)
+                .await
+                .map_err(|e| Self::ops_err(host, image, e))?;
+            if space.available < size {
+                return Err(ImageError::NoSpace {
+                    host: h.into(),
+                    pool: pool.into(),
+                    image: image.name.clone(),
+                    needed: size,
+                    available: space.available,
+                });
+            }
+            self.ops
+                .resize_volume(h, pool, &data_name, size)
+                .await
+                .map_err(|e| Self::ops_err(host, image, e))?;
+            Ok((download, size))
+        }
+        .await;
+        let (download, size) = match prepared {
+            Ok(p) => p,
+            Err(e) => {
+                if let Err(cleanup) = self.ops.delete_volume(h, pool, &data_name).await {
+                    tracing::warn!(host = h, image = %image.name, error = %cleanup,
+                        "could not delete the claimed image volume; the next Create takes it over once stale");
+                }
+                return Err(e);
+            }
+        };
         tracing::info!(host = h, image = %image.name, bytes = size, "uploading base image");
         // The upload is finished only when the download verified (length and sha256);
         // otherwise the stream is aborted. Either way, on error the data volume goes.

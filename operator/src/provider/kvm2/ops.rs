@@ -139,6 +139,14 @@ pub trait HostOps: Send + Sync {
         name: &'a str,
         xml: String,
     ) -> BoxFuture<'a, Result<Created, OpsError>>;
+    /// Grows a volume to `capacity` bytes.
+    fn resize_volume<'a>(
+        &'a self,
+        host: &'a str,
+        pool: &'a str,
+        name: &'a str,
+        capacity: u64,
+    ) -> BoxFuture<'a, Result<(), OpsError>>;
     /// Deletes a volume; `false` when it was already gone.
     fn delete_volume<'a>(
         &'a self,
@@ -351,6 +359,25 @@ impl HostOps for LibvirtOps {
                     }
                 })
                 .await?)
+        })
+    }
+
+    fn resize_volume<'a>(
+        &'a self,
+        host: &'a str,
+        pool: &'a str,
+        name: &'a str,
+        capacity: u64,
+    ) -> BoxFuture<'a, Result<(), OpsError>> {
+        let (pool, name) = (pool.to_string(), name.to_string());
+        Box::pin(async move {
+            self.hosts
+                .call(host, "volume-resize", move |c| {
+                    let p = StoragePool::lookup_by_name(c, &pool)?;
+                    StorageVol::lookup_by_name(&p, &name)?.resize(capacity, 0)
+                })
+                .await?;
+            Ok(())
         })
     }
 
