@@ -105,3 +105,25 @@ pub fn decorate<P: Provider + 'static>(p: Arc<P>, metrics: ProviderMetrics) -> S
 
 /// The name every kvm2 Proxy uses in `spec.provider`.
 pub const KVM2: &str = PROVIDER_NAME;
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::provider::fake::FakeProvider;
+
+    #[tokio::test]
+    async fn providers_are_found_by_name_decorated_with_their_capabilities() {
+        let metrics = ProviderMetrics::default();
+        let mut registry = Registry::new();
+        registry.insert(decorate(
+            Arc::new(FakeProvider::new(&["a"])),
+            metrics.clone(),
+        ));
+        assert_eq!(registry.names().collect::<Vec<_>>(), vec!["fake"]);
+        assert!(registry.get(KVM2).is_none());
+        let p = registry.get("fake").unwrap();
+        assert!(p.health().is_some());
+        assert_eq!(p.list().await.len(), 1);
+        assert_eq!(metrics.calls("fake", "list", "ok"), 1);
+    }
+}
