@@ -234,6 +234,23 @@ fn absent(e: &virt::error::Error) -> bool {
     )
 }
 
+/// Runs `stop` on the domain; one that is gone or not running counts as stopped.
+fn stop_quietly(
+    c: &virt::connect::Connect,
+    name: &str,
+    stop: impl Fn(&Domain) -> Result<(), virt::error::Error>,
+) -> Result<(), virt::error::Error> {
+    match Domain::lookup_by_name(c, name) {
+        Ok(d) => match stop(&d) {
+            Ok(()) => Ok(()),
+            Err(e) if absent(&e) || is(&e, ErrorNumber::OperationInvalid) => Ok(()),
+            Err(e) => Err(e),
+        },
+        Err(e) if absent(&e) => Ok(()),
+        Err(e) => Err(e),
+    }
+}
+
 fn record(dom: &Domain, name: String) -> Result<DomainRecord, virt::error::Error> {
     let (state, _reason) = dom.get_state()?;
     // The mark is read from the full domain XML, where it keeps its namespace:
@@ -556,19 +573,9 @@ impl HostOps for LibvirtOps {
         let name = name.to_string();
         Box::pin(async move {
             self.hosts
-                .call(
-                    host,
-                    "domain-shutdown",
-                    move |c| match Domain::lookup_by_name(c, &name) {
-                        Ok(d) => match d.shutdown() {
-                            Ok(_) => Ok(()),
-                            Err(e) if absent(&e) || is(&e, ErrorNumber::OperationInvalid) => Ok(()),
-                            Err(e) => Err(e),
-                        },
-                        Err(e) if absent(&e) => Ok(()),
-                        Err(e) => Err(e),
-                    },
-                )
+                .call(host, "domain-shutdown", move |c| {
+                    stop_quietly(c, &name, |d| d.shutdown().map(drop))
+                })
                 .await?;
             Ok(())
         })
@@ -578,19 +585,9 @@ impl HostOps for LibvirtOps {
         let name = name.to_string();
         Box::pin(async move {
             self.hosts
-                .call(
-                    host,
-                    "domain-destroy",
-                    move |c| match Domain::lookup_by_name(c, &name) {
-                        Ok(d) => match d.destroy() {
-                            Ok(()) => Ok(()),
-                            Err(e) if absent(&e) || is(&e, ErrorNumber::OperationInvalid) => Ok(()),
-                            Err(e) => Err(e),
-                        },
-                        Err(e) if absent(&e) => Ok(()),
-                        Err(e) => Err(e),
-                    },
-                )
+                .call(host, "domain-destroy", move |c| {
+                    stop_quietly(c, &name, |d| d.destroy().map(drop))
+                })
                 .await?;
             Ok(())
         })
