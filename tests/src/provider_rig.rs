@@ -208,3 +208,28 @@ pub fn request(uid: &str, name: &str) -> CreateRequest {
 pub fn uid(n: u8) -> String {
     format!("0b7c3c1e-9a43-4f5e-a1d2-3c4b5a6978{n:02x}")
 }
+
+/// Generous guard: a hang fails the test instead of blocking CI; not a timing assertion.
+pub const HANG_GUARD: Duration = Duration::from_secs(300);
+
+/// The provider tests start daemons and QEMU; one at a time keeps a 2-core machine
+/// responsive.
+static SERIAL: std::sync::Mutex<()> = std::sync::Mutex::new(());
+
+/// Runs one test body on its own runtime, serialised with the other rig tests of the same
+/// binary and under [`HANG_GUARD`].
+pub fn run<F: std::future::Future>(f: F) -> F::Output {
+    let _serial = SERIAL
+        .lock()
+        .unwrap_or_else(std::sync::PoisonError::into_inner);
+    let rt = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .enable_all()
+        .build()
+        .unwrap();
+    rt.block_on(async {
+        tokio::time::timeout(HANG_GUARD, f)
+            .await
+            .expect("hang guard")
+    })
+}

@@ -3,36 +3,14 @@
 //! base images served by a local HTTP server.
 #![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)] // tests fail loudly
 
-use std::future::Future;
-use std::sync::{Arc, Mutex, PoisonError};
-use std::time::Duration;
+use std::sync::Arc;
 
 use egress_operator::Classified as _;
 use egress_operator::error::ErrorClass;
 use egress_operator::instance::InstanceIdentity;
 use egress_operator::provider::kvm2::fake::FaultyOps;
 use egress_operator::provider::{InstanceId, InstanceState, Provider};
-use integration_tests::provider_rig::{Rig, request, uid};
-
-/// Generous guard: a hang fails the test instead of blocking CI; not a timing assertion.
-const HANG_GUARD: Duration = Duration::from_secs(300);
-
-/// These tests start daemons and QEMU; one at a time keeps a 2-core machine responsive.
-static SERIAL: Mutex<()> = Mutex::new(());
-
-fn run<F: Future>(f: F) -> F::Output {
-    let _serial = SERIAL.lock().unwrap_or_else(PoisonError::into_inner);
-    let rt = tokio::runtime::Builder::new_multi_thread()
-        .worker_threads(2)
-        .enable_all()
-        .build()
-        .unwrap();
-    rt.block_on(async {
-        tokio::time::timeout(HANG_GUARD, f)
-            .await
-            .expect("hang guard")
-    })
-}
+use integration_tests::provider_rig::{Rig, request, run, uid};
 
 #[test]
 fn create_runs_get_reports_delete_leaves_nothing() {

@@ -8,9 +8,8 @@
 //! that could not be reached into an empty success (invariant 6).
 #![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)] // tests fail loudly
 
-use std::future::Future;
 use std::net::{IpAddr, Ipv4Addr};
-use std::sync::{Arc, Mutex, PoisonError};
+use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use egress_operator::Classified as _;
@@ -27,32 +26,12 @@ use egress_operator::provider::kvm2::ops::{HostOps, LibvirtOps};
 use egress_operator::provider::{CreateRequest, InstanceState, Provider, ProviderError};
 use egress_operator::templates::{TemplateEngine, TemplateSet};
 use integration_tests::http::{HttpServer, Route};
-use integration_tests::provider_rig::{Rig, request, uid};
+use integration_tests::provider_rig::{Rig, request, run, uid};
 use integration_tests::{TestImage, provider_config, sha256_hex};
-
-/// Generous guard: a hang fails the test instead of blocking CI; not a timing assertion.
-const HANG_GUARD: Duration = Duration::from_secs(300);
 
 /// How long the rig's cache waits before taking over a staging volume that stopped
 /// growing (the same as [`Rig::provider`]).
 const STALE_AFTER: Duration = Duration::from_secs(3);
-
-/// These tests start daemons and QEMU; one at a time keeps a 2-core machine responsive.
-static SERIAL: Mutex<()> = Mutex::new(());
-
-fn run<F: Future>(f: F) -> F::Output {
-    let _serial = SERIAL.lock().unwrap_or_else(PoisonError::into_inner);
-    let rt = tokio::runtime::Builder::new_multi_thread()
-        .worker_threads(2)
-        .enable_all()
-        .build()
-        .unwrap();
-    rt.block_on(async {
-        tokio::time::timeout(HANG_GUARD, f)
-            .await
-            .expect("hang guard")
-    })
-}
 
 /// The cache options of [`Rig::provider`]: a stale staging volume is taken over quickly.
 fn cache_options() -> ImageCacheOptions {

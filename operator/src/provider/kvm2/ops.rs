@@ -234,6 +234,17 @@ fn absent(e: &virt::error::Error) -> bool {
     )
 }
 
+/// `absent_value` when the object turned out not to exist, else the result as is.
+fn or_absent<T>(
+    r: Result<T, virt::error::Error>,
+    absent_value: T,
+) -> Result<T, virt::error::Error> {
+    match r {
+        Err(e) if absent(&e) => Ok(absent_value),
+        other => other,
+    }
+}
+
 /// Runs `stop` on the domain; one that is gone or not running counts as stopped.
 fn stop_quietly(
     c: &virt::connect::Connect,
@@ -410,15 +421,12 @@ impl HostOps for LibvirtOps {
                 .hosts
                 .call(host, "volume-delete", move |c| {
                     let p = StoragePool::lookup_by_name(c, &pool)?;
-                    match StorageVol::lookup_by_name(&p, &name) {
-                        Ok(v) => match v.delete(0) {
-                            Ok(()) => Ok(true),
-                            Err(e) if absent(&e) => Ok(false),
-                            Err(e) => Err(e),
-                        },
-                        Err(e) if absent(&e) => Ok(false),
-                        Err(e) => Err(e),
-                    }
+                    or_absent(
+                        StorageVol::lookup_by_name(&p, &name)
+                            .and_then(|v| v.delete(0))
+                            .map(|()| true),
+                        false,
+                    )
                 })
                 .await?)
         })
@@ -607,15 +615,12 @@ impl HostOps for LibvirtOps {
                         | virt::sys::VIR_DOMAIN_UNDEFINE_SNAPSHOTS_METADATA
                         | virt::sys::VIR_DOMAIN_UNDEFINE_NVRAM
                         | virt::sys::VIR_DOMAIN_UNDEFINE_CHECKPOINTS_METADATA;
-                    match Domain::lookup_by_name(c, &name) {
-                        Ok(d) => match d.undefine_flags(flags) {
-                            Ok(()) => Ok(true),
-                            Err(e) if absent(&e) => Ok(false),
-                            Err(e) => Err(e),
-                        },
-                        Err(e) if absent(&e) => Ok(false),
-                        Err(e) => Err(e),
-                    }
+                    or_absent(
+                        Domain::lookup_by_name(c, &name)
+                            .and_then(|d| d.undefine_flags(flags))
+                            .map(|()| true),
+                        false,
+                    )
                 })
                 .await?)
         })
