@@ -25,6 +25,9 @@ pub struct Cli {
 pub enum Command {
     /// Print the JSON Schema of the providers config.
     ConfigSchema,
+    /// Print the CustomResourceDefinitions (Proxy, ProviderHealth) as YAML, as
+    /// `config/crd/` holds them.
+    Crd,
     /// Validate a providers config file and print every problem it has.
     ValidateConfig {
         /// The providers config (YAML).
@@ -155,12 +158,23 @@ pub fn run(cli: Cli) -> ExitCode {
 pub fn execute(command: Command, out: &mut dyn Write, err: &mut dyn Write) -> u8 {
     let result = match command {
         Command::ConfigSchema => out.write_all(config::json_schema().as_bytes()).map(|_| 0),
+        Command::Crd => crd(out, err),
         Command::ValidateConfig { file, proxies } => validate_config(&file, &proxies, out, err),
         Command::Render(args) => render(&args, out, err),
         Command::Check(args) => check(&args, out, err),
         Command::Provision(args) => provision(&args, out, err),
     };
     result.unwrap_or(2)
+}
+
+fn crd(out: &mut dyn Write, err: &mut dyn Write) -> std::io::Result<u8> {
+    match crate::api::crds_yaml() {
+        Ok(yaml) => out.write_all(yaml.as_bytes()).map(|_| 0),
+        Err(e) => {
+            writeln!(err, "cannot write the CRDs as YAML: {e}")?;
+            Ok(2)
+        }
+    }
 }
 
 fn validate_config(

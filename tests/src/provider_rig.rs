@@ -197,6 +197,7 @@ pub fn request(uid: &str, name: &str) -> CreateRequest {
             image: None,
             host: Some("h1".into()),
             user_data: None,
+            template_settings: None,
         },
         user_data: Some(UserData::new(
             b"#cloud-config\npassword: not-in-any-log\n".to_vec(),

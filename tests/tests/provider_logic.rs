@@ -283,6 +283,7 @@ fn request(uid: &str, name: &str, host: Option<&str>) -> CreateRequest {
             image: None,
             host: host.map(String::from),
             user_data: None,
+            template_settings: None,
         },
         user_data: Some(UserData::new(
             format!("#cloud-config\npassword: {SECRET}\n").into_bytes(),

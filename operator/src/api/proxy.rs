@@ -1,10 +1,16 @@
 //! The `Proxy` resource: one egress proxy VM.
 //!
-//! Until the CRD and controller land these types are read from files (`render`, samples);
-//! the spec is already the one the CRD will carry, so files written now stay valid.
+//! [`Proxy`] is the custom resource the controller reconciles; the same [`ProxySpec`] is
+//! read from plain manifest files by `render` and `provision` ([`ProxyManifest`]), so a
+//! file that works there works in the cluster. What can be checked without the providers
+//! config lives in the CRD schema (patterns, enums, CEL), so the API server refuses it at
+//! write time; what needs the config ([`ProxySpec::check`]) is checked by the controller
+//! and reported as a permanent error on the Proxy.
 
 use std::path::Path;
 
+use k8s_openapi::apimachinery::pkg::apis::meta::v1::Condition;
+use kube::CustomResource;
 use schemars::JsonSchema;
 use serde::{Deserialize, Serialize};
 
@@ -18,25 +24,82 @@ pub const KIND: &str = "Proxy";
 /// The only provider so far.
 pub const PROVIDER_KVM2: &str = "kvm2";
 
-/// What a Proxy asks for.
-#[derive(Debug, Clone, PartialEq, Serialize, Deserialize, JsonSchema)]
+/// CRD group.
+pub const GROUP: &str = "egress-operator.dev";
+
+/// What a Proxy asks for. The spec is immutable (a CEL rule): a VM is replaced, not
+/// edited, so a change means a new Proxy, and the controller never has to reconcile a
+/// running VM towards a different machine type or image.
+// Each printcolumn(...) repeats the same keys; clippy reads them as duplicates.
+#[allow(clippy::duplicated_attributes)]
+#[derive(CustomResource, Debug, Clone, Default, PartialEq, Serialize, Deserialize, JsonSchema)]
+#[kube(
+    group = "egress-operator.dev",
+    version = "v1alpha1",
+    kind = "Proxy",
+    plural = "proxies",
+    shortname = "egp",
+    category = "egress",
+    namespaced,
+    status = "ProxyStatus",
+    doc = "An egress proxy VM on a KVM/libvirt host.",
+    printcolumn(name = "Host", type_ = "string", json_path = ".status.host"),
+    printcolumn(name = "Address", type_ = "string", json_path = ".status.address"),
+    printcolumn(
+        name = "Ready",
+        type_ = "string",
+        json_path = ".status.conditions[?(@.type==\"Ready\")].status"
+    ),
+    printcolumn(
+        name = "Phase",
+        type_ = "string",
+        json_path = ".status.phase",
+        priority = "1"
+    ),
+    printcolumn(
+        name = "Age",
+        type_ = "date",
+        json_path = ".metadata.creationTimestamp"
+    )
+)]
 #[serde(rename_all = "camelCase", deny_unknown_fields)]
+#[schemars(extend("x-kubernetes-validations" = [{
+    "rule": "self == oldSelf",
+    "message": "spec is immutable: create a new Proxy to change it"
+}]))]
 pub struct ProxySpec {
     /// Provider that runs the VM; `kvm2`.
+    #[schemars(extend("enum" = ["kvm2"]))]
     pub provider: String,
     /// Machine type name from the providers config; its default when left out.
     #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[schemars(regex(pattern = DNS1123_LABEL), length(max = 63))]
     pub machine_type: Option<String>,
     /// Image name from the providers config; its default when left out.
     #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[schemars(regex(pattern = DNS1123_LABEL), length(max = 63))]
     pub image: Option<String>,
     /// Pin the VM to this host; the provider places it when left out.
     #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[schemars(regex(pattern = DNS1123_LABEL), length(max = 63))]
     pub host: Option<String>,
     /// cloud-init user-data, read from a Secret at create time.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub user_data: Option<UserDataSource>,
+    /// Plugin settings for this Proxy only, merged over the config's (top-level keys).
+    /// Only keys the providers config lists in `templates.<kind>.overridableSettings` are
+    /// accepted; the merged settings are checked against the plugin's schema.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub template_settings: Option<TemplateSettingsOverrides>,
 }
+
+/// DNS-1123 label, as Kubernetes and the providers config spell it.
+const DNS1123_LABEL: &str = "^[a-z0-9]([-a-z0-9]*[a-z0-9])?$";
+/// DNS-1123 subdomain (Secret names).
+const DNS1123_SUBDOMAIN: &str =
+    "^[a-z0-9]([-a-z0-9]*[a-z0-9])?(\\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*$";
+/// A Secret data key.
+const SECRET_KEY: &str = "^[-._a-zA-Z0-9]+$";
 
 /// Where the cloud-init user-data comes from.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize, JsonSchema)]
@@ -51,9 +114,86 @@ pub struct UserDataSource {
 #[serde(rename_all = "camelCase", deny_unknown_fields)]
 pub struct SecretKeyRef {
     /// Secret name.
+    #[schemars(regex(pattern = DNS1123_SUBDOMAIN), length(min = 1, max = 253))]
     pub name: String,
     /// Key within the Secret.
+    #[schemars(regex(pattern = SECRET_KEY), length(min = 1, max = 253))]
     pub key: String,
+}
+
+/// Per-Proxy plugin settings. Free-form objects in the schema: the plugin's own settings
+/// schema is what checks them, at reconcile time.
+#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize, JsonSchema)]
+#[serde(rename_all = "camelCase", deny_unknown_fields)]
+pub struct TemplateSettingsOverrides {
+    /// Merged over `templates.domain.settings`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[schemars(schema_with = "free_form_object")]
+    pub domain: Option<serde_json::Map<String, serde_json::Value>>,
+    /// Merged over `templates.vendorData.settings`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[schemars(schema_with = "free_form_object")]
+    pub vendor_data: Option<serde_json::Map<String, serde_json::Value>>,
+}
+
+fn free_form_object(_: &mut schemars::SchemaGenerator) -> schemars::Schema {
+    schemars::json_schema!({
+        "type": "object",
+        "nullable": true,
+        "x-kubernetes-preserve-unknown-fields": true
+    })
+}
+
+/// Where a Proxy is in its life.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize, JsonSchema)]
+pub enum ProxyPhase {
+    /// Accepted; no instance yet.
+    Pending,
+    /// An instance is being created (or replaced).
+    Provisioning,
+    /// The instance runs.
+    Running,
+    /// The instance exists but is not running (paused, shutting down, ...).
+    Degraded,
+    /// The Proxy cannot be served until it or the config changes (a permanent error).
+    Failed,
+    /// The finalizer is deleting the instance.
+    Deleting,
+}
+
+/// What the controller last saw. Written with server-side apply by the controller only.
+#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize, JsonSchema)]
+#[serde(rename_all = "camelCase")]
+pub struct ProxyStatus {
+    /// Summary of the conditions, for people.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub phase: Option<ProxyPhase>,
+    /// Host the instance runs on.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub host: Option<String>,
+    /// Provider instance ID (`HOST/NAME`): how the controller finds the instance again.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub instance_id: Option<String>,
+    /// Run state the provider reported (`running`, `paused`, ...).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub instance_state: Option<String>,
+    /// The guest's first address (IPv4 first); what consumers connect to.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub address: Option<String>,
+    /// Every address the provider found, best first.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub addresses: Vec<String>,
+    /// `Ready` (the proxy runs and has an address) and `Provisioned` (an instance exists).
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    #[schemars(extend("x-kubernetes-list-type" = "map", "x-kubernetes-list-map-keys" = ["type"]))]
+    pub conditions: Vec<Condition>,
+    /// `metadata.generation` this status was computed from.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub observed_generation: Option<i64>,
+    /// Class of the last error (`transient`, `permanent`, `notFound`, `quota`); cleared on
+    /// success.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub last_error_class: Option<String>,
 }
 
 /// The parts of object metadata a Proxy file carries.
