@@ -6,9 +6,12 @@
 pub mod api;
 pub mod cli;
 pub mod config;
+pub mod controller;
 pub mod error;
+pub mod gc;
 pub mod instance;
 pub mod provider;
+pub mod providerhealth;
 pub mod provision;
 pub mod render;
 pub mod telemetry;

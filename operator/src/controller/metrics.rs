@@ -1,0 +1,98 @@
+//! Controller metrics: how reconciles end and what they did to instances.
+
+use prometheus_client::encoding::EncodeLabelSet;
+use prometheus_client::metrics::counter::Counter;
+use prometheus_client::metrics::family::Family;
+use prometheus_client::metrics::histogram::Histogram;
+use prometheus_client::registry::Registry;
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct Outcome {
+    outcome: String,
+}
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct Action {
+    action: String,
+}
+
+/// Counters and a latency histogram; cheap to clone (shared cells).
+#[derive(Clone, Debug)]
+pub struct ControllerMetrics {
+    reconciles: Family<Outcome, Counter>,
+    duration: Family<Outcome, Histogram, fn() -> Histogram>,
+    instances: Family<Action, Counter>,
+}
+
+fn histogram() -> Histogram {
+    // A refresh is one provider round trip; a Create can include an image download.
+    Histogram::new([0.01, 0.05, 0.25, 1.0, 5.0, 30.0, 120.0, 600.0])
+}
+
+impl Default for ControllerMetrics {
+    fn default() -> Self {
+        Self {
+            reconciles: Family::default(),
+            duration: Family::new_with_constructor(histogram as fn() -> Histogram),
+            instances: Family::default(),
+        }
+    }
+}
+
+impl ControllerMetrics {
+    /// Registered under `egress_controller_*`.
+    pub fn register(registry: &mut Registry) -> Self {
+        let m = Self::default();
+        registry.register(
+            "egress_controller_reconciles",
+            "Proxy reconciles by outcome (ok or the error class)",
+            m.reconciles.clone(),
+        );
+        registry.register(
+            "egress_controller_reconcile_duration_seconds",
+            "Proxy reconcile duration by outcome",
+            m.duration.clone(),
+        );
+        registry.register(
+            "egress_controller_instance_actions",
+            "instances created, replaced and deleted by the controller",
+            m.instances.clone(),
+        );
+        m
+    }
+
+    pub(super) fn reconciled(&self, outcome: &str, seconds: f64) {
+        let l = Outcome {
+            outcome: outcome.into(),
+        };
+        self.reconciles.get_or_create(&l).inc();
+        self.duration.get_or_create(&l).observe(seconds);
+    }
+
+    pub(super) fn instance(&self, action: &str) {
+        self.instances
+            .get_or_create(&Action {
+                action: action.into(),
+            })
+            .inc();
+    }
+
+    /// Reconciles counted with this outcome (for tests).
+    pub fn reconciles(&self, outcome: &str) -> u64 {
+        self.reconciles
+            .get_or_create(&Outcome {
+                outcome: outcome.into(),
+            })
+            .get()
+    }
+
+    /// Instance actions counted (for tests): `created`, `replaced-lost`, `replaced-failed`,
+    /// `deleted`.
+    pub fn instances(&self, action: &str) -> u64 {
+        self.instances
+            .get_or_create(&Action {
+                action: action.into(),
+            })
+            .get()
+    }
+}

@@ -1,0 +1,664 @@
+//! The Proxy controller: keeps exactly one running instance per Proxy and reports it.
+//!
+//! Built on kube-runtime's `Controller` (watch, per-object serialisation, requeue) and its
+//! `finalizer` helper, as kube-rs's controller-rs does. One reconcile:
+//!
+//! - **apply**: check the spec against the providers config (a problem is permanent and
+//!   shown in the `Ready` condition); if status names an instance, `get` it: running or
+//!   starting → refresh status; lost (not found) or failed (crashed, shut off) → replace it
+//!   (delete the old one first, then create); no instance → read the user-data Secret and
+//!   create. Every step is idempotent, so a crash anywhere converges on the next reconcile
+//!   (a Create of a Proxy whose domain exists adopts it).
+//! - **cleanup** (the finalizer): delete the instance status names and any other instance
+//!   a listing finds with this Proxy's UID; safe when nothing was ever created.
+//!
+//! Status is written whole with server-side apply; events mark state changes; the error
+//! class alone decides the requeue ([`requeue`]). The user-data Secret is read at create
+//! time into [`UserData`], which cannot be printed, and no error names its content.
+
+pub mod metrics;
+pub mod requeue;
+pub mod status;
+
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use futures_util::StreamExt;
+use k8s_openapi::api::core::v1::Secret;
+use kube::api::{Patch, PatchParams};
+use kube::runtime::controller::{Action, Controller};
+use kube::runtime::events::{Event, EventType, Recorder, Reporter};
+use kube::runtime::finalizer::{Event as Finalizer, finalizer};
+use kube::runtime::watcher;
+use kube::{Api, Client, Resource, ResourceExt};
+
+use crate::api::proxy::{Proxy, ProxyStatus};
+use crate::config::ValidConfig;
+use crate::error::{Classified, ErrorClass};
+use crate::provider::registry::Registry;
+use crate::provider::{
+    CreateRequest, Instance, InstanceId, ProviderError, ProxyRef, SharedProvider, UserData,
+};
+use crate::validation::Problems;
+
+pub use metrics::ControllerMetrics;
+pub use requeue::RequeuePolicy;
+
+/// Finalizer on every Proxy the controller has seen: the instance is deleted before the
+/// Proxy can go.
+pub const FINALIZER: &str = "egress-operator.dev/instance";
+/// Field manager of our server-side applies.
+pub const FIELD_MANAGER: &str = "egress-operator";
+/// Largest user-data accepted from a Secret (the NoCloud seed holds it in memory).
+pub const MAX_USER_DATA: usize = 1024 * 1024;
+
+/// Why a reconcile failed. Every variant has a class; none carries Secret content.
+#[derive(Debug, thiserror::Error)]
+pub enum ControllerError {
+    /// The spec names things the providers config does not have, or breaks its rules.
+    #[error("the Proxy does not fit the providers config: {0}")]
+    InvalidSpec(String),
+    /// The Proxy object lacks something the API server always sets.
+    #[error("the Proxy has no {0}")]
+    Incomplete(&'static str),
+    /// `spec.provider` names no configured provider.
+    #[error("provider {0:?} is not configured")]
+    UnknownProvider(String),
+    /// The user-data Secret or its key is missing or unusable.
+    #[error("user-data Secret {namespace}/{name} key {key:?}: {problem}")]
+    UserData {
+        /// Secret namespace.
+        namespace: String,
+        /// Secret name.
+        name: String,
+        /// Key in the Secret.
+        key: String,
+        /// What is wrong (never the content).
+        problem: String,
+        /// Missing things are `NotFound`, a bad value `Permanent`.
+        class: ErrorClass,
+    },
+    /// The provider failed.
+    #[error("provider: {0}")]
+    Provider(#[from] ProviderError),
+    /// The Kubernetes API failed.
+    #[error("kubernetes API: {0}")]
+    Kube(#[from] kube::Error),
+}
+
+impl Classified for ControllerError {
+    fn class(&self) -> ErrorClass {
+        match self {
+            ControllerError::InvalidSpec(_)
+            | ControllerError::Incomplete(_)
+            | ControllerError::UnknownProvider(_) => ErrorClass::Permanent,
+            ControllerError::UserData { class, .. } => *class,
+            ControllerError::Provider(e) => e.class(),
+            ControllerError::Kube(e) => kube_class(e),
+        }
+    }
+}
+
+impl ControllerError {
+    /// The condition reason shown for this error.
+    pub fn reason(&self) -> &'static str {
+        match self {
+            ControllerError::InvalidSpec(_) | ControllerError::Incomplete(_) => "InvalidSpec",
+            ControllerError::UnknownProvider(_) => "UnknownProvider",
+            ControllerError::UserData { .. } => "UserDataUnavailable",
+            ControllerError::Provider(e) => match e.class() {
+                ErrorClass::Quota => "CapacityExceeded",
+                ErrorClass::Permanent => "ProviderRefused",
+                _ => "ProviderError",
+            },
+            ControllerError::Kube(_) => "KubernetesAPIError",
+        }
+    }
+}
+
+/// Class of a Kubernetes API error: conflicts, throttling and server errors pass.
+pub fn kube_class(e: &kube::Error) -> ErrorClass {
+    match e {
+        kube::Error::Api(s) => match s.code {
+            404 | 410 => ErrorClass::NotFound,
+            400 | 403 | 422 => ErrorClass::Permanent,
+            _ => ErrorClass::Transient,
+        },
+        _ => ErrorClass::Transient,
+    }
+}
+
+/// Everything a reconcile needs.
+pub struct Context {
+    /// The API client.
+    pub client: Client,
+    /// The providers config (validated at start).
+    pub config: Arc<ValidConfig>,
+    /// Providers by name.
+    pub providers: Arc<Registry>,
+    /// Event recorder.
+    pub recorder: Recorder,
+    /// Metrics.
+    pub metrics: ControllerMetrics,
+    /// Requeue policy.
+    pub policy: RequeuePolicy,
+    /// Consecutive failures per Proxy.
+    pub attempts: requeue::Attempts,
+    /// Jitter source, replaceable in tests.
+    pub jitter: fn() -> f64,
+}
+
+impl std::fmt::Debug for Context {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Context")
+            .field("providers", &self.providers)
+            .field("policy", &self.policy)
+            .finish_non_exhaustive()
+    }
+}
+
+impl Context {
+    /// A context with the default policy; `instance` names this replica in events.
+    pub fn new(
+        client: Client,
+        config: Arc<ValidConfig>,
+        providers: Arc<Registry>,
+        metrics: ControllerMetrics,
+        instance: Option<String>,
+    ) -> Self {
+        let recorder = Recorder::new(
+            client.clone(),
+            Reporter {
+                controller: "egress-operator".into(),
+                instance,
+            },
+        );
+        Self {
+            client,
+            config,
+            providers,
+            recorder,
+            metrics,
+            policy: RequeuePolicy::default(),
+            attempts: requeue::Attempts::default(),
+            jitter: requeue::random_unit,
+        }
+    }
+}
+
+/// Runs the controller until `shutdown` resolves; then stops taking new work and waits for
+/// reconciles in flight (a Create finishes or cleans up after itself), so no half-made VM
+/// is left behind.
+pub async fn run<F>(ctx: Arc<Context>, concurrency: u16, shutdown: F)
+where
+    F: std::future::Future<Output = ()> + Send + Sync + 'static,
+{
+    let proxies = Api::<Proxy>::all(ctx.client.clone());
+    Controller::new(proxies, watcher::Config::default().any_semantic())
+        .with_config(kube::runtime::controller::Config::default().concurrency(concurrency))
+        .graceful_shutdown_on(shutdown)
+        .run(reconcile, error_policy, ctx)
+        .for_each(|result| async move {
+            match result {
+                Ok((obj, action)) => tracing::debug!(proxy = %obj, ?action, "reconciled"),
+                Err(e) => tracing::debug!(error = %e, "controller stream"),
+            }
+        })
+        .await;
+}
+
+/// One reconcile of one Proxy.
+pub async fn reconcile(proxy: Arc<Proxy>, ctx: Arc<Context>) -> Result<Action, ControllerError> {
+    let started = Instant::now();
+    let ns = proxy
+        .namespace()
+        .ok_or(ControllerError::Incomplete("metadata.namespace"))?;
+    let api = Api::<Proxy>::namespaced(ctx.client.clone(), &ns);
+    let result = finalizer(&api, FINALIZER, proxy, |event| async {
+        match event {
+            Finalizer::Apply(p) => apply(&p, &ctx).await,
+            Finalizer::Cleanup(p) => cleanup(&p, &ctx).await,
+        }
+    })
+    .await
+    .map_err(|e| match e {
+        kube::runtime::finalizer::Error::ApplyFailed(e)
+        | kube::runtime::finalizer::Error::CleanupFailed(e) => e,
+        kube::runtime::finalizer::Error::AddFinalizer(e)
+        | kube::runtime::finalizer::Error::RemoveFinalizer(e) => ControllerError::Kube(e),
+        kube::runtime::finalizer::Error::UnnamedObject => {
+            ControllerError::Incomplete("metadata.name")
+        }
+        kube::runtime::finalizer::Error::InvalidFinalizer => {
+            ControllerError::InvalidSpec(format!("finalizer name {FINALIZER:?} is invalid"))
+        }
+    });
+    let outcome = match &result {
+        Ok(_) => "ok",
+        Err(e) => e.class().as_str(),
+    };
+    ctx.metrics
+        .reconciled(outcome, started.elapsed().as_secs_f64());
+    result
+}
+
+/// Requeue by error class, with backoff and jitter.
+pub fn error_policy(proxy: Arc<Proxy>, error: &ControllerError, ctx: Arc<Context>) -> Action {
+    let uid = proxy.uid().unwrap_or_default();
+    let attempt = ctx.attempts.fail(&uid);
+    let class = error.class();
+    let delay = ctx.policy.after_error(class, attempt, (ctx.jitter)());
+    tracing::warn!(
+        proxy = %format!("{}/{}", proxy.namespace().unwrap_or_default(), proxy.name_any()),
+        class = %class,
+        attempt,
+        retry_in = ?delay,
+        error = %error,
+        "reconcile failed"
+    );
+    Action::requeue(delay)
+}
+
+/// What an apply did to the instance, for events and metrics.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Change {
+    Created,
+    ReplacedLost,
+    ReplacedFailed,
+}
+
+struct Target<'a> {
+    proxy: &'a Proxy,
+    owner: ProxyRef,
+    generation: Option<i64>,
+    prev: ProxyStatus,
+}
+
+async fn apply(proxy: &Proxy, ctx: &Context) -> Result<Action, ControllerError> {
+    let target = Target {
+        proxy,
+        owner: owner_of(proxy)?,
+        generation: proxy.metadata.generation,
+        prev: proxy.status.clone().unwrap_or_default(),
+    };
+    match converge(&target, ctx).await {
+        Ok((instance, change)) => {
+            let now = jiff::Timestamp::now();
+            let new = status::observed(&target.prev, target.generation, &instance, now);
+            write_status(ctx, proxy, &new).await?;
+            if let Some(change) = change {
+                let (reason, action, note) = match change {
+                    Change::Created => ("Created", "Create", "created"),
+                    Change::ReplacedLost => {
+                        ("Replaced", "Replace", "replaced a lost instance with")
+                    }
+                    Change::ReplacedFailed => {
+                        ("Replaced", "Replace", "replaced a failed instance with")
+                    }
+                };
+                ctx.metrics.instance(match change {
+                    Change::Created => "created",
+                    Change::ReplacedLost => "replaced-lost",
+                    Change::ReplacedFailed => "replaced-failed",
+                });
+                event(
+                    ctx,
+                    proxy,
+                    EventType::Normal,
+                    reason,
+                    action,
+                    format!("{note} instance {}", instance.id),
+                )
+                .await;
+            }
+            let ready = status::is_ready(&new);
+            if ready && !status::is_ready(&target.prev) {
+                let note = format!("ready at {}", new.address.as_deref().unwrap_or("-"));
+                event(ctx, proxy, EventType::Normal, "Ready", "Refresh", note).await;
+            }
+            ctx.attempts.reset(&target.owner.uid);
+            Ok(Action::requeue(if ready {
+                ctx.policy.ready_refresh
+            } else {
+                ctx.policy.not_ready_refresh
+            }))
+        }
+        Err(e) => {
+            let now = jiff::Timestamp::now();
+            let class = e.class();
+            let message = e.to_string();
+            let new = status::errored(
+                &target.prev,
+                target.generation,
+                class,
+                e.reason(),
+                &message,
+                now,
+            );
+            if let Err(w) = write_status(ctx, proxy, &new).await {
+                tracing::warn!(error = %w, "could not record the error in status");
+            }
+            let changed = status::condition(&target.prev, status::READY)
+                .is_none_or(|c| c.reason != e.reason() || c.message != new_message(&new));
+            if changed {
+                event(
+                    ctx,
+                    proxy,
+                    EventType::Warning,
+                    e.reason(),
+                    "Reconcile",
+                    message,
+                )
+                .await;
+            }
+            Err(e)
+        }
+    }
+}
+
+fn new_message(s: &ProxyStatus) -> String {
+    status::condition(s, status::READY)
+        .map(|c| c.message.clone())
+        .unwrap_or_default()
+}
+
+/// Brings the instance to "exists and is not failed"; returns it and what changed.
+async fn converge(
+    t: &Target<'_>,
+    ctx: &Context,
+) -> Result<(Instance, Option<Change>), ControllerError> {
+    let spec = &t.proxy.spec;
+    let mut problems = Problems::new();
+    spec.check(&ctx.config, &mut problems);
+    let problems = problems.into_vec();
+    if !problems.is_empty() {
+        let text = problems
+            .iter()
+            .map(ToString::to_string)
+            .collect::<Vec<_>>()
+            .join("; ");
+        return Err(ControllerError::InvalidSpec(text));
+    }
+    let provider = provider_for(ctx, &spec.provider)?;
+
+    let mut change = Change::Created;
+    if let Some(text) = &t.prev.instance_id {
+        match InstanceId::parse(text) {
+            Ok(id) => match provider.get(&id).await {
+                Ok(instance) if !instance.state.is_failed() => return Ok((instance, None)),
+                Ok(instance) => {
+                    let note = format!("instance {id} is {}; replacing it", instance.state);
+                    mark_provisioning(ctx, t, "Replacing", &note).await?;
+                    event(
+                        ctx,
+                        t.proxy,
+                        EventType::Warning,
+                        "InstanceFailed",
+                        "Replace",
+                        note,
+                    )
+                    .await;
+                    provider.delete(&id).await?;
+                    change = Change::ReplacedFailed;
+                }
+                Err(e) if e.is_not_found() => {
+                    let note = format!("instance {id} is gone; creating a new one");
+                    mark_provisioning(ctx, t, "Replacing", &note).await?;
+                    event(
+                        ctx,
+                        t.proxy,
+                        EventType::Warning,
+                        "InstanceLost",
+                        "Replace",
+                        note,
+                    )
+                    .await;
+                    change = Change::ReplacedLost;
+                }
+                Err(e) => return Err(e.into()),
+            },
+            Err(e) => {
+                tracing::warn!(error = %e, "status.instanceId unreadable; creating (adopts an existing instance)");
+            }
+        }
+    } else if t.prev.phase != Some(crate::api::proxy::ProxyPhase::Provisioning) {
+        mark_provisioning(ctx, t, "Creating", "creating the instance").await?;
+    }
+
+    let user_data = read_user_data(ctx, t.proxy, &t.owner.namespace).await?;
+    let req = CreateRequest {
+        proxy: t.owner.clone(),
+        spec: spec.clone(),
+        user_data,
+    };
+    let instance = provider.create(&req).await?;
+    tracing::info!(
+        proxy = %format!("{}/{}", t.owner.namespace, t.owner.name),
+        instance = %instance.id,
+        ?change,
+        "instance ready for the Proxy"
+    );
+    Ok((instance, Some(change)))
+}
+
+async fn mark_provisioning(
+    ctx: &Context,
+    t: &Target<'_>,
+    reason: &str,
+    message: &str,
+) -> Result<(), ControllerError> {
+    let s = status::provisioning(
+        &t.prev,
+        t.generation,
+        reason,
+        message,
+        jiff::Timestamp::now(),
+    );
+    write_status(ctx, t.proxy, &s).await
+}
+
+async fn cleanup(proxy: &Proxy, ctx: &Context) -> Result<Action, ControllerError> {
+    let owner = owner_of(proxy)?;
+    let prev = proxy.status.clone().unwrap_or_default();
+    let s = status::deleting(&prev, proxy.metadata.generation, jiff::Timestamp::now());
+    if let Err(e) = write_status(ctx, proxy, &s).await {
+        // The object may already be half gone; the deletion itself is what matters.
+        tracing::debug!(error = %e, "could not mark the Proxy as deleting");
+    }
+    let provider = match provider_for(ctx, &proxy.spec.provider) {
+        Ok(p) => p,
+        Err(e) => {
+            let note = format!("nothing to delete: {e}");
+            event(ctx, proxy, EventType::Warning, "NotDeleted", "Delete", note).await;
+            ctx.attempts.reset(&owner.uid);
+            return Ok(Action::await_change());
+        }
+    };
+    let mut deleted = Vec::new();
+    if let Some(id) = prev
+        .instance_id
+        .as_deref()
+        .and_then(|t| InstanceId::parse(t).ok())
+    {
+        delete_one(ctx, proxy, &provider, &id).await?;
+        deleted.push(id);
+    }
+    // A Create that finished after a crash, before its status was written, left an
+    // instance status does not name: find it by UID. A host whose listing fails is left
+    // to the garbage collector (the Proxy will be gone, so it counts as an orphan).
+    for listing in provider.list().await {
+        match listing.result {
+            Ok(instances) => {
+                for i in instances.iter().filter(|i| i.proxy.uid == owner.uid) {
+                    if !deleted.contains(&i.id) {
+                        delete_one(ctx, proxy, &provider, &i.id).await?;
+                        deleted.push(i.id.clone());
+                    }
+                }
+            }
+            Err(e) => tracing::warn!(
+                target_host = %listing.target,
+                error = %e,
+                "listing failed during cleanup; the garbage collector will find leftovers"
+            ),
+        }
+    }
+    let note = if deleted.is_empty() {
+        "no instance existed".to_string()
+    } else {
+        format!(
+            "deleted {}",
+            deleted
+                .iter()
+                .map(ToString::to_string)
+                .collect::<Vec<_>>()
+                .join(", ")
+        )
+    };
+    event(ctx, proxy, EventType::Normal, "Deleted", "Delete", note).await;
+    ctx.attempts.reset(&owner.uid);
+    Ok(Action::await_change())
+}
+
+async fn delete_one(
+    ctx: &Context,
+    proxy: &Proxy,
+    provider: &SharedProvider,
+    id: &InstanceId,
+) -> Result<(), ControllerError> {
+    match provider.delete(id).await {
+        Ok(()) => {
+            ctx.metrics.instance("deleted");
+            Ok(())
+        }
+        Err(e) if e.is_not_found() => Ok(()),
+        Err(e) if e.class() == ErrorClass::Permanent => {
+            // Not ours to delete (e.g. the name is taken by a domain without our mark):
+            // leaving it is right, and the Proxy must not be stuck on it.
+            let note = format!("left instance {id} in place: {e}");
+            event(ctx, proxy, EventType::Warning, "NotDeleted", "Delete", note).await;
+            Ok(())
+        }
+        Err(e) => Err(e.into()),
+    }
+}
+
+fn owner_of(proxy: &Proxy) -> Result<ProxyRef, ControllerError> {
+    Ok(ProxyRef {
+        namespace: proxy
+            .namespace()
+            .ok_or(ControllerError::Incomplete("metadata.namespace"))?,
+        name: proxy
+            .metadata
+            .name
+            .clone()
+            .ok_or(ControllerError::Incomplete("metadata.name"))?,
+        uid: proxy
+            .uid()
+            .ok_or(ControllerError::Incomplete("metadata.uid"))?,
+    })
+}
+
+fn provider_for(ctx: &Context, name: &str) -> Result<SharedProvider, ControllerError> {
+    ctx.providers
+        .get(name)
+        .cloned()
+        .ok_or_else(|| ControllerError::UnknownProvider(name.to_string()))
+}
+
+/// Reads the user-data the Proxy names. The bytes go straight into [`UserData`].
+async fn read_user_data(
+    ctx: &Context,
+    proxy: &Proxy,
+    namespace: &str,
+) -> Result<Option<UserData>, ControllerError> {
+    let Some(source) = &proxy.spec.user_data else {
+        return Ok(None);
+    };
+    let r = &source.secret_ref;
+    let err = |problem: &str, class| ControllerError::UserData {
+        namespace: namespace.to_string(),
+        name: r.name.clone(),
+        key: r.key.clone(),
+        problem: problem.to_string(),
+        class,
+    };
+    let secrets = Api::<Secret>::namespaced(ctx.client.clone(), namespace);
+    let secret = secrets
+        .get_opt(&r.name)
+        .await?
+        .ok_or_else(|| err("the Secret does not exist", ErrorClass::NotFound))?;
+    let bytes = secret
+        .data
+        .as_ref()
+        .and_then(|d| d.get(&r.key))
+        .map(|b| b.0.clone())
+        .or_else(|| {
+            secret
+                .string_data
+                .as_ref()
+                .and_then(|d| d.get(&r.key))
+                .map(|s| s.clone().into_bytes())
+        })
+        .ok_or_else(|| err("the Secret has no such key", ErrorClass::NotFound))?;
+    if bytes.len() > MAX_USER_DATA {
+        return Err(err(
+            &format!(
+                "{} bytes is over the {MAX_USER_DATA}-byte limit",
+                bytes.len()
+            ),
+            ErrorClass::Permanent,
+        ));
+    }
+    Ok(Some(UserData::new(bytes)))
+}
+
+async fn write_status(
+    ctx: &Context,
+    proxy: &Proxy,
+    status: &ProxyStatus,
+) -> Result<(), ControllerError> {
+    let ns = proxy
+        .namespace()
+        .ok_or(ControllerError::Incomplete("metadata.namespace"))?;
+    let api = Api::<Proxy>::namespaced(ctx.client.clone(), &ns);
+    let body = serde_json::json!({
+        "apiVersion": Proxy::api_version(&()),
+        "kind": Proxy::kind(&()),
+        "status": status,
+    });
+    api.patch_status(
+        &proxy.name_any(),
+        &PatchParams::apply(FIELD_MANAGER).force(),
+        &Patch::Apply(&body),
+    )
+    .await?;
+    Ok(())
+}
+
+/// Publishes an event; a failure is logged, never fails the reconcile.
+async fn event(
+    ctx: &Context,
+    proxy: &Proxy,
+    type_: EventType,
+    reason: &str,
+    action: &str,
+    note: String,
+) {
+    let ev = Event {
+        type_,
+        reason: reason.into(),
+        note: Some(note),
+        action: action.into(),
+        secondary: None,
+    };
+    if let Err(e) = ctx.recorder.publish(&ev, &proxy.object_ref(&())).await {
+        tracing::debug!(error = %e, reason, "could not publish event");
+    }
+}
+
+/// How long a reconcile may hold the shutdown: the bounded waits inside a Create.
+pub const SHUTDOWN_WAIT_HINT: Duration = Duration::from_secs(120);
+
+#[cfg(test)]
+mod tests;
