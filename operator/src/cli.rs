@@ -43,6 +43,9 @@ pub enum Command {
     /// needs: reachability, host key, libvirt and hypervisor versions, KVM, pool, bridge,
     /// image cache. Exits non-zero if any host fails.
     Check(CheckArgs),
+    /// Run the operator in a cluster: the Proxy controller, garbage collector and provider
+    /// health monitor (while holding the leader Lease), and /metrics, /healthz, /readyz.
+    Run(crate::run::RunArgs),
     /// Create (or with --delete, remove) one Proxy's VM from files, without a cluster,
     /// through the same provider code the operator runs, and print its status.
     Provision(ProvisionCliArgs),
@@ -147,7 +150,10 @@ pub struct RenderArgs {
 
 /// Runs one command, writing to the process's stdout and stderr.
 pub fn run(cli: Cli) -> ExitCode {
-    crate::telemetry::init("warn");
+    match &cli.command {
+        Command::Run(args) => crate::telemetry::init_with("info", args.log_format),
+        _ => crate::telemetry::init("warn"),
+    }
     let mut out = std::io::stdout().lock();
     let mut err = std::io::stderr().lock();
     ExitCode::from(execute(cli.command, &mut out, &mut err))
@@ -163,6 +169,7 @@ pub fn execute(command: Command, out: &mut dyn Write, err: &mut dyn Write) -> u8
         Command::Render(args) => render(&args, out, err),
         Command::Check(args) => check(&args, out, err),
         Command::Provision(args) => provision(&args, out, err),
+        Command::Run(args) => crate::run::run(&args, err),
     };
     result.unwrap_or(2)
 }

@@ -1,0 +1,185 @@
+//! The operator's HTTP endpoints: `/metrics` (Prometheus text format), `/healthz`
+//! (liveness: the process serves and its main loop is not wedged) and `/readyz`
+//! (readiness: config loaded, API server reached, and either leading with the components
+//! started or standing by). Plain HTTP/1 on one port; no user data passes through here.
+
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, AtomicU8, Ordering};
+
+use axum::Router;
+use axum::extract::State;
+use axum::http::{StatusCode, header};
+use axum::response::{IntoResponse, Response};
+use axum::routing::get;
+use prometheus_client::registry::Registry;
+
+/// What this replica is doing, for `/readyz` and the `egress_operator_role` gauge.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[repr(u8)]
+pub enum Role {
+    /// Starting: config loaded, API server not reached yet.
+    Starting = 0,
+    /// Waiting for the lease.
+    Standby = 1,
+    /// Holding the lease; controller, GC and health monitor run.
+    Leading = 2,
+    /// Shutting down.
+    Stopping = 3,
+}
+
+/// Shared probe state, written by the run loop, read by the endpoints.
+#[derive(Debug, Default)]
+pub struct Probes {
+    role: AtomicU8,
+    wedged: AtomicBool,
+}
+
+impl Probes {
+    /// Records the role.
+    pub fn set_role(&self, role: Role) {
+        self.role.store(role as u8, Ordering::SeqCst);
+    }
+
+    /// The current role.
+    pub fn role(&self) -> Role {
+        match self.role.load(Ordering::SeqCst) {
+            1 => Role::Standby,
+            2 => Role::Leading,
+            3 => Role::Stopping,
+            _ => Role::Starting,
+        }
+    }
+
+    /// Marks the process as needing a restart (a component ended unexpectedly).
+    pub fn set_wedged(&self) {
+        self.wedged.store(true, Ordering::SeqCst);
+    }
+
+    /// Ready: standing by or leading.
+    pub fn is_ready(&self) -> bool {
+        matches!(self.role(), Role::Standby | Role::Leading)
+    }
+
+    /// Live: not wedged.
+    pub fn is_live(&self) -> bool {
+        !self.wedged.load(Ordering::SeqCst)
+    }
+}
+
+#[derive(Clone)]
+struct AppState {
+    probes: Arc<Probes>,
+    registry: Arc<Registry>,
+}
+
+/// The router; `registry` must hold every metric before it is shared here.
+pub fn router(probes: Arc<Probes>, registry: Arc<Registry>) -> Router {
+    Router::new()
+        .route("/metrics", get(metrics))
+        .route("/healthz", get(healthz))
+        .route("/readyz", get(readyz))
+        .with_state(AppState { probes, registry })
+}
+
+async fn metrics(State(s): State<AppState>) -> Response {
+    let mut body = String::new();
+    match prometheus_client::encoding::text::encode(&mut body, &s.registry) {
+        Ok(()) => (
+            [(
+                header::CONTENT_TYPE,
+                "application/openmetrics-text; version=1.0.0; charset=utf-8",
+            )],
+            body,
+        )
+            .into_response(),
+        Err(e) => (
+            StatusCode::INTERNAL_SERVER_ERROR,
+            format!("cannot encode metrics: {e}\n"),
+        )
+            .into_response(),
+    }
+}
+
+async fn healthz(State(s): State<AppState>) -> Response {
+    if s.probes.is_live() {
+        (StatusCode::OK, "ok\n").into_response()
+    } else {
+        (
+            StatusCode::SERVICE_UNAVAILABLE,
+            "a component stopped unexpectedly\n",
+        )
+            .into_response()
+    }
+}
+
+async fn readyz(State(s): State<AppState>) -> Response {
+    let role = s.probes.role();
+    let text = match role {
+        Role::Starting => "starting: Kubernetes API not reached yet\n",
+        Role::Standby => "ready: standing by for the lease\n",
+        Role::Leading => "ready: leading\n",
+        Role::Stopping => "stopping\n",
+    };
+    let code = if s.probes.is_ready() {
+        StatusCode::OK
+    } else {
+        StatusCode::SERVICE_UNAVAILABLE
+    };
+    (code, text).into_response()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use prometheus_client::metrics::counter::Counter;
+
+    async fn get_text(app: Router, path: &str) -> (u16, String) {
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let addr = listener.local_addr().unwrap();
+        let server = tokio::spawn(async move { axum::serve(listener, app).await });
+        let mut stream = tokio::net::TcpStream::connect(addr).await.unwrap();
+        use tokio::io::{AsyncReadExt, AsyncWriteExt};
+        stream
+            .write_all(
+                format!("GET {path} HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n").as_bytes(),
+            )
+            .await
+            .unwrap();
+        let mut out = String::new();
+        stream.read_to_string(&mut out).await.unwrap();
+        server.abort();
+        let code = out[9..12].parse().unwrap();
+        let body = out.split("\r\n\r\n").nth(1).unwrap_or_default().to_string();
+        (code, body)
+    }
+
+    #[tokio::test]
+    async fn probes_follow_the_role_and_metrics_are_served() {
+        let mut registry = Registry::default();
+        let c = Counter::<u64>::default();
+        registry.register("egress_test_things", "things", c.clone());
+        c.inc();
+        let registry = Arc::new(registry);
+        let probes = Arc::new(Probes::default());
+        let app = || router(probes.clone(), registry.clone());
+
+        assert_eq!(get_text(app(), "/readyz").await.0, 503);
+        assert_eq!(get_text(app(), "/healthz").await.0, 200);
+        probes.set_role(Role::Standby);
+        assert_eq!(
+            get_text(app(), "/readyz").await,
+            (200, "ready: standing by for the lease\n".into())
+        );
+        probes.set_role(Role::Leading);
+        assert_eq!(get_text(app(), "/readyz").await.0, 200);
+        probes.set_role(Role::Stopping);
+        assert_eq!(get_text(app(), "/readyz").await.0, 503);
+        probes.set_wedged();
+        assert_eq!(get_text(app(), "/healthz").await.0, 503);
+
+        let (code, body) = get_text(app(), "/metrics").await;
+        assert_eq!(code, 200);
+        assert!(body.contains("egress_test_things_total 1"), "{body}");
+        assert_eq!(get_text(app(), "/nothing").await.0, 404);
+    }
+}

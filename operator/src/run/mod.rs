@@ -1,0 +1,390 @@
+//! `egress-operator run`: the operator in a cluster.
+//!
+//! Start-up refuses a bad providers config at once (the pod fails visibly instead of
+//! running half-configured); then it serves `/metrics`, `/healthz`, `/readyz`, reaches the
+//! API server, and waits for the leader Lease. While leading, the Proxy controller, the
+//! garbage collector and the provider health monitor run; when the lease is lost they
+//! stop (in-flight reconciles finish) and the replica stands by again. SIGTERM stops
+//! taking new work, lets reconciles in flight finish (a Create either completes, with its
+//! status written, or cleans up what it made), releases the lease so the other replica
+//! takes over at once, closes every SSH connection, and exits 0.
+
+pub mod endpoints;
+
+use std::collections::BTreeMap;
+use std::net::SocketAddr;
+use std::path::PathBuf;
+use std::sync::Arc;
+use std::time::Duration;
+
+use tokio::sync::watch;
+
+use crate::config::{self, ValidConfig};
+use crate::controller::{self, ControllerMetrics};
+use crate::error::{Classified, ErrorClass};
+use crate::gc::{GarbageCollector, GcMetrics, KubeProxyIndex};
+use crate::leader::{LeaderElector, LeaderError, LeaderOptions};
+use crate::provider::SharedProvider;
+use crate::provider::kvm2::backend::Kvm2Options;
+use crate::provider::registry::Registry;
+use crate::providerhealth::{HealthMetrics, HealthMonitor, KubeSink, MonitorOptions};
+use crate::telemetry::LogFormat;
+use crate::templates::{TemplateEngine, TemplateSet};
+use endpoints::{Probes, Role};
+
+/// Arguments of `run`.
+#[derive(Debug, Clone, clap::Args)]
+pub struct RunArgs {
+    /// The providers config (YAML), e.g. the mounted ConfigMap.
+    #[arg(long)]
+    pub config: PathBuf,
+    /// Address of the /metrics, /healthz and /readyz endpoints.
+    #[arg(long, default_value = "0.0.0.0:8080")]
+    pub http_addr: SocketAddr,
+    /// Log line format.
+    #[arg(long, value_enum, default_value_t = LogFormat::Text)]
+    pub log_format: LogFormat,
+    /// Cache of compiled template plugins (an emptyDir in the Deployment).
+    #[arg(long, value_name = "DIR")]
+    pub plugin_cache_dir: Option<PathBuf>,
+    /// Run without leader election (a single replica only).
+    #[arg(long)]
+    pub no_leader_election: bool,
+    /// Namespace of the leader Lease; POD_NAMESPACE when left out.
+    #[arg(long)]
+    pub lease_namespace: Option<String>,
+    /// Name of the leader Lease.
+    #[arg(long, default_value = crate::leader::DEFAULT_LEASE_NAME)]
+    pub lease_name: String,
+    /// This replica's identity in the election and in events; POD_NAME (else the host
+    /// name) when left out.
+    #[arg(long)]
+    pub identity: Option<String>,
+    /// Proxies reconciled at once.
+    #[arg(long, default_value_t = 8)]
+    pub concurrency: u16,
+}
+
+/// Why the operator could not run.
+#[derive(Debug, thiserror::Error)]
+pub enum RunError {
+    /// The config file was refused.
+    #[error("{0}")]
+    Config(#[from] config::ConfigError),
+    /// The plugin engine could not start.
+    #[error("template engine: {0}")]
+    Templates(String),
+    /// The providers could not be built.
+    #[error("providers: {0}")]
+    Providers(String),
+    /// No Kubernetes client configuration (in-cluster or KUBECONFIG).
+    #[error("kubernetes client: {0}")]
+    Client(String),
+    /// The HTTP port could not be bound.
+    #[error("cannot listen on {addr}: {source}")]
+    Listen {
+        /// The address.
+        addr: SocketAddr,
+        /// Why.
+        source: std::io::Error,
+    },
+    /// Leader election failed to start or stopped.
+    #[error("leader election: {0}")]
+    Leader(#[from] LeaderError),
+    /// The lease namespace is not known.
+    #[error("--lease-namespace is required when POD_NAMESPACE is not set")]
+    NoLeaseNamespace,
+    /// The controller, GC or health monitor ended without being asked to.
+    #[error("a component stopped unexpectedly")]
+    ComponentStopped,
+    /// Signal handlers could not be installed.
+    #[error("signals: {0}")]
+    Signals(std::io::Error),
+}
+
+impl Classified for RunError {
+    fn class(&self) -> ErrorClass {
+        match self {
+            RunError::Leader(e) => e.class(),
+            RunError::Listen { .. } | RunError::Signals(_) => ErrorClass::Transient,
+            _ => ErrorClass::Permanent,
+        }
+    }
+}
+
+/// Loads and checks the config, then runs until SIGTERM/SIGINT. Returns the exit code.
+pub fn run(args: &RunArgs, err: &mut dyn std::io::Write) -> std::io::Result<u8> {
+    let config = match config::load_file(&args.config) {
+        Ok(c) => c,
+        Err(e) => {
+            writeln!(err, "{e}")?;
+            return Ok(1);
+        }
+    };
+    let runtime = match tokio::runtime::Builder::new_multi_thread()
+        .enable_all()
+        .thread_name("egress-operator")
+        .build()
+    {
+        Ok(r) => r,
+        Err(e) => {
+            writeln!(err, "cannot start the async runtime: {e}")?;
+            return Ok(2);
+        }
+    };
+    match runtime.block_on(serve(args.clone(), Arc::new(config))) {
+        Ok(()) => Ok(0),
+        Err(e) => {
+            tracing::error!(error = %e, class = %e.class(), "operator stopped");
+            writeln!(err, "egress-operator: {e}")?;
+            Ok(1)
+        }
+    }
+}
+
+/// Everything built once at start and shared by every leadership term.
+struct Parts {
+    config: Arc<ValidConfig>,
+    providers: Arc<Registry>,
+    boards: BTreeMap<String, crate::provider::health::HealthBoard>,
+    controller_metrics: ControllerMetrics,
+    gc_metrics: GcMetrics,
+    health_metrics: HealthMetrics,
+    identity: String,
+}
+
+impl Parts {
+    fn provider_list(&self) -> Vec<SharedProvider> {
+        self.providers
+            .names()
+            .filter_map(|n| self.providers.get(n).cloned())
+            .collect()
+    }
+}
+
+async fn serve(args: RunArgs, config: Arc<ValidConfig>) -> Result<(), RunError> {
+    let mut registry = prometheus_client::registry::Registry::default();
+    let engine = TemplateEngine::new(args.plugin_cache_dir.as_deref())
+        .map_err(|e| RunError::Templates(e.to_string()))?;
+    let templates = Arc::new(TemplateSet::load(&engine, &config.kvm2.templates));
+    if !templates.is_healthy() {
+        // Not fatal (invariant 8): Creates report the plugin's reason on each Proxy.
+        tracing::error!(
+            "a template plugin is unhealthy; Creates will fail until the config is fixed"
+        );
+    }
+    let (providers, kvm2) = Registry::from_config(
+        config.clone(),
+        templates,
+        Kvm2Options::default(),
+        Some(&mut registry),
+    )
+    .map_err(|e| RunError::Providers(e.to_string()))?;
+    let mut boards = BTreeMap::new();
+    boards.insert(
+        crate::provider::registry::KVM2.to_string(),
+        kvm2.health.clone(),
+    );
+    let identity = match &args.identity {
+        Some(i) => i.clone(),
+        None => crate::leader::resolve_identity()?,
+    };
+    let parts = Parts {
+        config,
+        providers: Arc::new(providers),
+        boards,
+        controller_metrics: ControllerMetrics::register(&mut registry),
+        gc_metrics: GcMetrics::register(&mut registry),
+        health_metrics: HealthMetrics::register(&mut registry),
+        identity,
+    };
+
+    let probes = Arc::new(Probes::default());
+    let listener = tokio::net::TcpListener::bind(args.http_addr)
+        .await
+        .map_err(|source| RunError::Listen {
+            addr: args.http_addr,
+            source,
+        })?;
+    let (http_stop, mut http_stop_rx) = watch::channel(false);
+    let app = endpoints::router(probes.clone(), Arc::new(registry));
+    let http = tokio::spawn(async move {
+        let stopped = async move {
+            let _ = http_stop_rx.wait_for(|s| *s).await;
+        };
+        if let Err(e) = axum::serve(listener, app)
+            .with_graceful_shutdown(stopped)
+            .await
+        {
+            tracing::error!(error = %e, "HTTP endpoint failed");
+        }
+    });
+    tracing::info!(addr = %args.http_addr, identity = %parts.identity, "serving /metrics, /healthz, /readyz");
+
+    let (term_tx, term_rx) = watch::channel(false);
+    spawn_signal_watch(term_tx)?;
+    let result = lead_until_terminated(&args, &parts, &probes, term_rx).await;
+
+    probes.set_role(Role::Stopping);
+    kvm2.hosts.close().await;
+    let _ = http_stop.send(true);
+    let _ = http.await;
+    tracing::info!("stopped");
+    result
+}
+
+fn spawn_signal_watch(term: watch::Sender<bool>) -> Result<(), RunError> {
+    use tokio::signal::unix::{SignalKind, signal};
+    let mut sigterm = signal(SignalKind::terminate()).map_err(RunError::Signals)?;
+    let mut sigint = signal(SignalKind::interrupt()).map_err(RunError::Signals)?;
+    tokio::spawn(async move {
+        tokio::select! {
+            _ = sigterm.recv() => tracing::info!("SIGTERM: finishing work in flight, then stopping"),
+            _ = sigint.recv() => tracing::info!("SIGINT: finishing work in flight, then stopping"),
+        }
+        let _ = term.send(true);
+    });
+    Ok(())
+}
+
+async fn terminated(mut rx: watch::Receiver<bool>) {
+    let _ = rx.wait_for(|t| *t).await;
+}
+
+async fn lead_until_terminated(
+    args: &RunArgs,
+    parts: &Parts,
+    probes: &Arc<Probes>,
+    term: watch::Receiver<bool>,
+) -> Result<(), RunError> {
+    let client = tokio::select! {
+        c = connect(probes) => c?,
+        () = terminated(term.clone()) => return Ok(()),
+    };
+    if args.no_leader_election {
+        tracing::warn!("leader election disabled: run a single replica only");
+        probes.set_role(Role::Leading);
+        let (_tx, never_lost) = watch::channel(true);
+        return match run_term(parts, args, &client, term.clone(), never_lost).await {
+            TermEnd::ComponentStopped => Err(RunError::ComponentStopped),
+            TermEnd::Terminated | TermEnd::LeaseLost => Ok(()),
+        };
+    }
+    let namespace = match &args.lease_namespace {
+        Some(n) => n.clone(),
+        None => std::env::var("POD_NAMESPACE")
+            .ok()
+            .filter(|s| !s.is_empty())
+            .ok_or(RunError::NoLeaseNamespace)?,
+    };
+    let mut options = LeaderOptions::new(namespace, parts.identity.clone());
+    options.lease_name = args.lease_name.clone();
+    options.validate()?;
+    let (mut leadership, elector) = LeaderElector::start(client.clone(), options).await?;
+    let result = loop {
+        probes.set_role(Role::Standby);
+        tokio::select! {
+            r = leadership.acquired() => if let Err(e) = r { break Err(e.into()) },
+            () = terminated(term.clone()) => break Ok(()),
+        }
+        probes.set_role(Role::Leading);
+        tracing::info!(identity = %parts.identity, "leading: starting the controller, GC and health monitor");
+        match run_term(parts, args, &client, term.clone(), leadership.subscribe()).await {
+            TermEnd::Terminated => break Ok(()),
+            TermEnd::ComponentStopped => break Err(RunError::ComponentStopped),
+            TermEnd::LeaseLost => {
+                tracing::warn!("lost the lease: reconciling stopped; standing by");
+            }
+        }
+    };
+    probes.set_role(Role::Stopping);
+    if let Err(e) = elector.shutdown().await {
+        tracing::warn!(error = %e, "could not release the lease; the other replica waits for it to expire");
+    }
+    result
+}
+
+/// Reaches the API server (retrying: it may come up after us), so readiness means it.
+async fn connect(probes: &Probes) -> Result<kube::Client, RunError> {
+    let client = kube::Client::try_default()
+        .await
+        .map_err(|e| RunError::Client(e.to_string()))?;
+    let mut wait = Duration::from_millis(500);
+    loop {
+        match client.apiserver_version().await {
+            Ok(v) => {
+                tracing::info!(version = %v.git_version, "Kubernetes API reached");
+                return Ok(client);
+            }
+            Err(e) => {
+                tracing::warn!(error = %e, retry_in = ?wait, "Kubernetes API not reachable");
+                probes.set_role(Role::Starting);
+                tokio::time::sleep(wait).await;
+                wait = (wait * 2).min(Duration::from_secs(30));
+            }
+        }
+    }
+}
+
+/// Why a leadership term ended.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum TermEnd {
+    Terminated,
+    LeaseLost,
+    ComponentStopped,
+}
+
+/// One leadership term: the three components run until SIGTERM or the lease is lost,
+/// then stop together; the controller first lets reconciles in flight finish.
+async fn run_term(
+    parts: &Parts,
+    args: &RunArgs,
+    client: &kube::Client,
+    term: watch::Receiver<bool>,
+    leading: watch::Receiver<bool>,
+) -> TermEnd {
+    let (stop_tx, stop_rx) = watch::channel(false);
+    let stop = move || {
+        let mut rx = stop_rx.clone();
+        async move {
+            let _ = rx.wait_for(|s| *s).await;
+        }
+    };
+    let ctx = Arc::new(controller::Context::new(
+        client.clone(),
+        parts.config.clone(),
+        parts.providers.clone(),
+        parts.controller_metrics.clone(),
+        Some(parts.identity.clone()),
+    ));
+    let gc = GarbageCollector::new(
+        parts.provider_list(),
+        Arc::new(KubeProxyIndex::new(client.clone())),
+        &parts.config.gc,
+        parts.gc_metrics.clone(),
+    );
+    let monitor = HealthMonitor::new(
+        parts.provider_list(),
+        parts.boards.clone(),
+        Arc::new(KubeSink::new(client.clone())),
+        MonitorOptions::from_config(&parts.config.health_check),
+        parts.health_metrics.clone(),
+    );
+    let mut tasks = tokio::task::JoinSet::new();
+    tasks.spawn(controller::run(ctx, args.concurrency, stop()));
+    tasks.spawn(gc.run(stop()));
+    tasks.spawn(monitor.run(stop()));
+
+    let mut leading = leading;
+    let end = tokio::select! {
+        () = terminated(term) => TermEnd::Terminated,
+        _ = leading.wait_for(|l| !*l) => TermEnd::LeaseLost,
+        _ = tasks.join_next() => {
+            tracing::error!("a component stopped by itself; stopping the others");
+            TermEnd::ComponentStopped
+        }
+    };
+    let _ = stop_tx.send(true);
+    while tasks.join_next().await.is_some() {}
+    end
+}
