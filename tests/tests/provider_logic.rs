@@ -20,6 +20,7 @@ use egress_operator::error::ErrorClass;
 use egress_operator::instance::{
     InstanceIdentity, MetadataMark, image_marker_name, image_volume_name,
 };
+use egress_operator::provider::health::HealthBoard;
 use egress_operator::provider::kvm2::addresses::{AddressSource, NicAddrs};
 use egress_operator::provider::kvm2::backend::{Kvm2Options, Kvm2Provider};
 use egress_operator::provider::kvm2::fake::{FAULT_POINTS, FakeOps, FaultyOps};
@@ -225,6 +226,15 @@ fn templates() -> Arc<TemplateSet> {
 
 /// A provider over `ops` with short waits (mirrors the real rig's `provider()`).
 fn provider(config: &Arc<ValidConfig>, ops: Arc<dyn HostOps>) -> Kvm2Provider {
+    provider_with_health(config, ops, HealthBoard::default())
+}
+
+/// [`provider`] whose placement reads `health`.
+fn provider_with_health(
+    config: &Arc<ValidConfig>,
+    ops: Arc<dyn HostOps>,
+    health: HealthBoard,
+) -> Kvm2Provider {
     let images = ImageCacheOptions {
         stale_after: STALE_AFTER,
         poll_every: Duration::from_millis(20),
@@ -236,6 +246,7 @@ fn provider(config: &Arc<ValidConfig>, ops: Arc<dyn HostOps>) -> Kvm2Provider {
         start_timeout: Duration::from_secs(2),
         shutdown_timeout: Duration::from_secs(1),
         poll_every: Duration::from_millis(10),
+        health,
     };
     Kvm2Provider::new(
         config.clone(),
@@ -1486,5 +1497,302 @@ fn racing_takeovers_never_commit_an_unwritten_image() {
             "a marker was committed over a data volume that did not hold the verified image \
              (commits: {commits:?}; replica 1: {r1:?}; replica 2: {r2:?})"
         );
+    });
+}
+
+// Placement and the health board. ------------------------------------------------------
+
+/// Marks `hosts` unreachable on `board`, as a health round that found them down would.
+fn mark_unhealthy(board: &HealthBoard, hosts: &[&str]) {
+    let results: Vec<_> = hosts
+        .iter()
+        .map(|h| egress_operator::provider::TargetHealth {
+            target: h.to_string(),
+            reachable: false,
+            reason: Some("connect".into()),
+            message: "connection refused".into(),
+            latency: Duration::from_millis(1),
+        })
+        .collect();
+    board.record(&results);
+}
+
+/// The fake hosts, except that calls to the `dead` hosts that read domains never answer
+/// (as a host behind a dead link would, until its deadline), and are counted.
+struct DeadHosts {
+    inner: Arc<FakeOps>,
+    dead: BTreeSet<String>,
+    listings: Mutex<Vec<String>>,
+}
+
+impl DeadHosts {
+    fn new(inner: Arc<FakeOps>, dead: &[&str]) -> Self {
+        Self {
+            inner,
+            dead: names(dead.iter().copied()),
+            listings: Mutex::default(),
+        }
+    }
+
+    /// Hosts whose domains were listed, in order.
+    fn listings(&self) -> Vec<String> {
+        self.listings.lock().unwrap().clone()
+    }
+
+    async fn maybe_hang(&self, host: &str) {
+        if self.dead.contains(host) {
+            std::future::pending::<()>().await;
+        }
+    }
+}
+
+impl HostOps for DeadHosts {
+    fn hosts(&self) -> Vec<String> {
+        self.inner.hosts()
+    }
+    fn facts<'a>(&'a self, host: &'a str) -> BoxFuture<'a, Result<Facts, OpsError>> {
+        self.inner.facts(host)
+    }
+    fn pool_space<'a>(
+        &'a self,
+        host: &'a str,
+        pool: &'a str,
+    ) -> BoxFuture<'a, Result<PoolSpace, OpsError>> {
+        self.inner.pool_space(host, pool)
+    }
+    fn volume<'a>(
+        &'a self,
+        host: &'a str,
+        pool: &'a str,
+        name: &'a str,
+    ) -> BoxFuture<'a, Result<Option<VolumeInfo>, OpsError>> {
+        self.inner.volume(host, pool, name)
+    }
+    fn create_volume<'a>(
+        &'a self,
+        host: &'a str,
+        pool: &'a str,
+        name: &'a str,
+        xml: String,
+    ) -> BoxFuture<'a, Result<Created, OpsError>> {
+        self.inner.create_volume(host, pool, name, xml)
+    }
+    fn resize_volume<'a>(
+        &'a self,
+        host: &'a str,
+        pool: &'a str,
+        name: &'a str,
+        capacity: u64,
+    ) -> BoxFuture<'a, Result<(), OpsError>> {
+        self.inner.resize_volume(host, pool, name, capacity)
+    }
+    fn delete_volume<'a>(
+        &'a self,
+        host: &'a str,
+        pool: &'a str,
+        name: &'a str,
+    ) -> BoxFuture<'a, Result<bool, OpsError>> {
+        self.inner.delete_volume(host, pool, name)
+    }
+    fn upload<'a>(
+        &'a self,
+        host: &'a str,
+        pool: &'a str,
+        name: &'a str,
+        length: u64,
+        chunks: UploadChunks,
+        deadline: Duration,
+    ) -> BoxFuture<'a, Result<(), OpsError>> {
+        self.inner
+            .upload(host, pool, name, length, chunks, deadline)
+    }
+    fn domain<'a>(
+        &'a self,
+        host: &'a str,
+        name: &'a str,
+    ) -> BoxFuture<'a, Result<Option<DomainRecord>, OpsError>> {
+        Box::pin(async move {
+            self.maybe_hang(host).await;
+            self.inner.domain(host, name).await
+        })
+    }
+    fn domain_xml<'a>(
+        &'a self,
+        host: &'a str,
+        name: &'a str,
+    ) -> BoxFuture<'a, Result<Option<String>, OpsError>> {
+        self.inner.domain_xml(host, name)
+    }
+    fn define<'a>(&'a self, host: &'a str, xml: String) -> BoxFuture<'a, Result<(), OpsError>> {
+        self.inner.define(host, xml)
+    }
+    fn start<'a>(&'a self, host: &'a str, name: &'a str) -> BoxFuture<'a, Result<(), OpsError>> {
+        self.inner.start(host, name)
+    }
+    fn shutdown<'a>(&'a self, host: &'a str, name: &'a str) -> BoxFuture<'a, Result<(), OpsError>> {
+        self.inner.shutdown(host, name)
+    }
+    fn destroy<'a>(&'a self, host: &'a str, name: &'a str) -> BoxFuture<'a, Result<(), OpsError>> {
+        self.inner.destroy(host, name)
+    }
+    fn undefine<'a>(
+        &'a self,
+        host: &'a str,
+        name: &'a str,
+    ) -> BoxFuture<'a, Result<bool, OpsError>> {
+        self.inner.undefine(host, name)
+    }
+    fn addresses<'a>(
+        &'a self,
+        host: &'a str,
+        name: &'a str,
+        source: AddressSource,
+    ) -> BoxFuture<'a, Result<Vec<NicAddrs>, OpsError>> {
+        self.inner.addresses(host, name, source)
+    }
+    fn list_domains<'a>(
+        &'a self,
+        host: &'a str,
+    ) -> BoxFuture<'a, Result<Vec<DomainRecord>, OpsError>> {
+        Box::pin(async move {
+            self.listings.lock().unwrap().push(host.to_string());
+            self.maybe_hang(host).await;
+            self.inner.list_domains(host).await
+        })
+    }
+}
+
+/// h1 would win the tie, but the board marks it unhealthy and its calls never answer:
+/// the Create goes to h2 without waiting on h1, which is not even listed.
+#[test]
+fn an_unhealthy_host_is_skipped_without_waiting_on_it() {
+    let env = Env::new();
+    run(async {
+        let board = HealthBoard::new();
+        mark_unhealthy(&board, &["h1"]);
+        let ops = Arc::new(DeadHosts::new(env.fake.clone(), &["h1"]));
+        let p = provider_with_health(&env.config, ops.clone(), board.clone());
+        let (a, b) = (uid(0xd1), uid(0xd2));
+        let inst = p.create(&request(&a, "a", None)).await.unwrap();
+        assert_eq!(inst.id.host, "h2");
+        // h2 is listed for placement and again for its room check; h1 never.
+        assert!(
+            ops.listings().iter().all(|h| h == "h2"),
+            "{:?}",
+            ops.listings()
+        );
+        assert!(env.domains("h1").is_empty() && env.volumes("h1").is_empty());
+        assert_eq!(env.domains("h2"), names([dom(&a)]));
+
+        // Back to healthy: h1 has fewer of ours now, and gets the next one.
+        board.record(&[egress_operator::provider::TargetHealth {
+            target: "h1".into(),
+            reachable: true,
+            reason: None,
+            message: "ok".into(),
+            latency: Duration::from_millis(1),
+        }]);
+        let p = provider_with_health(&env.config, env.ops(), board);
+        let inst = p.create(&request(&b, "b", None)).await.unwrap();
+        assert_eq!(inst.id.host, "h1");
+        assert_eq!(env.domains("h1"), names([dom(&b)]));
+    });
+}
+
+#[test]
+fn a_pinned_create_goes_to_its_host_even_when_marked_unhealthy() {
+    let env = Env::new();
+    run(async {
+        let board = HealthBoard::new();
+        mark_unhealthy(&board, &["h1", "h2"]);
+        let p = provider_with_health(&env.config, env.ops(), board);
+        let u = uid(0xd3);
+        let inst = p.create(&request(&u, "a", Some("h1"))).await.unwrap();
+        assert_eq!(inst.id.host, "h1");
+        assert_eq!(inst.state, InstanceState::Running);
+        assert_eq!(env.domains("h1"), names([dom(&u)]));
+        assert_eq!(env.volumes("h1"), env.expected(&[&u]));
+        assert!(env.domains("h2").is_empty());
+    });
+}
+
+/// Every host unhealthy: a transient error naming each host and why, and nothing made.
+#[test]
+fn every_host_unhealthy_is_a_transient_error_naming_them() {
+    let env = Env::new();
+    run(async {
+        let board = HealthBoard::new();
+        mark_unhealthy(&board, &["h1", "h2"]);
+        let ops = Arc::new(DeadHosts::new(env.fake.clone(), &["h1", "h2"]));
+        let p = provider_with_health(&env.config, ops.clone(), board);
+        let r = p.create(&request(&uid(0xd4), "a", None)).await;
+        assert_eq!(class_of(&r), ErrorClass::Transient, "{r:?}");
+        let text = r.unwrap_err().to_string();
+        for host in ["h1: unhealthy (connect)", "h2: unhealthy (connect)"] {
+            assert!(text.contains(host), "{text}");
+        }
+        assert!(ops.listings().is_empty(), "{:?}", ops.listings());
+        for h in ["h1", "h2"] {
+            assert!(env.domains(h).is_empty() && env.volumes(h).is_empty());
+        }
+        assert_eq!(env.hits(), 0, "no image download");
+    });
+}
+
+/// The only host with room is unhealthy and the healthy one is full: transient (health
+/// changes every round), not quota.
+#[test]
+fn a_full_healthy_host_and_an_unhealthy_one_is_transient() {
+    let env = Env::with(Opts {
+        h1_max_domains: 1,
+        ..Opts::default()
+    });
+    run(async {
+        let a = uid(0xd5);
+        env.fake.put_domain(
+            "h1",
+            &dom(&a),
+            &domain_xml(&dom(&a), Some(&mark("test", "a", &a))),
+            InstanceState::Running,
+        );
+        let board = HealthBoard::new();
+        mark_unhealthy(&board, &["h2"]);
+        let p = provider_with_health(&env.config, env.ops(), board);
+        let r = p.create(&request(&uid(0xd6), "b", None)).await;
+        assert_eq!(class_of(&r), ErrorClass::Transient, "{r:?}");
+        let text = r.unwrap_err().to_string();
+        assert!(text.contains("h2: unhealthy (connect)"), "{text}");
+        assert!(text.contains("maxDomains"), "{text}");
+        assert_eq!(env.domains("h1"), names([dom(&a)]));
+        assert!(env.domains("h2").is_empty() && env.volumes("h2").is_empty());
+    });
+}
+
+/// Our domain sits on a host marked unhealthy that still answers: it is adopted there,
+/// not duplicated on the healthy host.
+#[test]
+fn our_domain_on_a_host_marked_unhealthy_is_adopted_not_duplicated() {
+    let env = Env::new();
+    run(async {
+        let u = uid(0xd7);
+        let id = identity(&u);
+        env.fake.put_domain(
+            "h1",
+            &id.domain_name,
+            &domain_xml(&id.domain_name, Some(&mark("test", "a", &u))),
+            InstanceState::Running,
+        );
+        env.fake.put_volume("h1", &id.root_volume, b"root");
+        let board = HealthBoard::new();
+        mark_unhealthy(&board, &["h1"]);
+        let ops = Arc::new(DeadHosts::new(env.fake.clone(), &[]));
+        let p = provider_with_health(&env.config, ops.clone(), board);
+        let inst = p.create(&request(&u, "a", None)).await.unwrap();
+        assert_eq!(inst.id.host, "h1");
+        assert_eq!(inst.id.name, id.domain_name);
+        assert_eq!(ops.listings(), vec!["h2".to_string()], "h1 is not listed");
+        assert!(env.domains("h2").is_empty() && env.volumes("h2").is_empty());
+        assert_eq!(env.domains("h1"), names([id.domain_name.clone()]));
+        assert_eq!(env.hits(), 0, "adopted: nothing downloaded");
     });
 }

@@ -13,6 +13,7 @@
 
 pub mod decorate;
 pub mod fake;
+pub mod health;
 pub mod kvm2;
 pub mod registry;
 

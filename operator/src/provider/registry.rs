@@ -5,6 +5,7 @@ use std::collections::BTreeMap;
 use std::sync::Arc;
 
 use super::decorate::{Metered, ProviderMetrics, Traced};
+use super::health::HealthBoard;
 use super::kvm2::backend::{Kvm2Options, Kvm2Provider, PROVIDER_NAME};
 use super::kvm2::hosts::{HostError, Hosts};
 use super::kvm2::image::ImageMetrics;
@@ -36,6 +37,9 @@ pub struct Kvm2Parts {
     pub hosts: Arc<Hosts>,
     /// Provider-level metrics.
     pub metrics: ProviderMetrics,
+    /// The board kvm2 placement reads (the one from the options): the run mode gives it
+    /// to the health monitor, which writes it.
+    pub health: HealthBoard,
 }
 
 impl Registry {
@@ -70,6 +74,7 @@ impl Registry {
             Arc::new(call_metrics),
         )?);
         let ops = Arc::new(LibvirtOps::new(hosts.clone()));
+        let health = options.health.clone();
         let kvm2 = Arc::new(Kvm2Provider::new(
             config,
             ops,
@@ -79,7 +84,14 @@ impl Registry {
         ));
         let mut me = Self::new();
         me.insert(decorate(kvm2, metrics.clone()));
-        Ok((me, Kvm2Parts { hosts, metrics }))
+        Ok((
+            me,
+            Kvm2Parts {
+                hosts,
+                metrics,
+                health,
+            },
+        ))
     }
 
     /// Adds (or replaces) a provider under its own name.

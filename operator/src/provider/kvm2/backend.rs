@@ -12,6 +12,8 @@ use std::collections::BTreeMap;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
+use futures_util::FutureExt as _;
+use futures_util::stream::{FuturesUnordered, StreamExt as _};
 use tokio::sync::Semaphore;
 
 use super::addresses::{self, AddressSource};
@@ -23,6 +25,7 @@ use super::volume;
 use crate::config::{HostConfig, ValidConfig};
 use crate::error::{Classified, ErrorClass};
 use crate::instance::{InstanceIdentity, MetadataMark};
+use crate::provider::health::HealthBoard;
 use crate::provider::{
     BoxFuture, CreateRequest, HealthCheck, Instance, InstanceId, InstanceState, Provider,
     ProviderError, ProxyRef, TargetHealth, TargetListing,
@@ -148,6 +151,9 @@ pub struct Kvm2Options {
     pub shutdown_timeout: Duration,
     /// Poll interval while waiting for a state.
     pub poll_every: Duration,
+    /// What the health monitor last saw of each host: placement skips unhealthy hosts
+    /// instead of waiting on their timeouts. Empty (all healthy) unless a monitor writes it.
+    pub health: HealthBoard,
 }
 
 impl Default for Kvm2Options {
@@ -157,6 +163,7 @@ impl Default for Kvm2Options {
             start_timeout: Duration::from_secs(60),
             shutdown_timeout: Duration::from_secs(30),
             poll_every: Duration::from_millis(250),
+            health: HealthBoard::default(),
         }
     }
 }
@@ -278,15 +285,76 @@ impl Kvm2Provider {
 
     /// Picks the host: the pinned one, the one already holding this domain, or the
     /// reachable host with the fewest of our domains that still has room.
+    ///
+    /// Hosts the health board marks unhealthy are not listed (a dead host would hold the
+    /// Create for its whole call deadline). They are only asked, concurrently with the
+    /// listings and without waiting for them, whether they hold this domain: a host
+    /// marked unhealthy that still answers keeps its domain (adopted, not duplicated).
+    /// A pinned host is used whatever the board says: the user chose it.
     async fn place(&self, req: &CreateRequest, domain: &str) -> Result<String, Kvm2Error> {
+        let board = &self.options.health;
         if let Some(h) = &req.spec.host {
             self.host(h)?;
+            if let Some(last) = board.get(h).filter(|t| !t.reachable) {
+                tracing::warn!(host = %h, reason = last.reason.as_deref().unwrap_or("unknown"),
+                    "pinned host is marked unhealthy; using it anyway");
+            }
             return Ok(h.clone());
         }
+        let (healthy, unhealthy): (Vec<&HostConfig>, Vec<&HostConfig>) = self
+            .config
+            .kvm2
+            .hosts
+            .iter()
+            .partition(|h| !board.is_unhealthy(&h.name));
+        let mut skipped = Vec::new();
+        for host in &unhealthy {
+            let reason = board
+                .get(&host.name)
+                .and_then(|t| t.reason)
+                .unwrap_or_else(|| "unknown".into());
+            tracing::debug!(host = %host.name, %reason, "unhealthy host skipped in placement");
+            skipped.push(format!("{}: unhealthy ({reason})", host.name));
+        }
+
+        let mut probes: FuturesUnordered<_> = unhealthy
+            .iter()
+            .map(|host| async move {
+                (
+                    host.name.as_str(),
+                    self.ops.domain(&host.name, domain).await,
+                )
+            })
+            .collect();
+        let listings = futures_util::future::join_all(
+            healthy
+                .iter()
+                .map(|host| async move { (*host, self.ops.list_domains(&host.name).await) }),
+        );
+        let mut listings = std::pin::pin!(listings);
+        let mut held_by_unhealthy: Option<String> = None;
+        let mut note = |(host, found): (&str, Result<Option<DomainRecord>, OpsError>)| {
+            if matches!(found, Ok(Some(_))) && held_by_unhealthy.is_none() {
+                held_by_unhealthy = Some(host.to_string());
+            }
+        };
+        let listed = loop {
+            tokio::select! {
+                biased;
+                Some(probe) = probes.next(), if !probes.is_empty() => note(probe),
+                listed = &mut listings => break listed,
+            }
+        };
+        // Probes that have answered by now count; the rest are dropped, not waited for.
+        while let Some(Some(probe)) = probes.next().now_or_never() {
+            note(probe);
+        }
+        drop(probes);
+
         let mut best: Option<(usize, String)> = None;
         let mut failures = Vec::new();
-        for host in &self.config.kvm2.hosts {
-            match self.ops.list_domains(&host.name).await {
+        for (host, result) in listed {
+            match result {
                 Ok(list) => {
                     if list.iter().any(|d| d.name == domain) {
                         return Ok(host.name.clone());
@@ -307,10 +375,20 @@ impl Kvm2Provider {
                 }
             }
         }
+        if let Some(h) = held_by_unhealthy {
+            tracing::info!(host = %h, domain, "host is marked unhealthy but holds this domain");
+            return Ok(h);
+        }
         match best {
             Some((_, h)) => Ok(h),
-            None if failures.len() == self.config.kvm2.hosts.len() => {
-                Err(Kvm2Error::Unreachable(failures.join(", ")))
+            // Health changes every round: a host skipped as unhealthy may have room soon.
+            None if failures.len() == healthy.len() || !skipped.is_empty() => {
+                let mut why = skipped;
+                why.extend(failures);
+                if why.len() < self.config.kvm2.hosts.len() {
+                    why.push("every other host is at maxDomains".into());
+                }
+                Err(Kvm2Error::Unreachable(why.join(", ")))
             }
             None => Err(Kvm2Error::NoCapacity(format!(
                 "every reachable host is at maxDomains (unreachable: {})",
