@@ -22,6 +22,12 @@ set -euo pipefail
 #   syslinux mtools dosfstools   build the demo's tiny bootable image (scripts/demo-image.sh)
 BOOKWORM_PKGS=(pkg-config libvirt-dev libvirt-daemon-system libvirt-clients libxml2-utils
   openssh-server netcat-openbsd xorriso iproute2 dnsmasq-base syslinux mtools dosfstools)
+#   kubernetes-client            kubectl: the manifest tests render config/default with
+#                                `kubectl kustomize`; only when no kubectl is on PATH yet
+#                                (another vendor's kubectl package would clash with it)
+if ! command -v kubectl >/dev/null 2>&1; then
+  BOOKWORM_PKGS+=(kubernetes-client)
+fi
 # qemu-utils 10 from bookworm-backports is preinstalled on our machines, so the
 # emulator must come from the same suite or apt refuses the mix.
 BACKPORTS_PKGS=(qemu-system-x86)

@@ -2,8 +2,9 @@
 //!
 //! [`connect`] does, in order and under one deadline (`connectTimeoutSeconds`):
 //!
-//! 1. local checks that need no network: the private key file (refused when group or
-//!    others may read it) and the known_hosts file;
+//! 1. local checks that need no network: the private key file (OpenSSH's rule: a key
+//!    we own must be closed to group and others, a key someone else owns, such as a
+//!    Kubernetes Secret mount, must be closed to others) and the known_hosts file;
 //! 2. name resolution and the TCP connect;
 //! 3. the SSH handshake, where russh calls our `check_server_key`: the offered host key
 //!    must be in known_hosts ([`super::known_hosts`]), unless the host is configured with
@@ -40,9 +41,15 @@ use super::errors::SshError;
 use super::known_hosts::{HostKeyError, KnownHosts};
 use crate::config::{DEFAULT_SSH_PORT, HostConfig, SshConfig};
 
-/// Group and other permission bits: OpenSSH refuses a private key with any of them set
-/// ("UNPROTECTED PRIVATE KEY FILE"), and so do we.
+/// Group and other permission bits: OpenSSH refuses a private key *it owns* with any of
+/// them set ("UNPROTECTED PRIVATE KEY FILE", `sshkey_perm_ok`), and so do we.
 const KEY_FILE_FORBIDDEN_MODE: u32 = 0o077;
+
+/// Other (world) permission bits: refused on a key file whoever owns it. A key owned by
+/// someone else is what a Kubernetes Secret mount gives us: root-owned, group `fsGroup`,
+/// and the kubelet ORs group read into `defaultMode`, so 0400 arrives as 0440. OpenSSH
+/// accepts any mode on a key it does not own; we still refuse one the world may read.
+const KEY_FILE_FORBIDDEN_MODE_NOT_OWNED: u32 = 0o007;
 
 /// How long [`SshSession::close`] waits for the server to acknowledge our disconnect
 /// before cutting the TCP connection: long enough for one round trip on a slow link,
@@ -330,10 +337,40 @@ fn is_rsa(a: &Algorithm) -> bool {
     matches!(a, Algorithm::Rsa { .. })
 }
 
-/// Reads the private key: refuses a file group or others may read, and keeps the file's
-/// bytes only as long as parsing takes (then zeroes them).
+/// The effective uid of this process, from `/proc/self/status` (std has no `geteuid`);
+/// `None` where that cannot be read, and then every key file gets the strict rule.
+fn current_uid() -> Option<u32> {
+    let status = std::fs::read_to_string("/proc/self/status").ok()?;
+    let line = status.lines().find_map(|l| l.strip_prefix("Uid:"))?;
+    // Real, effective, saved and filesystem uid.
+    line.split_whitespace().nth(1)?.parse().ok()
+}
+
+/// Why a key file with permission bits `mode`, owned by `owner`, must not be used by a
+/// process running as `me` (`None`: unknown, treated as the owner); `None` if it may.
+fn key_file_mode_problem(mode: u32, owner: u32, me: Option<u32>) -> Option<String> {
+    let ours = me.is_none_or(|me| me == owner);
+    if ours && mode & KEY_FILE_FORBIDDEN_MODE != 0 {
+        return Some(format!(
+            "has mode {mode:04o}, readable by group or others; a private key must be 0600 \
+             or 0400 (in Kubernetes, mount the Secret with defaultMode 0400)"
+        ));
+    }
+    if !ours && mode & KEY_FILE_FORBIDDEN_MODE_NOT_OWNED != 0 {
+        return Some(format!(
+            "has mode {mode:04o}, accessible by others (it is owned by uid {owner}, not by \
+             us); a private key owned by another user must not be accessible by others, \
+             e.g. 0440 or 0400 (in Kubernetes, mount the Secret with defaultMode 0400)"
+        ));
+    }
+    None
+}
+
+/// Reads the private key: refuses a file whose mode lets others read it (see
+/// [`key_file_mode_problem`]), and keeps the file's bytes only as long as parsing takes
+/// (then zeroes them).
 async fn load_private_key(path: &Path) -> Result<PrivateKey, SshError> {
-    use std::os::unix::fs::PermissionsExt as _;
+    use std::os::unix::fs::{MetadataExt as _, PermissionsExt as _};
 
     let fail = |reason: String| SshError::KeyFile {
         path: path.to_path_buf(),
@@ -346,11 +383,8 @@ async fn load_private_key(path: &Path) -> Result<PrivateKey, SshError> {
         return Err(fail("is not a regular file".into()));
     }
     let mode = meta.permissions().mode() & 0o7777;
-    if mode & KEY_FILE_FORBIDDEN_MODE != 0 {
-        return Err(fail(format!(
-            "has mode {mode:04o}, readable by group or others; a private key must be 0600 \
-             or 0400 (in Kubernetes, mount the Secret with defaultMode 0400)"
-        )));
+    if let Some(problem) = key_file_mode_problem(mode, meta.uid(), current_uid()) {
+        return Err(fail(problem));
     }
     let mut bytes = tokio::fs::read(path)
         .await
@@ -835,5 +869,127 @@ mod tests {
 
         let c = client_config(&t, &HostKeyPolicy::Insecure);
         assert_eq!(c.preferred.key.first(), Some(&Algorithm::Ed25519));
+    }
+
+    const OWN_RULE: &str = "readable by group or others";
+    const NOT_OWNED_RULE: &str = "accessible by others (it is owned by uid";
+
+    #[test]
+    fn key_mode_rule_follows_openssh() {
+        let me = Some(1000);
+        for (mode, owner, me, refused_by) in [
+            // Our own key: closed to group and others, as OpenSSH requires.
+            (0o600, 1000, me, None),
+            (0o400, 1000, me, None),
+            (0o640, 1000, me, Some(OWN_RULE)),
+            (0o440, 1000, me, Some(OWN_RULE)),
+            (0o620, 1000, me, Some(OWN_RULE)),
+            (0o604, 1000, me, Some(OWN_RULE)),
+            (0o644, 1000, me, Some(OWN_RULE)),
+            // Someone else's key (a Secret mount: root-owned, group fsGroup): group
+            // access is fine, others' is not.
+            (0o440, 0, me, None),
+            (0o400, 0, me, None),
+            (0o640, 0, me, None),
+            (0o444, 0, me, Some(NOT_OWNED_RULE)),
+            (0o404, 0, me, Some(NOT_OWNED_RULE)),
+            (0o442, 0, me, Some(NOT_OWNED_RULE)),
+            (0o441, 0, me, Some(NOT_OWNED_RULE)),
+            // Running as root, a root-owned key is ours.
+            (0o440, 0, Some(0), Some(OWN_RULE)),
+            (0o400, 0, Some(0), None),
+            // Who we are is unknown: the strict rule for every file.
+            (0o440, 0, None, Some(OWN_RULE)),
+            (0o400, 0, None, None),
+        ] {
+            let got = key_file_mode_problem(mode, owner, me);
+            match (refused_by, &got) {
+                (None, None) => {}
+                (Some(rule), Some(msg)) => {
+                    assert!(
+                        msg.contains(rule),
+                        "{mode:04o} owner {owner} me {me:?}: {msg}"
+                    );
+                    assert!(msg.contains(&format!("{mode:04o}")), "{msg}");
+                }
+                _ => panic!("{mode:04o} owner {owner} me {me:?}: want {refused_by:?}, got {got:?}"),
+            }
+        }
+    }
+
+    #[test]
+    fn current_uid_is_the_owner_of_files_we_create() {
+        use std::os::unix::fs::MetadataExt as _;
+        let file = tempfile::NamedTempFile::new().unwrap();
+        assert_eq!(
+            current_uid(),
+            Some(file.as_file().metadata().unwrap().uid())
+        );
+    }
+
+    /// A file that passes or fails the mode check: its content is not a key, so a file
+    /// the check lets through fails later, in parsing.
+    fn not_a_key(dir: &Path, mode: u32) -> PathBuf {
+        use std::os::unix::fs::PermissionsExt as _;
+        let path = dir.join(format!("key_{mode:04o}"));
+        std::fs::write(&path, "not a key\n").unwrap();
+        std::fs::set_permissions(&path, std::fs::Permissions::from_mode(mode)).unwrap();
+        path
+    }
+
+    async fn key_file_reason(path: &Path) -> String {
+        match load_private_key(path).await {
+            Err(SshError::KeyFile { reason, .. }) => reason,
+            other => panic!("{}: want a key-file error, got {other:?}", path.display()),
+        }
+    }
+
+    #[tokio::test]
+    async fn own_key_file_must_be_closed_to_group_and_others() {
+        let dir = tempfile::tempdir().unwrap();
+        for mode in [0o440, 0o640, 0o644, 0o604] {
+            let reason = key_file_reason(&not_a_key(dir.path(), mode)).await;
+            assert!(
+                reason.contains(OWN_RULE) && reason.contains(&format!("{mode:04o}")),
+                "{reason}"
+            );
+        }
+        for mode in [0o400, 0o600] {
+            let reason = key_file_reason(&not_a_key(dir.path(), mode)).await;
+            assert_eq!(reason, "is not a valid OpenSSH or PEM private key");
+        }
+    }
+
+    /// Needs root (to give a file to another user); skipped otherwise.
+    #[tokio::test]
+    async fn key_file_owned_by_another_user_may_be_group_readable_but_not_world_readable() {
+        if current_uid() != Some(0) {
+            eprintln!("skipped: needs root to chown a file to another user");
+            return;
+        }
+        let dir = tempfile::tempdir().unwrap();
+        // What the kubelet makes of a Secret with defaultMode 0400 and fsGroup 65532, seen
+        // from the other side: the file belongs to someone else, and its group may read it.
+        let give_away = |path: &Path| std::os::unix::fs::chown(path, Some(65532), Some(65532));
+        for mode in [0o440, 0o400, 0o640] {
+            let path = not_a_key(dir.path(), mode);
+            give_away(&path).unwrap();
+            let reason = key_file_reason(&path).await;
+            assert_eq!(
+                reason, "is not a valid OpenSSH or PEM private key",
+                "{mode:04o}"
+            );
+        }
+        for mode in [0o444, 0o404, 0o644] {
+            let path = not_a_key(dir.path(), mode);
+            give_away(&path).unwrap();
+            let reason = key_file_reason(&path).await;
+            assert!(
+                reason.contains(NOT_OWNED_RULE)
+                    && reason.contains("uid 65532")
+                    && reason.contains(&format!("{mode:04o}")),
+                "{reason}"
+            );
+        }
     }
 }
