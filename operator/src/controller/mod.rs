@@ -281,10 +281,14 @@ async fn apply(proxy: &Proxy, ctx: &Context) -> Result<Action, ControllerError> 
         generation: proxy.metadata.generation,
         prev: proxy.status.clone().unwrap_or_default(),
     };
-    match converge(&target, ctx).await {
+    // The status as the API server last got it: the object's, until converge marks the
+    // Proxy as provisioning. What follows builds on that, so a replacement moves the
+    // conditions' transition times and a failed one does not advertise the lost address.
+    let mut current = target.prev.clone();
+    match converge(&target, ctx, &mut current).await {
         Ok((instance, change)) => {
             let now = jiff::Timestamp::now();
-            let new = status::observed(&target.prev, target.generation, &instance, now);
+            let new = status::observed(&current, target.generation, &instance, now);
             write_status(ctx, proxy, &new).await?;
             if let Some(change) = change {
                 let (reason, action, note) = match change {
@@ -312,7 +316,7 @@ async fn apply(proxy: &Proxy, ctx: &Context) -> Result<Action, ControllerError> 
                 .await;
             }
             let ready = status::is_ready(&new);
-            if ready && !status::is_ready(&target.prev) {
+            if ready && !status::is_ready(&current) {
                 let note = format!("ready at {}", new.address.as_deref().unwrap_or("-"));
                 event(ctx, proxy, EventType::Normal, "Ready", "Refresh", note).await;
             }
@@ -328,7 +332,7 @@ async fn apply(proxy: &Proxy, ctx: &Context) -> Result<Action, ControllerError> 
             let class = e.class();
             let message = e.to_string();
             let new = status::errored(
-                &target.prev,
+                &current,
                 target.generation,
                 class,
                 e.reason(),
@@ -366,6 +370,7 @@ fn new_message(s: &ProxyStatus) -> String {
 async fn converge(
     t: &Target<'_>,
     ctx: &Context,
+    current: &mut ProxyStatus,
 ) -> Result<(Instance, Option<Change>), ControllerError> {
     let spec = &t.proxy.spec;
     let mut problems = Problems::new();
@@ -388,7 +393,7 @@ async fn converge(
                 Ok(instance) if !instance.state.is_failed() => return Ok((instance, None)),
                 Ok(instance) => {
                     let note = format!("instance {id} is {}; replacing it", instance.state);
-                    mark_provisioning(ctx, t, "Replacing", &note).await?;
+                    mark_provisioning(ctx, t, current, "Replacing", &note).await?;
                     event(
                         ctx,
                         t.proxy,
@@ -403,7 +408,7 @@ async fn converge(
                 }
                 Err(e) if e.is_not_found() => {
                     let note = format!("instance {id} is gone; creating a new one");
-                    mark_provisioning(ctx, t, "Replacing", &note).await?;
+                    mark_provisioning(ctx, t, current, "Replacing", &note).await?;
                     event(
                         ctx,
                         t.proxy,
@@ -422,7 +427,7 @@ async fn converge(
             }
         }
     } else if t.prev.phase != Some(crate::api::proxy::ProxyPhase::Provisioning) {
-        mark_provisioning(ctx, t, "Creating", "creating the instance").await?;
+        mark_provisioning(ctx, t, current, "Creating", "creating the instance").await?;
     }
 
     let user_data = read_user_data(ctx, t.proxy, &t.owner.namespace).await?;
@@ -441,20 +446,24 @@ async fn converge(
     Ok((instance, Some(change)))
 }
 
+/// Writes the provisioning status; `current` becomes it once the API server has it.
 async fn mark_provisioning(
     ctx: &Context,
     t: &Target<'_>,
+    current: &mut ProxyStatus,
     reason: &str,
     message: &str,
 ) -> Result<(), ControllerError> {
     let s = status::provisioning(
-        &t.prev,
+        current,
         t.generation,
         reason,
         message,
         jiff::Timestamp::now(),
     );
-    write_status(ctx, t.proxy, &s).await
+    write_status(ctx, t.proxy, &s).await?;
+    *current = s;
+    Ok(())
 }
 
 async fn cleanup(proxy: &Proxy, ctx: &Context) -> Result<Action, ControllerError> {

@@ -1,1 +1,1733 @@
 //! Controller scenarios against a mock API server (tower-test) and the fake provider.
+//!
+//! Each scenario builds a Proxy, a [`Context`] whose client talks to an in-process API
+//! server (a task answering `tower_test` mock requests), and a [`FakeProvider`] registered
+//! as `kvm2`. It then calls [`reconcile`] (and [`error_policy`]) directly and checks the
+//! whole conversation: every API request, every event and every provider call lands, in
+//! order, in one timeline, so a test states exactly what a reconcile did and in which
+//! order (e.g. "the finalizer goes only after the instance is deleted"). Request details
+//! (paths, server-side apply parameters, JSON patch bodies, status fields) are checked
+//! where they matter.
+
+use std::collections::BTreeMap;
+use std::future::Future;
+use std::path::Path;
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use http::{Request, Response};
+use k8s_openapi::ByteString;
+use k8s_openapi::api::core::v1::Secret;
+use k8s_openapi::apimachinery::pkg::apis::meta::v1::Time;
+use kube::client::Body;
+use kube::runtime::controller::Action;
+use serde_json::{Value, json};
+
+use super::*;
+use crate::api::proxy::{ProxySpec, SecretKeyRef, UserDataSource};
+use crate::provider::fake::FakeProvider;
+use crate::provider::{BoxFuture, InstanceState, Provider, TargetListing};
+
+const NS: &str = "ns";
+const NAME: &str = "p";
+const UID: &str = "5b0c7e4e-0000-4000-8000-00000000a001";
+const GENERATION: i64 = 3;
+const SECRET_NAME: &str = "proxy-ud";
+const SECRET_KEY: &str = "user-data";
+/// The user-data: must reach the provider and nothing else.
+const USER_DATA: &[u8] = b"#cloud-config\nchpasswd: {list: 'root:hunter2-do-not-leak'}\n";
+const LEAK_MARKER: &str = "hunter2-do-not-leak";
+const FAKE_ADDRESS: &str = "192.0.2.10";
+const PROXY_PATH: &str = "/apis/egress-operator.dev/v1alpha1/namespaces/ns/proxies/p";
+const EVENTS_PATH: &str = "/apis/events.k8s.io/v1/namespaces/ns/events";
+const SECRETS_PATH: &str = "/api/v1/namespaces/ns/secrets/";
+/// Hang guard: a request the mock never answers fails the test instead of hanging it.
+const HANG_GUARD: Duration = Duration::from_secs(30);
+
+/// A small providers config: two hosts, one image, one machine type, defaults for both.
+const CONFIG: &str = r#"
+clusterId: test
+kvm2:
+  ssh: {user: egress, privateKeyFile: /k/id, knownHostsFile: /k/known_hosts}
+  hosts:
+    - {name: h1, address: "127.0.0.1:2222", storagePool: default, bridge: br0}
+    - {name: h2, address: "h2.example.org", storagePool: default, bridge: br0}
+  images:
+    - name: debian
+      url: https://images.example.org/debian.qcow2
+      sha256: "0000000000000000000000000000000000000000000000000000000000000000"
+      format: qcow2
+  machineTypes:
+    - {name: small, vcpus: 1, memoryMiB: 512, diskGiB: 4}
+  defaults: {machineType: small, image: debian}
+  templates:
+    domain: {path: /p/domain.wasm}
+    vendorData: {path: /p/vendor-data.wasm}
+"#;
+
+// ---- The timeline ------------------------------------------------------------------------
+
+/// One API request as the mock server saw it.
+#[derive(Debug, Clone)]
+struct Seen {
+    method: String,
+    path: String,
+    query: BTreeMap<String, String>,
+    content_type: String,
+    /// The body as JSON (`Null` when empty, a string when it was not JSON).
+    body: Value,
+}
+
+impl Seen {
+    fn is_status_apply(&self) -> bool {
+        self.method == "PATCH" && self.path == format!("{PROXY_PATH}/status")
+    }
+
+    fn is_finalizer_patch(&self) -> bool {
+        self.method == "PATCH" && self.path == PROXY_PATH
+    }
+
+    fn is_event(&self) -> bool {
+        self.path == EVENTS_PATH || self.path.starts_with(&format!("{EVENTS_PATH}/"))
+    }
+
+    /// A short name for timelines.
+    fn label(&self) -> String {
+        if self.is_status_apply() {
+            let phase = self.body["status"]["phase"].as_str().unwrap_or("-");
+            return format!("status:{phase}");
+        }
+        if self.is_finalizer_patch() {
+            let ops: Vec<&str> = self
+                .body
+                .as_array()
+                .map(|a| a.iter().filter_map(|op| op["op"].as_str()).collect())
+                .unwrap_or_default();
+            if ops.contains(&"remove") {
+                return "finalizer:remove".into();
+            }
+            if ops.contains(&"add") {
+                return "finalizer:add".into();
+            }
+        }
+        if self.method == "GET"
+            && let Some(name) = self.path.strip_prefix(SECRETS_PATH)
+        {
+            return format!("secret:{name}");
+        }
+        if self.is_event() {
+            let type_ = self.body["type"].as_str().unwrap_or("-");
+            let reason = self.body["reason"].as_str().unwrap_or("-");
+            return format!("event:{type_}:{reason}");
+        }
+        format!("{} {}", self.method, self.path)
+    }
+}
+
+#[derive(Debug, Clone)]
+enum Step {
+    Api(Seen),
+    Provider(&'static str),
+}
+
+/// Everything that happened, in order.
+#[derive(Debug, Clone, Default)]
+struct Timeline(Arc<Mutex<Vec<Step>>>);
+
+impl Timeline {
+    fn push(&self, step: Step) {
+        self.0.lock().unwrap().push(step);
+    }
+
+    fn steps(&self) -> Vec<Step> {
+        self.0.lock().unwrap().clone()
+    }
+
+    /// The timeline as labels: `status:PHASE`, `finalizer:add|remove`, `secret:NAME`,
+    /// `event:TYPE:REASON`, `provider:OP`.
+    fn labels(&self) -> Vec<String> {
+        self.steps()
+            .iter()
+            .map(|s| match s {
+                Step::Api(seen) => seen.label(),
+                Step::Provider(op) => format!("provider:{op}"),
+            })
+            .collect()
+    }
+
+    fn requests(&self) -> Vec<Seen> {
+        self.steps()
+            .into_iter()
+            .filter_map(|s| match s {
+                Step::Api(seen) => Some(seen),
+                Step::Provider(_) => None,
+            })
+            .collect()
+    }
+
+    /// The `status` of every status apply, in order.
+    fn statuses(&self) -> Vec<Value> {
+        self.requests()
+            .into_iter()
+            .filter(Seen::is_status_apply)
+            .map(|s| s.body["status"].clone())
+            .collect()
+    }
+
+    fn last_status(&self) -> Value {
+        self.statuses().pop().expect("no status was applied")
+    }
+
+    /// Every event body, in order.
+    fn events(&self) -> Vec<Value> {
+        self.requests()
+            .into_iter()
+            .filter(Seen::is_event)
+            .map(|s| s.body)
+            .collect()
+    }
+
+    /// `(type, reason, note)` of every event, in order.
+    fn event_summary(&self) -> Vec<(String, String, String)> {
+        self.events()
+            .iter()
+            .map(|e| {
+                (
+                    e["type"].as_str().unwrap_or_default().to_string(),
+                    e["reason"].as_str().unwrap_or_default().to_string(),
+                    e["note"].as_str().unwrap_or_default().to_string(),
+                )
+            })
+            .collect()
+    }
+
+    fn finalizer_patches(&self) -> Vec<Seen> {
+        self.requests()
+            .into_iter()
+            .filter(Seen::is_finalizer_patch)
+            .collect()
+    }
+
+    /// Forgets everything so far (between two reconciles of one scenario).
+    fn clear(&self) {
+        self.0.lock().unwrap().clear();
+    }
+}
+
+// ---- The mock API server -----------------------------------------------------------------
+
+/// Answers a request instead of the default handler when it returns `Some((code, body))`.
+type Override = Box<dyn FnMut(&Seen) -> Option<(u16, Value)> + Send>;
+
+/// A Kubernetes `Status` error body, as the API server sends it.
+fn status_error(code: u16, reason: &str, message: &str) -> Value {
+    json!({
+        "kind": "Status",
+        "apiVersion": "v1",
+        "metadata": {},
+        "status": "Failure",
+        "message": message,
+        "reason": reason,
+        "code": code,
+    })
+}
+
+/// The default answers: the Proxy echoed back with the applied status, Secrets from
+/// `secrets` (404 otherwise), events accepted, anything else a 404 (which the timeline
+/// shows, so an unexpected request fails the scenario's timeline assertion).
+fn default_answer(seen: &Seen, proxy: &Value, secrets: &BTreeMap<String, Value>) -> (u16, Value) {
+    if seen.is_status_apply() {
+        let mut p = proxy.clone();
+        p["status"] = seen.body["status"].clone();
+        return (200, p);
+    }
+    if seen.is_finalizer_patch() {
+        return (200, proxy.clone());
+    }
+    if seen.is_event() {
+        let mut e = seen.body.clone();
+        e["metadata"]["resourceVersion"] = json!("1");
+        return (if seen.method == "POST" { 201 } else { 200 }, e);
+    }
+    if seen.method == "GET"
+        && let Some(name) = seen.path.strip_prefix(SECRETS_PATH)
+    {
+        return match secrets.get(name) {
+            Some(s) => (200, s.clone()),
+            None => (
+                404,
+                status_error(404, "NotFound", &format!("secrets \"{name}\" not found")),
+            ),
+        };
+    }
+    (
+        404,
+        status_error(
+            404,
+            "NotFound",
+            &format!("the mock has no {} {}", seen.method, seen.path),
+        ),
+    )
+}
+
+/// Starts the mock API server for `proxy`; returns a client of it.
+fn api_server(
+    proxy: &Proxy,
+    secrets: &[Secret],
+    mut answer: Option<Override>,
+    timeline: Timeline,
+) -> Client {
+    let (service, mut handle) = tower_test::mock::pair::<Request<Body>, Response<Body>>();
+    let proxy = serde_json::to_value(proxy).unwrap();
+    let secrets: BTreeMap<String, Value> = secrets
+        .iter()
+        .map(|s| {
+            (
+                s.metadata.name.clone().unwrap(),
+                serde_json::to_value(s).unwrap(),
+            )
+        })
+        .collect();
+    tokio::spawn(async move {
+        while let Some((request, send)) = handle.next_request().await {
+            let (parts, body) = request.into_parts();
+            let bytes = body.collect_bytes().await.unwrap_or_default();
+            let body = if bytes.is_empty() {
+                Value::Null
+            } else {
+                serde_json::from_slice(&bytes)
+                    .unwrap_or_else(|_| Value::String(String::from_utf8_lossy(&bytes).into()))
+            };
+            let query = parts
+                .uri
+                .query()
+                .unwrap_or_default()
+                .split('&')
+                .filter(|kv| !kv.is_empty())
+                .map(|kv| match kv.split_once('=') {
+                    Some((k, v)) => (k.to_string(), v.to_string()),
+                    None => (kv.to_string(), String::new()),
+                })
+                .collect();
+            let seen = Seen {
+                method: parts.method.to_string(),
+                path: parts.uri.path().to_string(),
+                query,
+                content_type: parts
+                    .headers
+                    .get(http::header::CONTENT_TYPE)
+                    .and_then(|v| v.to_str().ok())
+                    .unwrap_or_default()
+                    .to_string(),
+                body,
+            };
+            timeline.push(Step::Api(seen.clone()));
+            let (code, reply) = answer
+                .as_mut()
+                .and_then(|a| a(&seen))
+                .unwrap_or_else(|| default_answer(&seen, &proxy, &secrets));
+            let response = Response::builder()
+                .status(code)
+                .header(http::header::CONTENT_TYPE, "application/json")
+                .body(Body::from(serde_json::to_vec(&reply).unwrap()))
+                .unwrap();
+            send.send_response(response);
+        }
+    });
+    Client::new(service, "default")
+}
+
+// ---- The provider, seen through the timeline ---------------------------------------------
+
+/// The fake provider, each call also written to the timeline.
+struct Logged {
+    inner: Arc<FakeProvider>,
+    timeline: Timeline,
+}
+
+impl Provider for Logged {
+    fn name(&self) -> &str {
+        self.inner.name()
+    }
+
+    fn create<'a>(
+        &'a self,
+        req: &'a CreateRequest,
+    ) -> BoxFuture<'a, Result<Instance, ProviderError>> {
+        self.timeline.push(Step::Provider("create"));
+        self.inner.create(req)
+    }
+
+    fn get<'a>(&'a self, id: &'a InstanceId) -> BoxFuture<'a, Result<Instance, ProviderError>> {
+        self.timeline.push(Step::Provider("get"));
+        self.inner.get(id)
+    }
+
+    fn delete<'a>(&'a self, id: &'a InstanceId) -> BoxFuture<'a, Result<(), ProviderError>> {
+        self.timeline.push(Step::Provider("delete"));
+        self.inner.delete(id)
+    }
+
+    fn list(&self) -> BoxFuture<'_, Vec<TargetListing>> {
+        self.timeline.push(Step::Provider("list"));
+        self.inner.list()
+    }
+}
+
+// ---- Fixtures ----------------------------------------------------------------------------
+
+fn config() -> Arc<ValidConfig> {
+    Arc::new(crate::config::parse(CONFIG, "controller-test.yaml", Path::new("/")).unwrap())
+}
+
+/// A Proxy as the API server holds it after the controller added its finalizer.
+fn proxy() -> Proxy {
+    let mut p = Proxy::new(
+        NAME,
+        ProxySpec {
+            provider: "kvm2".into(),
+            ..Default::default()
+        },
+    );
+    p.metadata.namespace = Some(NS.into());
+    p.metadata.uid = Some(UID.into());
+    p.metadata.generation = Some(GENERATION);
+    p.metadata.resource_version = Some("41".into());
+    p.metadata.finalizers = Some(vec![FINALIZER.into()]);
+    p
+}
+
+fn with_user_data(mut p: Proxy) -> Proxy {
+    p.spec.user_data = Some(UserDataSource {
+        secret_ref: SecretKeyRef {
+            name: SECRET_NAME.into(),
+            key: SECRET_KEY.into(),
+        },
+    });
+    p
+}
+
+fn deleting(mut p: Proxy) -> Proxy {
+    p.metadata.deletion_timestamp = Some(Time(jiff::Timestamp::now()));
+    p
+}
+
+fn user_data_secret() -> Secret {
+    let mut s = Secret::default();
+    s.metadata.name = Some(SECRET_NAME.into());
+    s.metadata.namespace = Some(NS.into());
+    s.data = Some(
+        [
+            (SECRET_KEY.to_string(), ByteString(USER_DATA.to_vec())),
+            ("other".to_string(), ByteString(b"unrelated".to_vec())),
+        ]
+        .into(),
+    );
+    s
+}
+
+fn owner(uid: &str) -> ProxyRef {
+    ProxyRef {
+        namespace: NS.into(),
+        name: NAME.into(),
+        uid: uid.into(),
+    }
+}
+
+/// The name the fake (like kvm2) gives this Proxy's instance.
+fn our_name() -> String {
+    format!("{}{UID}", crate::instance::NAME_PREFIX)
+}
+
+fn id(host: &str, name: &str) -> InstanceId {
+    InstanceId {
+        host: host.into(),
+        name: name.into(),
+    }
+}
+
+fn instance(id: InstanceId, uid: &str, state: InstanceState, address: Option<&str>) -> Instance {
+    Instance {
+        id,
+        proxy: owner(uid),
+        state,
+        addresses: address.map(|a| a.parse().unwrap()).into_iter().collect(),
+        created_at: "2026-01-01T00:00:00Z".into(),
+    }
+}
+
+/// Long ago: a transition time a fresh write must not keep (or must keep) visibly.
+fn long_ago() -> jiff::Timestamp {
+    jiff::Timestamp::from_second(1_600_000_000).unwrap()
+}
+
+const LONG_AGO: &str = "2020-09-13T12:26:40Z";
+
+/// The status a reconcile wrote when it last saw `i` (long ago).
+fn status_seeing(i: &Instance) -> ProxyStatus {
+    status::observed(&ProxyStatus::default(), Some(GENERATION), i, long_ago())
+}
+
+fn with_status(mut p: Proxy, s: ProxyStatus) -> Proxy {
+    p.status = Some(s);
+    p
+}
+
+/// One scenario's world: the context, the fake provider and the timeline.
+struct World {
+    ctx: Arc<Context>,
+    fake: Arc<FakeProvider>,
+    timeline: Timeline,
+}
+
+impl World {
+    fn new(proxy: &Proxy) -> Self {
+        Self::build(proxy, &[], None)
+    }
+
+    fn build(proxy: &Proxy, secrets: &[Secret], answer: Option<Override>) -> Self {
+        let timeline = Timeline::default();
+        let client = api_server(proxy, secrets, answer, timeline.clone());
+        let fake = Arc::new(FakeProvider::named("kvm2", &["h1", "h2"]));
+        let mut registry = Registry::new();
+        registry.insert(Arc::new(Logged {
+            inner: fake.clone(),
+            timeline: timeline.clone(),
+        }));
+        let mut ctx = Context::new(
+            client,
+            config(),
+            Arc::new(registry),
+            ControllerMetrics::default(),
+            Some("egress-operator-0".into()),
+        );
+        // The middle of the jitter band: delays are exactly the ladder's.
+        ctx.jitter = || 0.5;
+        Self {
+            ctx: Arc::new(ctx),
+            fake,
+            timeline,
+        }
+    }
+
+    async fn reconcile(&self, proxy: &Proxy) -> Result<Action, ControllerError> {
+        guard(reconcile(Arc::new(proxy.clone()), self.ctx.clone())).await
+    }
+
+    /// Reconciles and, on failure, asks the error policy, as the Controller does.
+    async fn reconcile_err(&self, proxy: &Proxy) -> (ControllerError, Action) {
+        let e = self
+            .reconcile(proxy)
+            .await
+            .expect_err("the reconcile should have failed");
+        let action = error_policy(Arc::new(proxy.clone()), &e, self.ctx.clone());
+        (e, action)
+    }
+
+    fn labels(&self) -> Vec<String> {
+        self.timeline.labels()
+    }
+}
+
+async fn guard<F: Future>(f: F) -> F::Output {
+    match tokio::time::timeout(HANG_GUARD, f).await {
+        Ok(out) => out,
+        Err(_) => panic!("the reconcile hung: a request was never answered"),
+    }
+}
+
+fn labels(l: &[&str]) -> Vec<String> {
+    l.iter().map(ToString::to_string).collect()
+}
+
+fn condition<'a>(status: &'a Value, type_: &str) -> &'a Value {
+    status["conditions"]
+        .as_array()
+        .and_then(|cs| cs.iter().find(|c| c["type"] == type_))
+        .unwrap_or_else(|| panic!("no {type_} condition in {status:#}"))
+}
+
+fn requeue(secs: u64) -> Action {
+    Action::requeue(Duration::from_secs(secs))
+}
+
+/// Every status apply is a forced server-side apply of the status alone, by our manager.
+fn assert_status_applies_are_ssa(t: &Timeline) {
+    let applies: Vec<Seen> = t
+        .requests()
+        .into_iter()
+        .filter(Seen::is_status_apply)
+        .collect();
+    assert!(!applies.is_empty(), "no status apply");
+    for a in applies {
+        assert_eq!(
+            a.query.get("fieldManager").map(String::as_str),
+            Some(FIELD_MANAGER),
+            "{a:?}"
+        );
+        assert_eq!(
+            a.query.get("force").map(String::as_str),
+            Some("true"),
+            "{a:?}"
+        );
+        assert_eq!(a.content_type, "application/apply-patch+yaml", "{a:?}");
+        assert_eq!(a.body["apiVersion"], "egress-operator.dev/v1alpha1");
+        assert_eq!(a.body["kind"], "Proxy");
+        let keys: Vec<&String> = a.body.as_object().unwrap().keys().collect();
+        assert_eq!(
+            keys,
+            ["apiVersion", "kind", "status"],
+            "a status apply must carry nothing but the status: {a:?}"
+        );
+    }
+}
+
+/// Events are about our Proxy and come from our controller.
+fn assert_events_regard_the_proxy(t: &Timeline) {
+    for e in t.events() {
+        assert_eq!(e["regarding"]["kind"], "Proxy", "{e:#}");
+        assert_eq!(e["regarding"]["name"], NAME, "{e:#}");
+        assert_eq!(e["regarding"]["namespace"], NS, "{e:#}");
+        assert_eq!(e["regarding"]["uid"], UID, "{e:#}");
+        assert_eq!(e["reportingController"], "egress-operator", "{e:#}");
+        assert_eq!(e["reportingInstance"], "egress-operator-0", "{e:#}");
+    }
+}
+
+/// The Secret's content is in no request the controller sent (status, events, ...).
+fn assert_no_secret_in_requests(t: &Timeline) {
+    use base64::Engine as _;
+    let b64 = base64::engine::general_purpose::STANDARD.encode(USER_DATA);
+    for r in t.requests() {
+        let text = r.body.to_string();
+        assert!(!text.contains(LEAK_MARKER), "user-data leaked into {r:?}");
+        assert!(!text.contains(&b64), "user-data (base64) leaked into {r:?}");
+    }
+}
+
+// ---- 1. Finalizer ------------------------------------------------------------------------
+
+#[tokio::test]
+async fn a_new_proxy_gets_the_finalizer_and_nothing_else() {
+    let mut p = proxy();
+    p.metadata.finalizers = None;
+    let w = World::new(&p);
+
+    let action = w.reconcile(&p).await.unwrap();
+
+    assert_eq!(action, Action::await_change());
+    assert_eq!(w.labels(), labels(&["finalizer:add"]));
+    let patch = &w.timeline.finalizer_patches()[0];
+    assert_eq!(patch.content_type, "application/json-patch+json");
+    assert_eq!(
+        patch.body,
+        json!([
+            {"op": "test", "path": "/metadata/finalizers", "value": null},
+            {"op": "add", "path": "/metadata/finalizers", "value": [FINALIZER]},
+        ])
+    );
+    assert!(w.fake.calls().is_empty(), "{:?}", w.fake.calls());
+    assert_eq!(w.ctx.metrics.reconciles("ok"), 1);
+}
+
+#[tokio::test]
+async fn the_finalizer_is_appended_to_other_finalizers() {
+    let mut p = proxy();
+    p.metadata.finalizers = Some(vec!["example.org/keep".into()]);
+    let w = World::new(&p);
+
+    w.reconcile(&p).await.unwrap();
+
+    assert_eq!(w.labels(), labels(&["finalizer:add"]));
+    assert_eq!(
+        w.timeline.finalizer_patches()[0].body,
+        json!([
+            {"op": "test", "path": "/metadata/finalizers", "value": ["example.org/keep"]},
+            {"op": "add", "path": "/metadata/finalizers/-", "value": FINALIZER},
+        ])
+    );
+    assert!(w.fake.calls().is_empty());
+}
+
+#[tokio::test]
+async fn a_deleted_proxy_without_our_finalizer_is_left_alone() {
+    let mut p = deleting(proxy());
+    p.metadata.finalizers = Some(vec!["example.org/keep".into()]);
+    let w = World::new(&p);
+
+    let action = w.reconcile(&p).await.unwrap();
+
+    assert_eq!(action, Action::await_change());
+    assert!(w.labels().is_empty(), "{:?}", w.labels());
+    assert!(w.fake.calls().is_empty());
+}
+
+#[tokio::test]
+async fn a_failed_finalizer_patch_is_a_transient_kubernetes_error() {
+    let mut p = proxy();
+    p.metadata.finalizers = None;
+    let w = World::build(
+        &p,
+        &[],
+        Some(Box::new(|s: &Seen| {
+            s.is_finalizer_patch()
+                .then(|| (500, status_error(500, "InternalError", "etcd is away")))
+        })),
+    );
+
+    let (e, action) = w.reconcile_err(&p).await;
+
+    assert!(matches!(e, ControllerError::Kube(_)), "{e:?}");
+    assert_eq!(e.class(), ErrorClass::Transient);
+    assert_eq!(action, requeue(5));
+    assert!(w.fake.calls().is_empty());
+}
+
+// ---- 2. Create ---------------------------------------------------------------------------
+
+#[tokio::test]
+async fn create_reads_the_user_data_creates_and_reports_the_instance() {
+    let p = with_user_data(proxy());
+    let w = World::build(&p, &[user_data_secret()], None);
+
+    let action = w.reconcile(&p).await.unwrap();
+
+    assert_eq!(
+        w.labels(),
+        labels(&[
+            "status:Provisioning",
+            "secret:proxy-ud",
+            "provider:create",
+            "status:Running",
+            "event:Normal:Created",
+            "event:Normal:Ready",
+        ])
+    );
+    assert_eq!(action, requeue(300));
+    assert_eq!(action, Action::requeue(w.ctx.policy.ready_refresh));
+    assert_status_applies_are_ssa(&w.timeline);
+    assert_events_regard_the_proxy(&w.timeline);
+
+    // Provisioning first: nothing known yet, both conditions False with reason Creating.
+    let statuses = w.timeline.statuses();
+    let first = &statuses[0];
+    assert_eq!(first["phase"], "Provisioning");
+    assert_eq!(first["observedGeneration"], GENERATION);
+    for c in ["Provisioned", "Ready"] {
+        assert_eq!(condition(first, c)["status"], "False");
+        assert_eq!(condition(first, c)["reason"], "Creating");
+    }
+    assert!(first.get("instanceId").is_none(), "{first:#}");
+
+    // Then the instance, whole.
+    let name = our_name();
+    let s = &statuses[1];
+    assert_eq!(s["phase"], "Running");
+    assert_eq!(s["instanceId"], format!("h1/{name}"));
+    assert_eq!(s["host"], "h1");
+    assert_eq!(s["instanceState"], "running");
+    assert_eq!(s["address"], FAKE_ADDRESS);
+    assert_eq!(s["addresses"], json!([FAKE_ADDRESS]));
+    assert_eq!(s["observedGeneration"], GENERATION);
+    assert!(s.get("lastErrorClass").is_none(), "{s:#}");
+    let provisioned = condition(s, "Provisioned");
+    assert_eq!(provisioned["status"], "True");
+    assert_eq!(provisioned["reason"], "InstanceExists");
+    assert_eq!(provisioned["observedGeneration"], GENERATION);
+    let ready = condition(s, "Ready");
+    assert_eq!(ready["status"], "True");
+    assert_eq!(ready["reason"], "Running");
+    assert_eq!(ready["message"], format!("running at {FAKE_ADDRESS}"));
+
+    // Events: Created names the instance, Ready the address.
+    assert_eq!(
+        w.timeline.event_summary(),
+        vec![
+            (
+                "Normal".into(),
+                "Created".into(),
+                format!("created instance h1/{name}")
+            ),
+            (
+                "Normal".into(),
+                "Ready".into(),
+                format!("ready at {FAKE_ADDRESS}")
+            ),
+        ]
+    );
+
+    // The provider got the Secret's bytes, for this Proxy.
+    let reqs = w.fake.create_requests();
+    assert_eq!(reqs.len(), 1);
+    assert_eq!(reqs[0].proxy, owner(UID));
+    assert_eq!(reqs[0].spec, p.spec);
+    assert_eq!(
+        reqs[0].user_data.as_ref().map(UserData::expose),
+        Some(USER_DATA)
+    );
+    assert_eq!(w.fake.calls(), vec!["create"]);
+    assert_eq!(w.fake.instances().len(), 1);
+    // ... and nothing else did.
+    assert_no_secret_in_requests(&w.timeline);
+
+    assert_eq!(w.ctx.metrics.instances("created"), 1);
+    assert_eq!(w.ctx.metrics.reconciles("ok"), 1);
+}
+
+#[tokio::test]
+async fn create_without_user_data_reads_no_secret() {
+    let p = proxy();
+    let w = World::new(&p);
+
+    w.reconcile(&p).await.unwrap();
+
+    assert_eq!(
+        w.labels(),
+        labels(&[
+            "status:Provisioning",
+            "provider:create",
+            "status:Running",
+            "event:Normal:Created",
+            "event:Normal:Ready",
+        ])
+    );
+    assert!(w.fake.create_requests()[0].user_data.is_none());
+}
+
+#[tokio::test]
+async fn a_create_pinned_to_a_host_lands_there() {
+    let mut p = proxy();
+    p.spec.host = Some("h2".into());
+    let w = World::new(&p);
+
+    w.reconcile(&p).await.unwrap();
+
+    let s = w.timeline.last_status();
+    assert_eq!(s["host"], "h2");
+    assert_eq!(s["instanceId"], format!("h2/{}", our_name()));
+}
+
+#[tokio::test]
+async fn a_retried_create_does_not_mark_provisioning_again() {
+    // The first attempt wrote Provisioning and then failed; the retry goes straight on.
+    let p = with_status(
+        proxy(),
+        status::provisioning(
+            &ProxyStatus::default(),
+            Some(GENERATION),
+            "Creating",
+            "creating the instance",
+            long_ago(),
+        ),
+    );
+    let w = World::new(&p);
+
+    w.reconcile(&p).await.unwrap();
+
+    assert_eq!(
+        w.labels(),
+        labels(&[
+            "provider:create",
+            "status:Running",
+            "event:Normal:Created",
+            "event:Normal:Ready",
+        ])
+    );
+    // Ready flipped False -> True: its transition time moves.
+    let ready = condition(&w.timeline.last_status(), "Ready").clone();
+    assert_ne!(ready["lastTransitionTime"], LONG_AGO, "{ready:#}");
+}
+
+#[tokio::test]
+async fn events_that_cannot_be_published_do_not_fail_the_reconcile() {
+    let p = proxy();
+    let w = World::build(
+        &p,
+        &[],
+        Some(Box::new(|s: &Seen| {
+            s.is_event()
+                .then(|| (403, status_error(403, "Forbidden", "no events for you")))
+        })),
+    );
+
+    let action = w.reconcile(&p).await.unwrap();
+
+    assert_eq!(action, requeue(300));
+    assert_eq!(w.timeline.last_status()["phase"], "Running");
+    assert_eq!(w.timeline.events().len(), 2, "both were attempted");
+}
+
+// ---- 3. Refresh --------------------------------------------------------------------------
+
+#[tokio::test]
+async fn a_running_instance_is_only_refreshed() {
+    let running = instance(
+        id("h2", &our_name()),
+        UID,
+        InstanceState::Running,
+        Some("198.51.100.4"),
+    );
+    // User-data is set, but a refresh has no reason to read it.
+    let p = with_status(with_user_data(proxy()), status_seeing(&running));
+    let w = World::build(&p, &[user_data_secret()], None);
+    w.fake.insert(running.clone());
+
+    let action = w.reconcile(&p).await.unwrap();
+
+    assert_eq!(w.labels(), labels(&["provider:get", "status:Running"]));
+    assert_eq!(w.fake.calls(), vec!["get"]);
+    assert!(w.fake.create_requests().is_empty());
+    assert!(w.timeline.events().is_empty(), "{:?}", w.timeline.events());
+    assert_eq!(action, requeue(300));
+    let s = w.timeline.last_status();
+    assert_eq!(s["instanceId"], format!("h2/{}", our_name()));
+    assert_eq!(s["address"], "198.51.100.4");
+    // Ready stayed True: its transition time is the old one.
+    assert_eq!(condition(&s, "Ready")["lastTransitionTime"], LONG_AGO);
+    assert_eq!(condition(&s, "Provisioned")["lastTransitionTime"], LONG_AGO);
+    assert_eq!(w.ctx.metrics.instances("created"), 0);
+    assert_status_applies_are_ssa(&w.timeline);
+}
+
+#[tokio::test]
+async fn a_refresh_that_finds_the_address_reports_ready_once() {
+    let no_address = instance(id("h1", &our_name()), UID, InstanceState::Running, None);
+    let p = with_status(proxy(), status_seeing(&no_address));
+    let w = World::new(&p);
+    w.fake.insert(no_address.clone());
+
+    // Running without an address: not ready, looked at again soon.
+    let action = w.reconcile(&p).await.unwrap();
+    assert_eq!(action, requeue(15));
+    assert_eq!(action, Action::requeue(w.ctx.policy.not_ready_refresh));
+    let s = w.timeline.last_status();
+    assert_eq!(condition(&s, "Ready")["status"], "False");
+    assert_eq!(condition(&s, "Ready")["reason"], "WaitingForAddress");
+    assert!(w.timeline.events().is_empty());
+
+    // The address shows up: Ready, one Ready event, the slow refresh.
+    w.timeline.clear();
+    w.fake.insert(instance(
+        no_address.id.clone(),
+        UID,
+        InstanceState::Running,
+        Some("192.0.2.99"),
+    ));
+    let action = w.reconcile(&p).await.unwrap();
+    assert_eq!(action, requeue(300));
+    assert_eq!(
+        w.labels(),
+        labels(&["provider:get", "status:Running", "event:Normal:Ready"])
+    );
+    assert_eq!(
+        w.timeline.event_summary()[0].2,
+        "ready at 192.0.2.99".to_string()
+    );
+}
+
+#[tokio::test]
+async fn a_paused_instance_is_degraded_not_replaced() {
+    let paused = instance(
+        id("h1", &our_name()),
+        UID,
+        InstanceState::Paused,
+        Some(FAKE_ADDRESS),
+    );
+    let running = instance(
+        paused.id.clone(),
+        UID,
+        InstanceState::Running,
+        Some(FAKE_ADDRESS),
+    );
+    let p = with_status(proxy(), status_seeing(&running));
+    let w = World::new(&p);
+    w.fake.insert(paused);
+
+    let action = w.reconcile(&p).await.unwrap();
+
+    assert_eq!(w.labels(), labels(&["provider:get", "status:Degraded"]));
+    assert_eq!(w.fake.calls(), vec!["get"]);
+    assert_eq!(action, requeue(15));
+    let s = w.timeline.last_status();
+    assert_eq!(s["instanceState"], "paused");
+    assert_eq!(condition(&s, "Ready")["status"], "False");
+    assert_eq!(condition(&s, "Ready")["reason"], "NotRunning");
+    assert_eq!(condition(&s, "Provisioned")["status"], "True");
+}
+
+#[tokio::test]
+async fn a_transient_get_failure_keeps_the_instance_and_creates_nothing() {
+    let running = instance(
+        id("h1", &our_name()),
+        UID,
+        InstanceState::Running,
+        Some(FAKE_ADDRESS),
+    );
+    let p = with_status(proxy(), status_seeing(&running));
+    let w = World::new(&p);
+    w.fake.insert(running);
+    w.fake.set_down("h1", true);
+
+    let (e, action) = w.reconcile_err(&p).await;
+
+    assert_eq!(e.class(), ErrorClass::Transient);
+    assert_eq!(action, requeue(5));
+    assert_eq!(w.fake.calls(), vec!["get"]);
+    assert_eq!(
+        w.labels(),
+        labels(&[
+            "provider:get",
+            "status:Running",
+            "event:Warning:ProviderError"
+        ])
+    );
+    let s = w.timeline.last_status();
+    // What was known stays; Ready says why it is not trusted now.
+    assert_eq!(s["instanceId"], format!("h1/{}", our_name()));
+    assert_eq!(s["lastErrorClass"], "transient");
+    assert_eq!(condition(&s, "Ready")["status"], "False");
+    assert_eq!(condition(&s, "Ready")["reason"], "ProviderError");
+    assert_eq!(condition(&s, "Provisioned")["status"], "True");
+}
+
+// ---- 4. Replace a lost instance ----------------------------------------------------------
+
+#[tokio::test]
+async fn a_lost_instance_is_replaced() {
+    let lost = instance(
+        id("h2", "egress-old"),
+        UID,
+        InstanceState::Running,
+        Some("198.51.100.4"),
+    );
+    let p = with_status(with_user_data(proxy()), status_seeing(&lost));
+    let w = World::build(&p, &[user_data_secret()], None);
+
+    let action = w.reconcile(&p).await.unwrap();
+
+    assert_eq!(
+        w.labels(),
+        labels(&[
+            "provider:get",
+            "status:Provisioning",
+            "event:Warning:InstanceLost",
+            "secret:proxy-ud",
+            "provider:create",
+            "status:Running",
+            "event:Normal:Replaced",
+            "event:Normal:Ready",
+        ])
+    );
+    assert_eq!(action, requeue(300));
+    let name = our_name();
+    let events = w.timeline.event_summary();
+    assert_eq!(
+        events[0].2,
+        "instance h2/egress-old is gone; creating a new one"
+    );
+    assert_eq!(
+        events[1].2,
+        format!("replaced a lost instance with instance h1/{name}")
+    );
+    // While replacing, status shows no address of the lost instance.
+    let statuses = w.timeline.statuses();
+    assert!(statuses[0].get("address").is_none(), "{:#}", statuses[0]);
+    assert_eq!(condition(&statuses[0], "Ready")["reason"], "Replacing");
+    let s = &statuses[1];
+    assert_eq!(s["instanceId"], format!("h1/{name}"));
+    assert_eq!(s["address"], FAKE_ADDRESS);
+    assert_eq!(condition(s, "Ready")["status"], "True");
+    // Ready went False while replacing and True again: the transition time moved.
+    assert_ne!(condition(s, "Ready")["lastTransitionTime"], LONG_AGO);
+    assert_eq!(
+        w.fake.create_requests()[0]
+            .user_data
+            .as_ref()
+            .map(UserData::expose),
+        Some(USER_DATA)
+    );
+    assert_eq!(w.ctx.metrics.instances("replaced-lost"), 1);
+    assert_eq!(w.ctx.metrics.instances("created"), 0);
+    assert_no_secret_in_requests(&w.timeline);
+    assert_events_regard_the_proxy(&w.timeline);
+}
+
+#[tokio::test]
+async fn a_failed_replacement_does_not_advertise_the_lost_address() {
+    let lost = instance(
+        id("h2", "egress-old"),
+        UID,
+        InstanceState::Running,
+        Some("198.51.100.4"),
+    );
+    let p = with_status(proxy(), status_seeing(&lost));
+    let w = World::new(&p);
+    w.fake.fail_next("create", ErrorClass::Transient);
+
+    let (e, action) = w.reconcile_err(&p).await;
+
+    assert_eq!(e.class(), ErrorClass::Transient);
+    assert_eq!(action, requeue(5));
+    let s = w.timeline.last_status();
+    assert_eq!(s["lastErrorClass"], "transient");
+    assert!(
+        s.get("address").is_none() && s.get("addresses").is_none(),
+        "the lost instance's address is still advertised: {s:#}"
+    );
+    assert_ne!(s["phase"], "Running", "{s:#}");
+    assert_eq!(condition(&s, "Ready")["status"], "False");
+    assert_eq!(condition(&s, "Ready")["reason"], "ProviderError");
+}
+
+// ---- 5. Replace a failed instance --------------------------------------------------------
+
+#[tokio::test]
+async fn a_crashed_instance_is_deleted_then_replaced() {
+    let crashed = instance(id("h2", &our_name()), UID, InstanceState::Crashed, None);
+    let was_running = instance(
+        crashed.id.clone(),
+        UID,
+        InstanceState::Running,
+        Some("198.51.100.4"),
+    );
+    let p = with_status(proxy(), status_seeing(&was_running));
+    let w = World::new(&p);
+    w.fake.insert(crashed);
+
+    let action = w.reconcile(&p).await.unwrap();
+
+    assert_eq!(
+        w.labels(),
+        labels(&[
+            "provider:get",
+            "status:Provisioning",
+            "event:Warning:InstanceFailed",
+            "provider:delete",
+            "provider:create",
+            "status:Running",
+            "event:Normal:Replaced",
+            "event:Normal:Ready",
+        ])
+    );
+    assert_eq!(action, requeue(300));
+    let name = our_name();
+    let events = w.timeline.event_summary();
+    assert_eq!(
+        events[0].2,
+        format!("instance h2/{name} is crashed; replacing it")
+    );
+    assert_eq!(
+        events[1].2,
+        format!("replaced a failed instance with instance h1/{name}")
+    );
+    // The crashed domain is gone; the new one runs (the fake places it on h1).
+    let left = w.fake.instances();
+    assert_eq!(left.len(), 1, "{left:?}");
+    assert_eq!(left[0].id, id("h1", &name));
+    assert_eq!(left[0].state, InstanceState::Running);
+    assert_eq!(w.timeline.last_status()["instanceId"], format!("h1/{name}"));
+    assert_eq!(w.ctx.metrics.instances("replaced-failed"), 1);
+}
+
+#[tokio::test]
+async fn a_shut_off_instance_is_replaced_too() {
+    let off = instance(id("h1", &our_name()), UID, InstanceState::ShutOff, None);
+    let p = with_status(proxy(), status_seeing(&off));
+    let w = World::new(&p);
+    w.fake.insert(off);
+
+    w.reconcile(&p).await.unwrap();
+
+    assert_eq!(w.fake.calls(), vec!["get", "delete", "create"]);
+    assert!(
+        w.labels()
+            .contains(&"event:Warning:InstanceFailed".to_string())
+    );
+    assert_eq!(w.fake.instances()[0].state, InstanceState::Running);
+}
+
+#[tokio::test]
+async fn a_failed_delete_of_the_crashed_instance_stops_before_create() {
+    let crashed = instance(id("h1", &our_name()), UID, InstanceState::Crashed, None);
+    let p = with_status(proxy(), status_seeing(&crashed));
+    let w = World::new(&p);
+    w.fake.insert(crashed);
+    w.fake.fail_next("delete", ErrorClass::Transient);
+
+    let (e, action) = w.reconcile_err(&p).await;
+
+    assert_eq!(e.class(), ErrorClass::Transient);
+    assert_eq!(action, requeue(5));
+    assert_eq!(w.fake.calls(), vec!["get", "delete"]);
+    assert!(w.fake.create_requests().is_empty());
+}
+
+// ---- 6. Delete ---------------------------------------------------------------------------
+
+#[tokio::test]
+async fn delete_removes_the_instance_then_the_finalizer() {
+    let running = instance(
+        id("h2", &our_name()),
+        UID,
+        InstanceState::Running,
+        Some(FAKE_ADDRESS),
+    );
+    let mut p = deleting(with_status(proxy(), status_seeing(&running)));
+    // Our finalizer second: the removal must name its index.
+    p.metadata.finalizers = Some(vec!["example.org/keep".into(), FINALIZER.into()]);
+    let w = World::new(&p);
+    w.fake.insert(running);
+
+    let action = w.reconcile(&p).await.unwrap();
+
+    assert_eq!(action, Action::await_change());
+    assert_eq!(
+        w.labels(),
+        labels(&[
+            "status:Deleting",
+            "provider:delete",
+            "provider:list",
+            "event:Normal:Deleted",
+            "finalizer:remove",
+        ])
+    );
+    assert!(w.fake.instances().is_empty());
+    assert_eq!(
+        w.timeline.event_summary()[0].2,
+        format!("deleted h2/{}", our_name())
+    );
+    let patch = &w.timeline.finalizer_patches()[0];
+    assert_eq!(patch.content_type, "application/json-patch+json");
+    assert_eq!(
+        patch.body,
+        json!([
+            {"op": "test", "path": "/metadata/finalizers/1", "value": FINALIZER},
+            {"op": "remove", "path": "/metadata/finalizers/1"},
+        ])
+    );
+    let s = &w.timeline.statuses()[0];
+    assert_eq!(condition(s, "Ready")["status"], "False");
+    assert_eq!(condition(s, "Ready")["reason"], "Deleting");
+    assert_eq!(w.ctx.metrics.instances("deleted"), 1);
+    assert_status_applies_are_ssa(&w.timeline);
+    assert_events_regard_the_proxy(&w.timeline);
+}
+
+#[tokio::test]
+async fn delete_of_a_proxy_that_never_got_an_instance_just_lets_it_go() {
+    let p = deleting(proxy());
+    let w = World::new(&p);
+
+    let action = w.reconcile(&p).await.unwrap();
+
+    assert_eq!(action, Action::await_change());
+    assert_eq!(
+        w.labels(),
+        labels(&[
+            "status:Deleting",
+            "provider:list",
+            "event:Normal:Deleted",
+            "finalizer:remove",
+        ])
+    );
+    assert_eq!(w.fake.calls(), vec!["list"]);
+    assert_eq!(w.timeline.event_summary()[0].2, "no instance existed");
+    assert_eq!(w.ctx.metrics.instances("deleted"), 0);
+}
+
+#[tokio::test]
+async fn delete_finds_an_instance_status_never_named_by_uid() {
+    // The operator died after the Create and before the status write.
+    let p = deleting(with_status(
+        proxy(),
+        status::provisioning(
+            &ProxyStatus::default(),
+            Some(GENERATION),
+            "Creating",
+            "creating the instance",
+            long_ago(),
+        ),
+    ));
+    let w = World::new(&p);
+    let ours = instance(
+        id("h2", &our_name()),
+        UID,
+        InstanceState::Running,
+        Some(FAKE_ADDRESS),
+    );
+    let someone_elses = instance(
+        id("h1", "egress-other"),
+        "5b0c7e4e-0000-4000-8000-00000000b002",
+        InstanceState::Running,
+        None,
+    );
+    w.fake.insert(ours);
+    w.fake.insert(someone_elses.clone());
+
+    w.reconcile(&p).await.unwrap();
+
+    assert_eq!(
+        w.labels(),
+        labels(&[
+            "status:Deleting",
+            "provider:list",
+            "provider:delete",
+            "event:Normal:Deleted",
+            "finalizer:remove",
+        ])
+    );
+    assert_eq!(w.fake.instances(), vec![someone_elses]);
+    assert_eq!(
+        w.timeline.event_summary()[0].2,
+        format!("deleted h2/{}", our_name())
+    );
+}
+
+#[tokio::test]
+async fn delete_that_fails_transiently_keeps_the_finalizer_and_retries() {
+    let running = instance(
+        id("h1", &our_name()),
+        UID,
+        InstanceState::Running,
+        Some(FAKE_ADDRESS),
+    );
+    let p = deleting(with_status(proxy(), status_seeing(&running)));
+    let w = World::new(&p);
+    w.fake.insert(running.clone());
+    w.fake.fail_next("delete", ErrorClass::Transient);
+
+    let (e, action) = w.reconcile_err(&p).await;
+
+    assert_eq!(e.class(), ErrorClass::Transient);
+    assert!(matches!(e, ControllerError::Provider(_)), "{e:?}");
+    assert_eq!(action, requeue(5));
+    assert_eq!(w.labels(), labels(&["status:Deleting", "provider:delete"]));
+    assert!(w.timeline.finalizer_patches().is_empty());
+    assert_eq!(w.fake.instances(), vec![running]);
+    assert_eq!(w.ctx.metrics.reconciles("transient"), 1);
+
+    // The retry finishes the job.
+    w.timeline.clear();
+    w.reconcile(&p).await.unwrap();
+    assert!(w.fake.instances().is_empty());
+    assert_eq!(w.timeline.finalizer_patches().len(), 1);
+}
+
+#[tokio::test]
+async fn an_instance_that_is_not_ours_to_delete_does_not_block_the_proxy() {
+    let running = instance(id("h1", &our_name()), UID, InstanceState::Running, None);
+    let p = deleting(with_status(proxy(), status_seeing(&running)));
+    let w = World::new(&p);
+    w.fake.insert(running);
+    w.fake.fail_next("delete", ErrorClass::Permanent);
+
+    w.reconcile(&p).await.unwrap();
+
+    assert_eq!(
+        w.labels(),
+        labels(&[
+            "status:Deleting",
+            "provider:delete",
+            "event:Warning:NotDeleted",
+            "provider:list",
+            "event:Normal:Deleted",
+            "finalizer:remove",
+        ])
+    );
+}
+
+#[tokio::test]
+async fn a_failed_deleting_status_does_not_stop_the_delete() {
+    let running = instance(id("h1", &our_name()), UID, InstanceState::Running, None);
+    let p = deleting(with_status(proxy(), status_seeing(&running)));
+    let w = World::build(
+        &p,
+        &[],
+        Some(Box::new(|s: &Seen| {
+            s.is_status_apply()
+                .then(|| (409, status_error(409, "Conflict", "the object changed")))
+        })),
+    );
+    w.fake.insert(running);
+
+    w.reconcile(&p).await.unwrap();
+
+    assert!(w.fake.instances().is_empty());
+    assert_eq!(w.timeline.finalizer_patches().len(), 1);
+}
+
+// ---- 7. Error classes --------------------------------------------------------------------
+
+#[tokio::test]
+async fn a_transient_create_failure_is_recorded_and_backs_off() {
+    let p = proxy();
+    let w = World::new(&p);
+    w.fake.fail_next("create", ErrorClass::Transient);
+
+    let (e, action) = w.reconcile_err(&p).await;
+
+    assert_eq!(e.class(), ErrorClass::Transient);
+    assert_eq!(e.reason(), "ProviderError");
+    assert_eq!(action, requeue(5));
+    assert_eq!(
+        w.labels(),
+        labels(&[
+            "status:Provisioning",
+            "provider:create",
+            "status:Provisioning",
+            "event:Warning:ProviderError",
+        ])
+    );
+    let s = w.timeline.last_status();
+    assert_eq!(s["lastErrorClass"], "transient");
+    assert_eq!(s["observedGeneration"], GENERATION);
+    let ready = condition(&s, "Ready");
+    assert_eq!(ready["status"], "False");
+    assert_eq!(ready["reason"], "ProviderError");
+    assert_eq!(ready["message"], "provider: injected create failure");
+    assert_eq!(condition(&s, "Provisioned")["status"], "False");
+    assert_eq!(
+        w.timeline.event_summary()[0].2,
+        "provider: injected create failure"
+    );
+    assert_eq!(w.ctx.metrics.reconciles("transient"), 1);
+    assert_eq!(w.ctx.metrics.instances("created"), 0);
+
+    // Fails again: the delay doubles; the same error is not announced again.
+    w.timeline.clear();
+    let p = with_status(p, serde_json::from_value(s).unwrap());
+    w.fake.fail_next("create", ErrorClass::Transient);
+    let (_, action) = w.reconcile_err(&p).await;
+    assert_eq!(action, requeue(10));
+    assert_eq!(
+        w.labels(),
+        labels(&["provider:create", "status:Provisioning"])
+    );
+
+    // A third time: 20 s.
+    w.fake.fail_next("create", ErrorClass::Transient);
+    let (_, action) = w.reconcile_err(&p).await;
+    assert_eq!(action, requeue(20));
+
+    // A success forgets the failures: the next one starts over at 5 s.
+    w.reconcile(&p).await.unwrap();
+    w.fake.fail_next("get", ErrorClass::Transient);
+    let p = with_status(p, serde_json::from_value(w.timeline.last_status()).unwrap());
+    let (_, action) = w.reconcile_err(&p).await;
+    assert_eq!(action, requeue(5));
+}
+
+#[tokio::test]
+async fn jitter_spreads_the_retry_within_its_band() {
+    let p = proxy();
+    let mut w = World::new(&p);
+    Arc::get_mut(&mut w.ctx).unwrap().jitter = || 0.0;
+    w.fake.fail_next("create", ErrorClass::Transient);
+
+    let (_, action) = w.reconcile_err(&p).await;
+
+    assert_eq!(
+        action,
+        Action::requeue(Duration::from_secs(4)),
+        "5 s - 20 %"
+    );
+}
+
+#[tokio::test]
+async fn a_quota_failure_retries_on_the_slow_ladder() {
+    let p = proxy();
+    let w = World::new(&p);
+    w.fake.fail_next("create", ErrorClass::Quota);
+
+    let (e, action) = w.reconcile_err(&p).await;
+
+    assert_eq!(e.class(), ErrorClass::Quota);
+    assert_eq!(action, requeue(120));
+    let s = w.timeline.last_status();
+    assert_eq!(s["lastErrorClass"], "quota");
+    assert_eq!(condition(&s, "Ready")["reason"], "CapacityExceeded");
+    assert_eq!(
+        w.timeline.event_summary()[0].1,
+        "CapacityExceeded".to_string()
+    );
+    let (_, again) = {
+        w.fake.fail_next("create", ErrorClass::Quota);
+        w.reconcile_err(&p).await
+    };
+    assert_eq!(again, requeue(240));
+}
+
+#[tokio::test]
+async fn a_spec_the_config_cannot_serve_fails_permanently_without_calling_the_provider() {
+    let mut p = proxy();
+    p.spec.machine_type = Some("huge".into());
+    let w = World::new(&p);
+
+    let (e, action) = w.reconcile_err(&p).await;
+
+    assert!(matches!(e, ControllerError::InvalidSpec(_)), "{e:?}");
+    assert_eq!(e.class(), ErrorClass::Permanent);
+    assert_eq!(action, requeue(3600));
+    assert_eq!(action, Action::requeue(w.ctx.policy.permanent));
+    assert!(w.fake.calls().is_empty(), "{:?}", w.fake.calls());
+    assert_eq!(
+        w.labels(),
+        labels(&["status:Failed", "event:Warning:InvalidSpec"])
+    );
+    let s = w.timeline.last_status();
+    assert_eq!(s["phase"], "Failed");
+    assert_eq!(s["lastErrorClass"], "permanent");
+    let ready = condition(&s, "Ready");
+    assert_eq!(ready["status"], "False");
+    assert_eq!(ready["reason"], "InvalidSpec");
+    let message = ready["message"].as_str().unwrap();
+    assert!(
+        message.contains("spec.machineType") && message.contains("huge"),
+        "{message}"
+    );
+    assert_eq!(condition(&s, "Provisioned")["reason"], "InvalidSpec");
+    assert_eq!(w.ctx.metrics.reconciles("permanent"), 1);
+
+    // No hot loop, however often it fails.
+    for _ in 0..5 {
+        let (_, action) = w.reconcile_err(&p).await;
+        assert_eq!(action, requeue(3600));
+    }
+    assert!(w.fake.calls().is_empty());
+}
+
+#[tokio::test]
+async fn a_host_outside_the_config_is_an_invalid_spec() {
+    let mut p = proxy();
+    p.spec.host = Some("h9".into());
+    let w = World::new(&p);
+
+    let (e, _) = w.reconcile_err(&p).await;
+
+    assert_eq!(e.reason(), "InvalidSpec");
+    assert!(e.to_string().contains("spec.host"), "{e}");
+    assert!(w.fake.calls().is_empty());
+}
+
+#[tokio::test]
+async fn a_provider_that_refuses_the_create_fails_the_proxy() {
+    let p = proxy();
+    let w = World::new(&p);
+    w.fake.fail_next("create", ErrorClass::Permanent);
+
+    let (e, action) = w.reconcile_err(&p).await;
+
+    assert_eq!(e.reason(), "ProviderRefused");
+    assert_eq!(action, requeue(3600));
+    let s = w.timeline.last_status();
+    assert_eq!(s["phase"], "Failed");
+    assert_eq!(s["lastErrorClass"], "permanent");
+    assert_eq!(condition(&s, "Ready")["reason"], "ProviderRefused");
+}
+
+#[tokio::test]
+async fn a_missing_user_data_secret_waits_for_it_without_creating() {
+    let p = with_user_data(proxy());
+    let w = World::new(&p); // no Secret: the mock answers 404
+
+    let (e, action) = w.reconcile_err(&p).await;
+
+    assert_eq!(e.class(), ErrorClass::NotFound);
+    assert_eq!(e.reason(), "UserDataUnavailable");
+    assert_eq!(action, requeue(30));
+    assert!(w.fake.calls().is_empty(), "{:?}", w.fake.calls());
+    assert_eq!(
+        w.labels(),
+        labels(&[
+            "status:Provisioning",
+            "secret:proxy-ud",
+            "status:Provisioning",
+            "event:Warning:UserDataUnavailable",
+        ])
+    );
+    let s = w.timeline.last_status();
+    assert_eq!(s["lastErrorClass"], "notFound");
+    let ready = condition(&s, "Ready");
+    assert_eq!(ready["reason"], "UserDataUnavailable");
+    let message = ready["message"].as_str().unwrap();
+    assert!(
+        message.contains(&format!("{NS}/{SECRET_NAME}")) && message.contains(SECRET_KEY),
+        "the message must name the Secret and key: {message}"
+    );
+    assert_eq!(w.timeline.event_summary()[0].2, message);
+    assert_eq!(w.ctx.metrics.reconciles("not_found"), 1);
+}
+
+#[tokio::test]
+async fn a_user_data_secret_without_the_key_is_not_found_too() {
+    let p = with_user_data(proxy());
+    let mut s = user_data_secret();
+    s.data.as_mut().unwrap().remove(SECRET_KEY);
+    let w = World::build(&p, &[s], None);
+
+    let (e, action) = w.reconcile_err(&p).await;
+
+    assert_eq!(e.class(), ErrorClass::NotFound);
+    assert_eq!(action, requeue(30));
+    assert!(e.to_string().contains("no such key"), "{e}");
+    assert!(w.fake.calls().is_empty());
+}
+
+#[tokio::test]
+async fn oversized_user_data_is_refused_permanently_and_not_echoed() {
+    let p = with_user_data(proxy());
+    let mut s = user_data_secret();
+    let mut big = LEAK_MARKER.as_bytes().to_vec();
+    big.resize(MAX_USER_DATA + 1, b'x');
+    s.data
+        .as_mut()
+        .unwrap()
+        .insert(SECRET_KEY.into(), ByteString(big));
+    let w = World::build(&p, &[s], None);
+
+    let (e, action) = w.reconcile_err(&p).await;
+
+    assert_eq!(e.class(), ErrorClass::Permanent);
+    assert_eq!(action, requeue(3600));
+    assert!(w.fake.calls().is_empty());
+    assert_eq!(w.timeline.last_status()["phase"], "Failed");
+    assert_no_secret_in_requests(&w.timeline);
+}
+
+#[tokio::test]
+async fn a_failing_secret_read_is_a_transient_kubernetes_error() {
+    let p = with_user_data(proxy());
+    let w = World::build(
+        &p,
+        &[user_data_secret()],
+        Some(Box::new(|s: &Seen| {
+            (s.method == "GET" && s.path.starts_with(SECRETS_PATH))
+                .then(|| (503, status_error(503, "ServiceUnavailable", "try later")))
+        })),
+    );
+
+    let (e, action) = w.reconcile_err(&p).await;
+
+    assert!(matches!(e, ControllerError::Kube(_)), "{e:?}");
+    assert_eq!(e.class(), ErrorClass::Transient);
+    assert_eq!(e.reason(), "KubernetesAPIError");
+    assert_eq!(action, requeue(5));
+    assert!(w.fake.calls().is_empty());
+}
+
+// ---- 8. Kubernetes API errors on the status write ----------------------------------------
+
+/// A world whose status applies all fail with `code`.
+fn failing_status(p: &Proxy, code: u16, reason: &'static str) -> World {
+    World::build(
+        p,
+        &[],
+        Some(Box::new(move |s: &Seen| {
+            s.is_status_apply()
+                .then(|| (code, status_error(code, reason, "status write refused")))
+        })),
+    )
+}
+
+#[tokio::test]
+async fn kubernetes_api_errors_on_the_status_write_are_classified() {
+    let running = instance(
+        id("h1", &our_name()),
+        UID,
+        InstanceState::Running,
+        Some(FAKE_ADDRESS),
+    );
+    for (code, reason, class, delay) in [
+        (409, "Conflict", ErrorClass::Transient, 5),
+        (500, "InternalError", ErrorClass::Transient, 5),
+        (429, "TooManyRequests", ErrorClass::Transient, 5),
+        (403, "Forbidden", ErrorClass::Permanent, 3600),
+        (422, "Invalid", ErrorClass::Permanent, 3600),
+    ] {
+        let p = with_status(proxy(), status_seeing(&running));
+        let w = failing_status(&p, code, reason);
+        w.fake.insert(running.clone());
+
+        let (e, action) = w.reconcile_err(&p).await;
+
+        match &e {
+            ControllerError::Kube(kube::Error::Api(s)) => assert_eq!(s.code, code),
+            other => panic!("{code}: expected a Kubernetes API error, got {other:?}"),
+        }
+        assert_eq!(e.class(), class, "{code}");
+        assert_eq!(
+            kube_class(&kube::Error::Api(Box::new(
+                kube::core::Status::failure("x", reason).with_code(code)
+            ))),
+            class,
+            "{code}"
+        );
+        assert_eq!(action, requeue(delay), "{code}");
+        assert_eq!(
+            w.labels(),
+            labels(&["provider:get", "status:Running"]),
+            "{code}"
+        );
+        assert_eq!(w.ctx.metrics.reconciles(class.as_str()), 1, "{code}");
+    }
+}
+
+#[tokio::test]
+async fn a_refused_provisioning_status_stops_the_create_before_the_provider() {
+    let p = proxy();
+    let w = failing_status(&p, 409, "Conflict");
+
+    let (e, action) = w.reconcile_err(&p).await;
+
+    assert_eq!(e.class(), ErrorClass::Transient);
+    assert_eq!(e.reason(), "KubernetesAPIError");
+    assert_eq!(action, requeue(5));
+    assert!(w.fake.calls().is_empty(), "{:?}", w.fake.calls());
+    // It still tries to record the error, and says so in an event.
+    assert_eq!(
+        w.labels(),
+        labels(&[
+            "status:Provisioning",
+            "status:Pending",
+            "event:Warning:KubernetesAPIError",
+        ])
+    );
+}
+
+#[tokio::test]
+async fn a_refused_final_status_write_fails_the_reconcile_and_the_retry_adopts() {
+    let p = proxy();
+    let mut refuse = 1;
+    let w = World::build(
+        &p,
+        &[],
+        Some(Box::new(move |s: &Seen| {
+            if s.is_status_apply() && s.body["status"]["phase"] == "Running" && refuse > 0 {
+                refuse -= 1;
+                return Some((500, status_error(500, "InternalError", "etcd timeout")));
+            }
+            None
+        })),
+    );
+
+    let (e, action) = w.reconcile_err(&p).await;
+    assert_eq!(e.class(), ErrorClass::Transient);
+    assert_eq!(action, requeue(5));
+    assert_eq!(w.fake.instances().len(), 1);
+
+    // The retry adopts the instance the first attempt made: still exactly one.
+    w.timeline.clear();
+    let p = with_status(
+        p,
+        status::provisioning(
+            &ProxyStatus::default(),
+            Some(GENERATION),
+            "Creating",
+            "creating the instance",
+            long_ago(),
+        ),
+    );
+    w.reconcile(&p).await.unwrap();
+    assert_eq!(w.fake.instances().len(), 1);
+    assert_eq!(w.timeline.last_status()["phase"], "Running");
+}

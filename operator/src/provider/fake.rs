@@ -18,11 +18,13 @@ struct State {
     down: BTreeSet<String>,
     fail_next: BTreeMap<&'static str, ErrorClass>,
     calls: Vec<&'static str>,
+    create_requests: Vec<CreateRequest>,
 }
 
 /// The in-memory provider.
 #[derive(Debug)]
 pub struct FakeProvider {
+    name: String,
     targets: Vec<String>,
     state: Mutex<State>,
 }
@@ -30,7 +32,14 @@ pub struct FakeProvider {
 impl FakeProvider {
     /// A provider with these targets, all up and empty.
     pub fn new(targets: &[&str]) -> Self {
+        Self::named("fake", targets)
+    }
+
+    /// Like [`FakeProvider::new`], registered under `name` (e.g. `kvm2`, which
+    /// `spec.provider` must name for the controller to look the provider up).
+    pub fn named(name: &str, targets: &[&str]) -> Self {
         Self {
+            name: name.to_string(),
             targets: targets.iter().map(|t| t.to_string()).collect(),
             state: Mutex::new(State::default()),
         }
@@ -80,6 +89,12 @@ impl FakeProvider {
         self.state().calls.clone()
     }
 
+    /// Every request `create` was called with, in order (failed calls included), so a
+    /// test can see what reached the provider (e.g. the user-data).
+    pub fn create_requests(&self) -> Vec<CreateRequest> {
+        self.state().create_requests.clone()
+    }
+
     fn enter(&self, op: &'static str) -> Result<(), ProviderError> {
         let mut s = self.state();
         s.calls.push(op);
@@ -92,7 +107,7 @@ impl FakeProvider {
 
 impl Provider for FakeProvider {
     fn name(&self) -> &str {
-        "fake"
+        &self.name
     }
 
     fn create<'a>(
@@ -100,6 +115,7 @@ impl Provider for FakeProvider {
         req: &'a CreateRequest,
     ) -> BoxFuture<'a, Result<Instance, ProviderError>> {
         Box::pin(async move {
+            self.state().create_requests.push(req.clone());
             self.enter("create")?;
             let mut s = self.state();
             let name = format!("{}{}", crate::instance::NAME_PREFIX, req.proxy.uid);
