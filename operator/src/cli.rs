@@ -150,10 +150,13 @@ pub struct RenderArgs {
 
 /// Runs one command, writing to the process's stdout and stderr.
 pub fn run(cli: Cli) -> ExitCode {
-    match &cli.command {
-        Command::Run(args) => crate::telemetry::init_with("info", args.log_format),
-        _ => crate::telemetry::init("warn"),
+    if let Command::Run(args) = &cli.command {
+        // The operator logs to stderr from many threads: holding the stderr lock here, as
+        // the one-shot commands do, would block every log line.
+        crate::telemetry::init_with("info", args.log_format);
+        return ExitCode::from(crate::run::run(args, &mut std::io::stderr()).unwrap_or(2));
     }
+    crate::telemetry::init("warn");
     let mut out = std::io::stdout().lock();
     let mut err = std::io::stderr().lock();
     ExitCode::from(execute(cli.command, &mut out, &mut err))
