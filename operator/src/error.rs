@@ -41,3 +41,51 @@ pub trait Classified {
     /// The class of this error.
     fn class(&self) -> ErrorClass;
 }
+
+/// Class of a Kubernetes API failure, one table for the controller, the garbage
+/// collector and leader election: a missing object is `NotFound`; timeouts, conflicts
+/// with another writer, an expired resource version and throttling pass (`Transient`);
+/// any other refusal (RBAC, a missing CRD's 404 aside, invalid requests) repeats until
+/// someone changes something (`Permanent`); server errors and transport failures pass.
+pub fn kube_error_class(e: &kube::Error) -> ErrorClass {
+    match e {
+        kube::Error::Api(status) => match status.code {
+            404 => ErrorClass::NotFound,
+            408 | 409 | 410 | 429 => ErrorClass::Transient,
+            400..=499 => ErrorClass::Permanent,
+            _ => ErrorClass::Transient,
+        },
+        _ => ErrorClass::Transient,
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn kubernetes_api_codes_map_to_classes() {
+        let table = [
+            (400, ErrorClass::Permanent),
+            (401, ErrorClass::Permanent),
+            (403, ErrorClass::Permanent),
+            (404, ErrorClass::NotFound),
+            (408, ErrorClass::Transient),
+            (409, ErrorClass::Transient),
+            (410, ErrorClass::Transient),
+            (422, ErrorClass::Permanent),
+            (429, ErrorClass::Transient),
+            (500, ErrorClass::Transient),
+            (503, ErrorClass::Transient),
+        ];
+        for (code, class) in table {
+            let e = kube::Error::Api(Box::new(kube::core::Status {
+                code,
+                ..Default::default()
+            }));
+            assert_eq!(kube_error_class(&e), class, "HTTP {code}");
+        }
+        let transport = kube::Error::Service("connection refused".into());
+        assert_eq!(kube_error_class(&transport), ErrorClass::Transient);
+    }
+}

@@ -96,19 +96,6 @@ impl Classified for GcError {
     }
 }
 
-/// Class of a Kubernetes API failure: a refusal (RBAC, missing CRD, bad request) repeats
-/// until someone changes something; everything else may pass.
-fn kube_class(e: &kube::Error) -> ErrorClass {
-    match e {
-        kube::Error::Api(status) => match status.code {
-            408 | 410 | 429 => ErrorClass::Transient,
-            400..=499 => ErrorClass::Permanent,
-            _ => ErrorClass::Transient,
-        },
-        _ => ErrorClass::Transient,
-    }
-}
-
 /// Page size of the Proxy listing: bounds one response on a big cluster.
 const LIST_PAGE: u32 = 500;
 
@@ -147,7 +134,7 @@ impl ProxyIndex for KubeProxyIndex {
                     .list(&params)
                     .await
                     .map_err(|e| GcError::ListProxies {
-                        class: kube_class(&e),
+                        class: crate::error::kube_error_class(&e),
                         source: Box::new(e),
                     })?;
                 owners.extend(page.items.iter().filter_map(owner_of));
@@ -1205,20 +1192,5 @@ mod tests {
             ..Default::default()
         });
         assert_eq!(owner_of(&p).unwrap().1.instance_id, None);
-    }
-
-    #[test]
-    fn kube_refusals_are_permanent_and_the_rest_transient() {
-        let api = |code: u16| {
-            kube::Error::Api(Box::new(kube::core::Status {
-                code,
-                ..Default::default()
-            }))
-        };
-        assert_eq!(kube_class(&api(403)), ErrorClass::Permanent);
-        assert_eq!(kube_class(&api(404)), ErrorClass::Permanent);
-        assert_eq!(kube_class(&api(410)), ErrorClass::Transient);
-        assert_eq!(kube_class(&api(429)), ErrorClass::Transient);
-        assert_eq!(kube_class(&api(503)), ErrorClass::Transient);
     }
 }

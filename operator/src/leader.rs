@@ -222,15 +222,7 @@ impl Classified for LeaderError {
 
 fn lease_class(e: &LeaseManagerError) -> ErrorClass {
     match e {
-        LeaseManagerError::KubeError(kube::Error::Api(status)) => match status.code {
-            404 => ErrorClass::NotFound,
-            // Timeouts, conflicts with another replica, throttling: all pass.
-            408 | 409 | 410 | 429 => ErrorClass::Transient,
-            // RBAC, a bad request: repeats until someone changes something.
-            400..=499 => ErrorClass::Permanent,
-            _ => ErrorClass::Transient,
-        },
-        LeaseManagerError::KubeError(_) => ErrorClass::Transient,
+        LeaseManagerError::KubeError(e) => crate::error::kube_error_class(e),
         LeaseManagerError::NonexistentLease(_) => ErrorClass::NotFound,
         // The crate re-reads the lease on the next attempt.
         LeaseManagerError::InconsistentState(_) => ErrorClass::Transient,

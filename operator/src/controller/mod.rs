@@ -116,17 +116,8 @@ impl ControllerError {
     }
 }
 
-/// Class of a Kubernetes API error: conflicts, throttling and server errors pass.
-pub fn kube_class(e: &kube::Error) -> ErrorClass {
-    match e {
-        kube::Error::Api(s) => match s.code {
-            404 | 410 => ErrorClass::NotFound,
-            400 | 403 | 422 => ErrorClass::Permanent,
-            _ => ErrorClass::Transient,
-        },
-        _ => ErrorClass::Transient,
-    }
-}
+/// Class of a Kubernetes API error (one table for the whole operator).
+pub use crate::error::kube_error_class as kube_class;
 
 /// Everything a reconcile needs.
 pub struct Context {
