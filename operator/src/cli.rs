@@ -300,9 +300,12 @@ fn render_inner(args: &RenderArgs) -> Result<(String, String), String> {
     let vendor = engine
         .load_vendor_data(&templates.vendor_data)
         .map_err(|e| e.to_string())?;
-    let xml = domain.render(&inputs.domain).map_err(|e| e.to_string())?;
+    // The manifest's own settings overrides, as the operator would merge them.
+    let xml = domain
+        .render_with(&inputs.domain, inputs.overrides.domain.as_ref())
+        .map_err(|e| e.to_string())?;
     let vendor_data = vendor
-        .render(&inputs.vendor_data)
+        .render_with(&inputs.vendor_data, inputs.overrides.vendor_data.as_ref())
         .map_err(|e| e.to_string())?;
     Ok((xml, vendor_data))
 }

@@ -4,7 +4,7 @@
 //! render; the provider uses the same function when it creates a VM, so the two cannot
 //! disagree.
 
-use crate::api::proxy::{ProxyManifest, ProxySpec};
+use crate::api::proxy::{ProxyManifest, ProxySpec, TemplateSettingsOverrides};
 use crate::config::{
     Firmware as ConfigFirmware, HostConfig, ImageConfig, MachineTypeConfig, ValidConfig,
 };
@@ -51,6 +51,9 @@ pub struct Inputs {
     pub domain: DomainInput,
     /// Vendor-data plugin input (settings are filled in by the plugin host).
     pub vendor_data: VendorDataInput,
+    /// The Proxy's per-Proxy settings (`spec.templateSettings`), which the plugin host
+    /// merges over the configured settings (`render_with`); empty when it sets none.
+    pub overrides: TemplateSettingsOverrides,
 }
 
 /// Builds both inputs. `host` overrides the Proxy's placement; with neither, the first
@@ -183,5 +186,6 @@ pub fn inputs_for(
         machine_type: mt.clone(),
         domain,
         vendor_data,
+        overrides: spec.template_settings.clone().unwrap_or_default(),
     })
 }

@@ -163,3 +163,51 @@ fn config_schema_command_prints_the_schema() {
     assert_eq!(code, 0);
     assert_eq!(out, config::json_schema());
 }
+
+#[test]
+fn proxy_overriding_a_setting_the_config_does_not_list_is_refused() {
+    let text = std::fs::read_to_string(sample("proxy_kvm2.yaml")).unwrap();
+    let dir = tempfile::tempdir().unwrap();
+    let check = |overrides: &str| {
+        let file = dir.path().join("proxy.yaml");
+        std::fs::write(&file, format!("{text}  templateSettings:\n{overrides}")).unwrap();
+        run(Command::ValidateConfig {
+            file: sample("providers-config.yaml"),
+            proxies: vec![file],
+        })
+    };
+    // The sample config lets a Proxy override listenPort and allowedClientCidrs.
+    let (code, _, err) =
+        check("    vendorData: {listenPort: 8080, allowedClientCidrs: [10.1.0.0/16]}\n");
+    assert_eq!((code, err.as_str()), (0, ""));
+    let (code, _, err) =
+        check("    vendorData: {listenPort: 8080, maxClients: 9}\n    domain: {machine: pc}\n");
+    assert_eq!(code, 1, "{err}");
+    for want in [
+        "spec.templateSettings.domain.machine: is not overridable: \
+         kvm2.templates.domain.overridableSettings lists nothing",
+        "spec.templateSettings.vendorData.maxClients: is not overridable: \
+         kvm2.templates.vendorData.overridableSettings lists only \"listenPort\", \
+         \"allowedClientCidrs\"",
+    ] {
+        assert!(err.contains(want), "missing {want:?} in:\n{err}");
+    }
+    assert!(!err.contains("listenPort:"), "{err}");
+}
+
+#[test]
+fn schema_flags_a_bad_overridable_settings_entry() {
+    let text = std::fs::read_to_string(sample("providers-config.yaml")).unwrap();
+    let broken = text.replace("- listenPort", "- listen.port");
+    assert_ne!(broken, text);
+    let doc: serde_json::Value = serde_yaml_ng::from_str(&broken).unwrap();
+    let errors: Vec<String> = committed_schema()
+        .iter_errors(&doc)
+        .map(|e| e.instance_path().to_string())
+        .collect();
+    assert_eq!(
+        errors,
+        ["/kvm2/templates/vendorData/overridableSettings/0"],
+        "{errors:#?}"
+    );
+}

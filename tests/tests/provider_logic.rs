@@ -1796,3 +1796,135 @@ fn our_domain_on_a_host_marked_unhealthy_is_adopted_not_duplicated() {
         assert_eq!(env.hits(), 0, "adopted: nothing downloaded");
     });
 }
+
+// Per-Proxy settings overrides (spec.templateSettings). ---------------------------------
+
+/// `env`'s config with `listenPort` overridable in the vendor-data plugin, and a provider
+/// whose plugins were loaded from that config.
+fn provider_with_overridable_port(env: &Env) -> Kvm2Provider {
+    let mut c = (**env.config).clone();
+    c.kvm2.templates.vendor_data.overridable_settings = vec!["listenPort".into()];
+    // JSON is YAML: the same loader (and its validation) reads it back.
+    let text = serde_json::to_string(&c).unwrap();
+    let config = Arc::new(config::parse(&text, "overrides", std::path::Path::new("/")).unwrap());
+    assert_eq!(
+        config.kvm2.templates.vendor_data.overridable_settings,
+        ["listenPort"]
+    );
+    static ENGINE: OnceLock<TemplateEngine> = OnceLock::new();
+    let engine = ENGINE.get_or_init(|| TemplateEngine::new(None).unwrap());
+    let set = TemplateSet::load(engine, &config.kvm2.templates);
+    assert!(set.is_healthy(), "{:?}", set.health());
+    let options = Kvm2Options {
+        images: ImageCacheOptions {
+            stale_after: STALE_AFTER,
+            poll_every: Duration::from_millis(20),
+            max_wait: Duration::from_secs(20),
+            ..ImageCacheOptions::default()
+        },
+        start_timeout: Duration::from_secs(2),
+        shutdown_timeout: Duration::from_secs(1),
+        poll_every: Duration::from_millis(10),
+        health: HealthBoard::default(),
+    };
+    Kvm2Provider::new(
+        config,
+        env.ops(),
+        Arc::new(set),
+        options,
+        ImageMetrics::default(),
+    )
+}
+
+/// [`request`] with `overrides` as `spec.templateSettings.vendorData`.
+fn request_overriding(uid: &str, overrides: serde_json::Value) -> CreateRequest {
+    let mut req = request(uid, "tuned", Some("h1"));
+    req.spec.template_settings = Some(egress_operator::api::proxy::TemplateSettingsOverrides {
+        domain: None,
+        vendor_data: Some(serde_json::from_value(overrides).unwrap()),
+    });
+    req
+}
+
+fn seed_has(env: &Env, uid: &str, text: &str) -> bool {
+    let seed = env
+        .fake
+        .volume_data("h1", &identity(uid).seed_volume)
+        .unwrap();
+    seed.windows(text.len()).any(|w| w == text.as_bytes())
+}
+
+#[test]
+fn an_allowed_override_is_rendered_into_the_seed_and_a_refused_one_creates_nothing() {
+    run(async {
+        // Allowed: the seed's vendor-data carries the Proxy's port, not the config's.
+        let env = Env::new();
+        let p = provider_with_overridable_port(&env);
+        let u = uid(0xd1);
+        let inst = p
+            .create(&request_overriding(
+                &u,
+                serde_json::json!({"listenPort": 4242}),
+            ))
+            .await
+            .unwrap();
+        assert_eq!(inst.state, InstanceState::Running);
+        assert_eq!(env.volumes("h1"), env.expected(&[&u]));
+        assert!(
+            seed_has(&env, &u, "Port 4242"),
+            "the override is not in the seed"
+        );
+        assert!(
+            !seed_has(&env, &u, "Port 3128"),
+            "the configured port is in the seed"
+        );
+        // The same Proxy without overrides gets the configured port.
+        let plain = uid(0xd2);
+        p.create(&request(&plain, "plain", Some("h1")))
+            .await
+            .unwrap();
+        assert!(seed_has(&env, &plain, "Port 3128"));
+
+        // A key the config does not list: refused before anything is made or fetched.
+        let env = Env::new();
+        let p = provider_with_overridable_port(&env);
+        let r = p
+            .create(&request_overriding(
+                &uid(0xd3),
+                serde_json::json!({"maxClients": 5}),
+            ))
+            .await;
+        assert_eq!(class_of(&r), ErrorClass::Permanent, "{r:?}");
+        let text = shown(&r.unwrap_err());
+        assert!(
+            text.contains("spec.templateSettings.vendorData.maxClients"),
+            "{text}"
+        );
+        assert!(!text.contains(SECRET), "{text}");
+        for h in ["h1", "h2"] {
+            assert!(env.volumes(h).is_empty(), "{h}: {:?}", env.volumes(h));
+            assert!(env.domains(h).is_empty(), "{h}: {:?}", env.domains(h));
+        }
+        assert_eq!(env.hits(), 0);
+
+        // A listed key with a value the plugin's schema refuses: permanent, names the
+        // field, and leaves no domain and none of the VM's volumes behind.
+        let env = Env::new();
+        let p = provider_with_overridable_port(&env);
+        let r = p
+            .create(&request_overriding(
+                &uid(0xd4),
+                serde_json::json!({"listenPort": 70000}),
+            ))
+            .await;
+        assert_eq!(class_of(&r), ErrorClass::Permanent, "{r:?}");
+        let text = shown(&r.unwrap_err());
+        assert!(
+            text.contains("spec.templateSettings.vendorData.listenPort"),
+            "{text}"
+        );
+        assert!(!text.contains(SECRET), "{text}");
+        assert!(env.domains("h1").is_empty(), "{:?}", env.domains("h1"));
+        assert_eq!(env.volumes("h1"), env.base(), "only the base image stays");
+    });
+}

@@ -23,6 +23,7 @@ fn template(plugin: &str, settings: serde_json::Value) -> TemplateConfig {
         url: None,
         sha256: None,
         settings,
+        overridable_settings: Vec::new(),
         timeout_millis: 250,
         max_memory_mib: 64,
     }
@@ -477,6 +478,7 @@ mod download {
             url: Some(url),
             sha256: Some(sha256.to_string()),
             settings: json!({}),
+            overridable_settings: Vec::new(),
             timeout_millis: 250,
             max_memory_mib: 64,
         }
@@ -603,4 +605,69 @@ fn a_bad_plugin_marks_only_itself_unhealthy() {
         },
     );
     assert!(fixed.is_healthy());
+}
+
+/// `egress-operator render` merges a manifest's `spec.templateSettings` as the operator
+/// would, and refuses what the operator would refuse.
+#[test]
+fn render_command_honours_a_manifests_settings_overrides() {
+    use egress_operator::cli::{Command, RenderArgs, execute};
+
+    let root = workspace_root().join("config/samples");
+    let proxy = std::fs::read_to_string(root.join("proxy_kvm2.yaml")).unwrap();
+    let dir = tempfile::tempdir().unwrap();
+    let render_with = |overrides: &str| -> (u8, String, String) {
+        let text = format!("{proxy}  templateSettings:\n    vendorData: {overrides}\n");
+        let file = dir.path().join("proxy.yaml");
+        std::fs::write(&file, text).unwrap();
+        let args = RenderArgs {
+            config: root.join("providers-config.yaml"),
+            proxy: file,
+            host: None,
+            out: None,
+            plugin_dir: Some(
+                plugin_path("domain-default")
+                    .unwrap()
+                    .parent()
+                    .unwrap()
+                    .into(),
+            ),
+            cache_dir: None,
+            kvm: false,
+            arch: "x86_64".into(),
+            libvirt_version: "9.0.0".into(),
+            created_at: Some(CREATED_AT.into()),
+        };
+        let (mut out, mut err) = (Vec::new(), Vec::new());
+        let code = execute(Command::Render(args), &mut out, &mut err);
+        (
+            code,
+            String::from_utf8(out).unwrap(),
+            String::from_utf8(err).unwrap(),
+        )
+    };
+
+    // The sample config lists listenPort as overridable.
+    let (code, out, err) = render_with("{listenPort: 8888}");
+    assert_eq!((code, err.as_str()), (0, ""));
+    assert!(
+        out.contains("Port 8888") && !out.contains("Port 3128"),
+        "{out}"
+    );
+
+    // It does not list maxClients: refused when the manifest is checked.
+    let (code, out, err) = render_with("{maxClients: 5}");
+    assert_eq!((code, out.as_str()), (1, ""));
+    assert!(
+        err.contains("spec.templateSettings.vendorData.maxClients: is not overridable"),
+        "{err}"
+    );
+
+    // A listed key with a value the plugin's schema refuses: refused at render.
+    let (code, out, err) = render_with("{listenPort: 70000}");
+    assert_eq!((code, out.as_str()), (1, ""));
+    assert!(
+        err.contains("spec.templateSettings.vendorData.listenPort: 70000"),
+        "{err}"
+    );
 }

@@ -279,6 +279,67 @@ impl ProxySpec {
                 rules::secret_key(&ud.secret_ref.key),
             );
         }
+        if let Some(ts) = &self.template_settings {
+            let t = &config.kvm2.templates;
+            check_overrides("domain", ts.domain.as_ref(), &t.domain, p);
+            check_overrides("vendorData", ts.vendor_data.as_ref(), &t.vendor_data, p);
+        }
+    }
+}
+
+/// `spec.templateSettings.<field>` of a Proxy, or its entry `key`. A key that is not a
+/// plain identifier is quoted, so hostile keys cannot forge a path.
+pub fn override_path(field: &str, key: Option<&str>) -> String {
+    match key {
+        None => format!("spec.templateSettings.{field}"),
+        Some(k) if config::validate::settings_key(k).is_ok() => {
+            format!("spec.templateSettings.{field}.{k}")
+        }
+        Some(k) => format!("spec.templateSettings.{field}[{}]", rules::show(k)),
+    }
+}
+
+/// Refuses override keys that `kvm2.templates.<field>.overridableSettings` does not list,
+/// and an override document larger than a settings document may be. Values are checked
+/// against the plugin's schema when the provider renders.
+fn check_overrides(
+    field: &str,
+    overrides: Option<&serde_json::Map<String, serde_json::Value>>,
+    template: &config::TemplateConfig,
+    p: &mut Problems,
+) {
+    let Some(overrides) = overrides else {
+        return;
+    };
+    let allowed = &template.overridable_settings;
+    let listed = || {
+        if allowed.is_empty() {
+            "lists nothing, so no Proxy may override these settings".to_string()
+        } else {
+            let names: Vec<String> = allowed.iter().map(|k| rules::show(k)).collect();
+            format!("lists only {}", names.join(", "))
+        }
+    };
+    for key in overrides.keys() {
+        if !allowed.iter().any(|a| a == key) {
+            p.push(
+                override_path(field, Some(key)),
+                format!(
+                    "is not overridable: kvm2.templates.{field}.overridableSettings {}",
+                    listed()
+                ),
+            );
+        }
+    }
+    let size = serde_json::to_vec(overrides)
+        .map(|v| v.len())
+        .unwrap_or(usize::MAX);
+    let max = config::validate::limits::TEMPLATE_SETTINGS_BYTES;
+    if size > max {
+        p.push(
+            override_path(field, None),
+            format!("is {size} bytes serialised, at most {max} allowed"),
+        );
     }
 }
 

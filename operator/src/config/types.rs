@@ -8,7 +8,7 @@
 use schemars::JsonSchema;
 use serde::{Deserialize, Serialize};
 
-use super::validate::limits;
+use super::validate::{SETTINGS_KEY_PATTERN, limits};
 use crate::validation::{
     DNS1123_LABEL_MAX, DNS1123_LABEL_PATTERN, FILE_PATH_MAX, INTERFACE_NAME_PATTERN,
     LIBVIRT_OBJECT_NAME_PATTERN, SHA256_PATTERN, SOCKET_PATH_PATTERN, UNIX_SOCKET_PATH_MAX,
@@ -253,6 +253,17 @@ pub struct TemplateConfig {
     #[serde(default = "defaults::settings")]
     #[schemars(extend("default" = {}))]
     pub settings: serde_json::Value,
+    /// Top-level keys of `settings` that a Proxy may override for itself in
+    /// `spec.templateSettings` (each override replaces that key's value; the merged
+    /// settings are checked against the plugin's schema before every such render). Empty:
+    /// no Proxy may override anything.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    #[schemars(
+        length(max = limits::OVERRIDABLE_SETTINGS_MAX),
+        inner(length(min = 1, max = limits::SETTINGS_KEY_MAX), pattern(SETTINGS_KEY_PATTERN)),
+        extend("uniqueItems" = true)
+    )]
+    pub overridable_settings: Vec<String>,
     /// Wall-clock budget of one render.
     #[serde(default = "defaults::template_timeout_millis")]
     #[schemars(range(min = limits::TEMPLATE_TIMEOUT_MILLIS.0, max = limits::TEMPLATE_TIMEOUT_MILLIS.1))]

@@ -44,6 +44,45 @@ pub mod limits {
     pub const HEALTH_TIMEOUT_SECONDS: (u32, u32) = (1, 300);
     /// Largest settings document handed to a plugin, serialised.
     pub const TEMPLATE_SETTINGS_BYTES: usize = 64 * 1024;
+    /// Most entries of a plugin's `overridableSettings`: a plugin has a handful of
+    /// settings, and each listed key widens what a Proxy author controls.
+    pub const OVERRIDABLE_SETTINGS_MAX: usize = 64;
+    /// Longest settings key that may be listed as overridable.
+    pub const SETTINGS_KEY_MAX: usize = 128;
+}
+
+/// A top-level settings key that may be listed in `overridableSettings`: an identifier
+/// (letters, digits, `_`, `-`), so it can be named in a field path without quoting and can
+/// never be mistaken for a nested path.
+pub const SETTINGS_KEY_PATTERN: &str = "^[A-Za-z_][A-Za-z0-9_-]*$";
+
+/// Checks one settings key against [`SETTINGS_KEY_PATTERN`] and
+/// [`limits::SETTINGS_KEY_MAX`].
+pub fn settings_key(key: &str) -> Result<(), String> {
+    if key.is_empty() {
+        return Err("is empty: name a top-level key of `settings`".into());
+    }
+    if key.len() > limits::SETTINGS_KEY_MAX {
+        return Err(format!(
+            "{} is too long: {} bytes, at most {} allowed",
+            rules::show(key),
+            key.len(),
+            limits::SETTINGS_KEY_MAX
+        ));
+    }
+    let mut bytes = key.bytes();
+    let first_ok = bytes
+        .next()
+        .is_some_and(|b| b.is_ascii_alphabetic() || b == b'_');
+    if first_ok && bytes.all(|b| b.is_ascii_alphanumeric() || b == b'_' || b == b'-') {
+        Ok(())
+    } else {
+        Err(format!(
+            "{} is not a top-level settings key: use letters, digits, '_' and '-', starting \
+             with a letter or '_' (nested paths are not supported)",
+            rules::show(key)
+        ))
+    }
 }
 
 fn range<T: PartialOrd + std::fmt::Display + Copy>(
@@ -273,6 +312,7 @@ fn validate_template(path: &str, t: &TemplateConfig, p: &mut Problems) {
             );
         }
     }
+    validate_overridable(&at("overridableSettings"), &t.overridable_settings, p);
     p.check(
         at("timeoutMillis"),
         range(t.timeout_millis, limits::TEMPLATE_TIMEOUT_MILLIS, "ms"),
@@ -281,6 +321,35 @@ fn validate_template(path: &str, t: &TemplateConfig, p: &mut Problems) {
         at("maxMemoryMiB"),
         range(t.max_memory_mib, limits::TEMPLATE_MAX_MEMORY_MIB, "MiB"),
     );
+}
+
+/// `overridableSettings`: a short list of unique top-level keys.
+fn validate_overridable(path: &str, keys: &[String], p: &mut Problems) {
+    if keys.len() > limits::OVERRIDABLE_SETTINGS_MAX {
+        p.push(
+            path,
+            format!(
+                "lists {} keys, at most {} allowed",
+                keys.len(),
+                limits::OVERRIDABLE_SETTINGS_MAX
+            ),
+        );
+        return;
+    }
+    let mut seen: HashMap<&str, usize> = HashMap::new();
+    for (i, key) in keys.iter().enumerate() {
+        let at = format!("{path}[{i}]");
+        if let Err(e) = settings_key(key) {
+            p.push(at, e);
+        } else if let Some(first) = seen.get(key.as_str()) {
+            p.push(
+                at,
+                format!("{} is a duplicate of {path}[{first}]", rules::show(key)),
+            );
+        } else {
+            seen.insert(key, i);
+        }
+    }
 }
 
 /// Refuses names that appear twice in a list, pointing at the second entry and the first.
@@ -665,6 +734,48 @@ kvm2:
                 "bytes serialised",
             ),
             (
+                "overridable empty key",
+                |c| c.kvm2.templates.vendor_data.overridable_settings = vec![String::new()],
+                "kvm2.templates.vendorData.overridableSettings[0]",
+                "is empty",
+            ),
+            (
+                "overridable nested key",
+                |c| {
+                    c.kvm2.templates.domain.overridable_settings =
+                        vec!["ok".into(), "efi.loader".into()]
+                },
+                "kvm2.templates.domain.overridableSettings[1]",
+                "not a top-level settings key",
+            ),
+            (
+                "overridable duplicate key",
+                |c| {
+                    c.kvm2.templates.vendor_data.overridable_settings = vec![
+                        "listenPort".into(),
+                        "maxClients".into(),
+                        "listenPort".into(),
+                    ]
+                },
+                "kvm2.templates.vendorData.overridableSettings[2]",
+                "\"listenPort\" is a duplicate of kvm2.templates.vendorData.overridableSettings[0]",
+            ),
+            (
+                "overridable long key",
+                |c| c.kvm2.templates.vendor_data.overridable_settings = vec!["k".repeat(129)],
+                "kvm2.templates.vendorData.overridableSettings[0]",
+                "too long",
+            ),
+            (
+                "overridable too many",
+                |c| {
+                    c.kvm2.templates.vendor_data.overridable_settings =
+                        (0..65).map(|i| format!("k{i}")).collect()
+                },
+                "kvm2.templates.vendorData.overridableSettings",
+                "at most 64",
+            ),
+            (
                 "template timeout",
                 |c| c.kvm2.templates.domain.timeout_millis = 0,
                 "kvm2.templates.domain.timeoutMillis",
@@ -741,9 +852,54 @@ kvm2:
             ("no defaults", |c| c.kvm2.defaults = None),
             ("zero grace", |c| c.gc.grace_period_seconds = 0),
             ("raw image", |c| c.kvm2.images[0].format = ImageFormat::Raw),
+            ("overridable keys", |c| {
+                c.kvm2.templates.vendor_data.overridable_settings =
+                    vec!["listenPort".into(), "max_clients".into(), "_x-1".into()];
+                c.kvm2.templates.domain.overridable_settings =
+                    (0..64).map(|i| format!("k{i}")).collect();
+            }),
         ];
         for (name, edit) in cases {
             assert_eq!(problems_of(edit), Vec::<String>::new(), "{name}");
+        }
+    }
+
+    #[test]
+    fn overridable_settings_is_read_from_yaml_and_defaults_to_empty() {
+        assert!(base().kvm2.templates.domain.overridable_settings.is_empty());
+        let yaml = VALID.replace(
+            "domain: {path: /p/domain.wasm}",
+            "domain: {path: /p/domain.wasm, overridableSettings: [cpuModel, extraDevices]}",
+        );
+        assert_ne!(yaml, VALID);
+        let c: ProvidersConfig = serde_yaml_ng::from_str(&yaml).unwrap();
+        assert_eq!(
+            c.kvm2.templates.domain.overridable_settings,
+            ["cpuModel", "extraDevices"]
+        );
+        assert!(validate(&c).is_empty());
+        // Written back under the same name, and left out when empty.
+        let back = serde_json::to_value(&c.kvm2.templates).unwrap();
+        assert_eq!(
+            back["domain"]["overridableSettings"],
+            serde_json::json!(["cpuModel", "extraDevices"])
+        );
+        assert!(back["vendorData"].get("overridableSettings").is_none());
+        // The snake_case spelling is an unknown field.
+        let wrong = VALID.replace(
+            "domain: {path: /p/domain.wasm}",
+            "domain: {path: /p/domain.wasm, overridable_settings: [cpuModel]}",
+        );
+        assert!(serde_yaml_ng::from_str::<ProvidersConfig>(&wrong).is_err());
+    }
+
+    #[test]
+    fn settings_key_rule() {
+        for ok in ["a", "listenPort", "_x", "max-clients", "k9"] {
+            assert_eq!(settings_key(ok), Ok(()), "{ok}");
+        }
+        for bad in ["", "9a", "-a", "a.b", "a/b", "a b", "é", "a\n"] {
+            assert!(settings_key(bad).is_err(), "{bad:?} accepted");
         }
     }
 
@@ -810,6 +966,10 @@ kvm2:
                 c.kvm2.images[0].url = format!("https://e.org/{v}#")
             }),
             ("kvm2.images[0].sha256", |c, v| c.kvm2.images[0].sha256 = v),
+            (
+                "kvm2.templates.vendorData.overridableSettings[0]",
+                |c, v| c.kvm2.templates.vendor_data.overridable_settings = vec![v],
+            ),
             ("kvm2.machineTypes[0].name", |c, v| {
                 c.kvm2.machine_types[0].name = v;
                 c.kvm2.defaults = None;

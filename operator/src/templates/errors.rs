@@ -33,6 +33,21 @@ impl std::fmt::Display for SettingsIssue {
     }
 }
 
+/// One per-Proxy settings override that was refused.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct OverrideIssue {
+    /// The Proxy field, e.g. `spec.templateSettings.vendorData.listenPort`.
+    pub path: String,
+    /// Why.
+    pub message: String,
+}
+
+impl std::fmt::Display for OverrideIssue {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "{}: {}", self.path, self.message)
+    }
+}
+
 /// Why a render resource limit stopped the plugin.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Limit {
@@ -116,6 +131,14 @@ pub enum TemplateErrorKind {
     Settings {
         /// Every problem, with its JSON pointer.
         issues: Vec<SettingsIssue>,
+    },
+    /// A Proxy's settings overrides (`spec.templateSettings`) were refused: a key the
+    /// config does not list as overridable, or merged settings the plugin's schema or
+    /// `validate-settings` refuse.
+    #[error("this Proxy's settings overrides were refused: {}", issues.iter().map(ToString::to_string).collect::<Vec<_>>().join("; "))]
+    Overrides {
+        /// Every problem, with the Proxy field it is in.
+        issues: Vec<OverrideIssue>,
     },
     /// A resource limit stopped the plugin.
     #[error("{limit}")]

@@ -20,6 +20,8 @@ mod errors;
 pub mod sandbox;
 mod set;
 pub mod source;
+#[cfg(test)]
+mod tests_overrides;
 
 use std::path::Path;
 use std::sync::Arc;
@@ -34,7 +36,7 @@ pub use bindings::types::{
     Disk, DiskBus, DiskRole, DomainInput, Firmware, HostFacts, MachineType, VendorDataInput,
 };
 pub use cache::{CacheOutcome, CodeCache};
-pub use errors::{Limit, SettingsIssue, TemplateError, TemplateErrorKind};
+pub use errors::{Limit, OverrideIssue, SettingsIssue, TemplateError, TemplateErrorKind};
 pub use set::{PluginHealth, PluginUnavailable, TemplateSet};
 
 use crate::config::TemplateConfig;
@@ -78,7 +80,20 @@ impl TemplateKind {
             TemplateKind::VendorData => "vendor-data",
         }
     }
+    /// Field of this kind under `kvm2.templates` and `spec.templateSettings`.
+    pub fn field(self) -> &'static str {
+        match self {
+            TemplateKind::Domain => "domain",
+            TemplateKind::VendorData => "vendorData",
+        }
+    }
 }
+
+/// Per-Proxy settings overrides: top-level keys merged over the configured settings.
+pub type SettingsOverrides = serde_json::Map<String, serde_json::Value>;
+
+/// Most issues one refused override reports; the rest are counted.
+const MAX_OVERRIDE_ISSUES: usize = 16;
 
 /// Per-call resource limits of one plugin.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -271,8 +286,8 @@ impl TemplateEngine {
     pub fn load_domain(&self, t: &TemplateConfig) -> Result<DomainTemplate, TemplateError> {
         let loaded = self.load(TemplateKind::Domain, t)?;
         let pre = DomainPre::new(loaded.pre.clone()).map_err(|e| loaded.abi_error(e))?;
-        let plugin = DomainTemplate { loaded, pre };
-        plugin.validate_settings()?;
+        let mut plugin = DomainTemplate { loaded, pre };
+        plugin.loaded.schema = Some(plugin.validate_settings()?);
         Ok(plugin)
     }
 
@@ -284,8 +299,8 @@ impl TemplateEngine {
     ) -> Result<VendorDataTemplate, TemplateError> {
         let loaded = self.load(TemplateKind::VendorData, t)?;
         let pre = VendorDataPre::new(loaded.pre.clone()).map_err(|e| loaded.abi_error(e))?;
-        let plugin = VendorDataTemplate { loaded, pre };
-        plugin.validate_settings()?;
+        let mut plugin = VendorDataTemplate { loaded, pre };
+        plugin.loaded.schema = Some(plugin.validate_settings()?);
         Ok(plugin)
     }
 
@@ -354,9 +369,13 @@ impl TemplateEngine {
         tracing::info!(plugin = %name, %sha256, cache = ?outcome, "template plugin loaded");
         Ok(Loaded {
             name,
+            kind,
             engine: self.engine.clone(),
             pre,
+            settings: t.settings.clone(),
             settings_json: serde_json::to_string(&t.settings).unwrap_or_else(|_| "{}".into()),
+            overridable: t.overridable_settings.clone(),
+            schema: None,
             limits: RenderLimits::from_config(t),
             sha256,
             outcome,
@@ -479,9 +498,18 @@ fn root_cause(e: &wasmtime::Error) -> String {
 /// A component that passed the load checks, linked once.
 struct Loaded {
     name: String,
+    kind: TemplateKind,
     engine: Engine,
     pre: InstancePre<RenderState>,
+    /// The configured settings, and the same serialised (what renders without overrides
+    /// get).
+    settings: serde_json::Value,
     settings_json: String,
+    /// Top-level keys a Proxy may override.
+    overridable: Vec<String>,
+    /// The plugin's settings schema, compiled once when the configured settings passed it;
+    /// checks merged per-Proxy settings.
+    schema: Option<jsonschema::Validator>,
     limits: RenderLimits,
     sha256: String,
     outcome: CacheOutcome,
@@ -543,7 +571,8 @@ impl Loaded {
     }
 
     /// Runs the plugin's `settings-schema` and `validate-settings` (through `exports`, in
-    /// one fresh store) and checks the configured settings against both.
+    /// one fresh store) and checks the configured settings against both. Returns the
+    /// compiled schema, kept for checking per-Proxy settings.
     fn validate_settings_via(
         &self,
         exports: impl FnOnce(
@@ -553,7 +582,7 @@ impl Loaded {
             String,
             Result<(), Vec<bindings::types::SettingsError>>,
         )>,
-    ) -> Result<(), TemplateError> {
+    ) -> Result<jsonschema::Validator, TemplateError> {
         let (schema, own) = self.call(LOAD_CALL_TIMEOUT, |store| {
             exports(store, &self.settings_json)
         })?;
@@ -573,24 +602,20 @@ impl Loaded {
         Ok(text)
     }
 
+    /// Compiles the plugin's schema and checks the configured settings against it and
+    /// against the plugin's own verdict.
     fn check_settings(
         &self,
         schema: &str,
         own: Result<(), Vec<bindings::types::SettingsError>>,
-    ) -> Result<(), TemplateError> {
+    ) -> Result<jsonschema::Validator, TemplateError> {
         let schema: serde_json::Value = serde_json::from_str(schema)
             .map_err(|e| self.error(TemplateErrorKind::BadSchema(e.to_string())))?;
         let validator = jsonschema::validator_for(&schema)
             .map_err(|e| self.error(TemplateErrorKind::BadSchema(e.to_string())))?;
         let settings: serde_json::Value =
             serde_json::from_str(&self.settings_json).unwrap_or(serde_json::Value::Null);
-        let mut issues: Vec<SettingsIssue> = validator
-            .iter_errors(&settings)
-            .map(|e| SettingsIssue {
-                pointer: e.instance_path().to_string(),
-                message: e.to_string(),
-            })
-            .collect();
+        let mut issues = schema_issues(&validator, &settings);
         // Only a document that fits the schema is handed to the plugin's own checks.
         if issues.is_empty()
             && let Err(errors) = own
@@ -601,11 +626,172 @@ impl Loaded {
             }));
         }
         if issues.is_empty() {
-            Ok(())
+            Ok(validator)
         } else {
             Err(self.error(TemplateErrorKind::Settings { issues }))
         }
     }
+
+    /// The settings JSON a render with these per-Proxy overrides gets: the configured
+    /// settings when there are none (no extra work), else the configured settings with each
+    /// override replacing its top-level key, after the merged document passed the compiled
+    /// schema and then the plugin's `validate-settings` (through `validate`, in a fresh
+    /// store). A refusal names the Proxy fields (`spec.templateSettings.<kind>.<key>`).
+    fn settings_for(
+        &self,
+        overrides: Option<&SettingsOverrides>,
+        validate: impl FnOnce(
+            &mut Store<RenderState>,
+            &str,
+        )
+            -> wasmtime::Result<Result<(), Vec<bindings::types::SettingsError>>>,
+    ) -> Result<String, TemplateError> {
+        let Some(overrides) = overrides.filter(|o| !o.is_empty()) else {
+            return Ok(self.settings_json.clone());
+        };
+        let field = self.kind.field();
+        let refuse =
+            |issues: Vec<OverrideIssue>| self.error(TemplateErrorKind::Overrides { issues });
+        let at = |key: Option<&str>| crate::api::proxy::override_path(field, key);
+
+        // Checked when the Proxy was loaded too; checked again here, so no code path can
+        // hand the plugin a key the config does not allow.
+        let refused: Vec<OverrideIssue> = overrides
+            .keys()
+            .filter(|k| !self.overridable.iter().any(|a| a == *k))
+            .map(|k| OverrideIssue {
+                path: at(Some(k)),
+                message: format!(
+                    "is not overridable: kvm2.templates.{field}.overridableSettings does not list it"
+                ),
+            })
+            .collect();
+        if !refused.is_empty() {
+            return Err(refuse(refused));
+        }
+        let serde_json::Value::Object(configured) = &self.settings else {
+            return Err(refuse(vec![OverrideIssue {
+                path: at(None),
+                message: format!(
+                    "cannot be merged: kvm2.templates.{field}.settings is not a mapping"
+                ),
+            }]));
+        };
+        let mut merged = configured.clone();
+        for (k, v) in overrides {
+            merged.insert(k.clone(), v.clone());
+        }
+        let merged = serde_json::Value::Object(merged);
+        let text = serde_json::to_string(&merged)
+            .map_err(|e| self.error(TemplateErrorKind::Engine(e.to_string())))?;
+        let max = crate::config::validate::limits::TEMPLATE_SETTINGS_BYTES;
+        if text.len() > max {
+            return Err(refuse(vec![OverrideIssue {
+                path: at(None),
+                message: format!(
+                    "makes the merged settings {} bytes serialised, at most {max} allowed",
+                    text.len()
+                ),
+            }]));
+        }
+        let schema = self.schema.as_ref().ok_or_else(|| {
+            self.error(TemplateErrorKind::Engine(
+                "the settings schema was not compiled at load".into(),
+            ))
+        })?;
+        let mut issues = schema_issues(schema, &merged);
+        // Only a document that fits the schema is handed to the plugin's own checks.
+        if issues.is_empty()
+            && let Err(errors) = self.call(self.limits.timeout, |store| validate(store, &text))?
+        {
+            issues = errors
+                .into_iter()
+                .map(|e| SettingsIssue {
+                    pointer: e.pointer,
+                    message: e.message,
+                })
+                .collect();
+        }
+        if issues.is_empty() {
+            Ok(text)
+        } else {
+            Err(refuse(override_issues(field, overrides, issues)))
+        }
+    }
+}
+
+/// Every place `settings` breaks `schema`.
+fn schema_issues(
+    schema: &jsonschema::Validator,
+    settings: &serde_json::Value,
+) -> Vec<SettingsIssue> {
+    schema
+        .iter_errors(settings)
+        .map(|e| SettingsIssue {
+            pointer: e.instance_path().to_string(),
+            message: e.to_string(),
+        })
+        .collect()
+}
+
+/// Maps issues in the merged settings (JSON pointers) to the Proxy's fields: an issue under
+/// an overridden key names `spec.templateSettings.<field>.<key>...`; one elsewhere (a rule
+/// across keys) names `spec.templateSettings.<field>` and where in the merged settings it
+/// is. Messages are cut short and their number capped.
+fn override_issues(
+    field: &str,
+    overrides: &SettingsOverrides,
+    issues: Vec<SettingsIssue>,
+) -> Vec<OverrideIssue> {
+    let total = issues.len();
+    let mut out: Vec<OverrideIssue> = issues
+        .into_iter()
+        .take(MAX_OVERRIDE_ISSUES)
+        .map(|issue| {
+            let segments: Vec<String> = issue
+                .pointer
+                .split('/')
+                .skip(1)
+                .map(|s| s.replace("~1", "/").replace("~0", "~"))
+                .collect();
+            let path = match segments.split_first() {
+                Some((key, rest)) if overrides.contains_key(key) => {
+                    let mut path = crate::api::proxy::override_path(field, Some(key));
+                    for s in rest {
+                        if !s.is_empty() && s.bytes().all(|b| b.is_ascii_digit()) {
+                            path.push_str(&format!("[{s}]"));
+                        } else if crate::config::validate::settings_key(s).is_ok() {
+                            path.push('.');
+                            path.push_str(s);
+                        } else {
+                            path.push_str(&format!("[{}]", crate::validation::show(s)));
+                        }
+                    }
+                    path
+                }
+                _ => format!(
+                    "{} (merged settings at {})",
+                    crate::api::proxy::override_path(field, None),
+                    crate::validation::show(if issue.pointer.is_empty() {
+                        "/"
+                    } else {
+                        &issue.pointer
+                    })
+                ),
+            };
+            OverrideIssue {
+                path,
+                message: truncate(issue.message),
+            }
+        })
+        .collect();
+    if total > MAX_OVERRIDE_ISSUES
+        && let Some(last) = out.last_mut()
+    {
+        last.message
+            .push_str(&format!(" (and {} more)", total - MAX_OVERRIDE_ISSUES));
+    }
+    out
 }
 
 fn classify_failure(e: &wasmtime::Error, state: &RenderState) -> TemplateErrorKind {
@@ -681,7 +867,7 @@ impl DomainTemplate {
         })
     }
 
-    fn validate_settings(&self) -> Result<(), TemplateError> {
+    fn validate_settings(&self) -> Result<jsonschema::Validator, TemplateError> {
         self.loaded.validate_settings_via(|store, settings| {
             let inst = self.pre.instantiate(&mut *store)?;
             let exports = inst.egress_templates_domain_template();
@@ -696,8 +882,25 @@ impl DomainTemplate {
     /// Renders and checks domain XML. `input.settings` is replaced by the configured
     /// settings.
     pub fn render(&self, input: &DomainInput) -> Result<String, TemplateError> {
+        self.render_with(input, None)
+    }
+
+    /// [`Self::render`] with a Proxy's settings overrides
+    /// (`spec.templateSettings.domain`) merged over the configured settings. The merged
+    /// settings are checked against the plugin's schema and `validate-settings` first;
+    /// without overrides this is exactly [`Self::render`].
+    pub fn render_with(
+        &self,
+        input: &DomainInput,
+        overrides: Option<&SettingsOverrides>,
+    ) -> Result<String, TemplateError> {
+        let settings = self.loaded.settings_for(overrides, |store, settings| {
+            let inst = self.pre.instantiate(&mut *store)?;
+            inst.egress_templates_domain_template()
+                .call_validate_settings(&mut *store, settings)
+        })?;
         let mut input = input.clone();
-        input.settings.clone_from(&self.loaded.settings_json);
+        input.settings = settings;
         self.loaded.render_via(
             |store| {
                 let inst = self.pre.instantiate(&mut *store)?;
@@ -732,7 +935,7 @@ impl VendorDataTemplate {
         })
     }
 
-    fn validate_settings(&self) -> Result<(), TemplateError> {
+    fn validate_settings(&self) -> Result<jsonschema::Validator, TemplateError> {
         self.loaded.validate_settings_via(|store, settings| {
             let inst = self.pre.instantiate(&mut *store)?;
             let exports = inst.egress_templates_vendor_data_template();
@@ -747,8 +950,25 @@ impl VendorDataTemplate {
     /// Renders and checks vendor-data. `input.settings` is replaced by the configured
     /// settings.
     pub fn render(&self, input: &VendorDataInput) -> Result<String, TemplateError> {
+        self.render_with(input, None)
+    }
+
+    /// [`Self::render`] with a Proxy's settings overrides
+    /// (`spec.templateSettings.vendorData`) merged over the configured settings. The
+    /// merged settings are checked against the plugin's schema and `validate-settings`
+    /// first; without overrides this is exactly [`Self::render`].
+    pub fn render_with(
+        &self,
+        input: &VendorDataInput,
+        overrides: Option<&SettingsOverrides>,
+    ) -> Result<String, TemplateError> {
+        let settings = self.loaded.settings_for(overrides, |store, settings| {
+            let inst = self.pre.instantiate(&mut *store)?;
+            inst.egress_templates_vendor_data_template()
+                .call_validate_settings(&mut *store, settings)
+        })?;
         let mut input = input.clone();
-        input.settings.clone_from(&self.loaded.settings_json);
+        input.settings = settings;
         self.loaded.render_via(
             |store| {
                 let inst = self.pre.instantiate(&mut *store)?;

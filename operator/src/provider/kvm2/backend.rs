@@ -590,8 +590,12 @@ impl Kvm2Provider {
 
         // Seed ISO: vendor-data from the plugin, user-data from the request.
         let vendor_input = inputs.vendor_data.clone();
+        let vendor_overrides = inputs.overrides.vendor_data.clone();
         let vendor_data = self
-            .render_blocking(move |t| Ok(t.vendor_data()?.render(&vendor_input)?))
+            .render_blocking(move |t| {
+                Ok(t.vendor_data()?
+                    .render_with(&vendor_input, vendor_overrides.as_ref())?)
+            })
             .await?;
         let files = SeedFiles {
             meta_data: seed::meta_data(&identity.uid, &req.proxy.name),
@@ -609,8 +613,12 @@ impl Kvm2Provider {
 
         // Domain.
         let domain_input = inputs.domain.clone();
+        let domain_overrides = inputs.overrides.domain.clone();
         let xml = self
-            .render_blocking(move |t| Ok(t.domain()?.render(&domain_input)?))
+            .render_blocking(move |t| {
+                Ok(t.domain()?
+                    .render_with(&domain_input, domain_overrides.as_ref())?)
+            })
             .await?;
         self.ops
             .define(h, xml)
