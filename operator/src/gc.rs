@@ -9,7 +9,7 @@
 //!
 //! and, in both cases, it is older than the grace period. Design invariant 6 holds like
 //! this:
-//! - *Only our mark*: [`Provider::list`] returns, by contract, only instances carrying our
+//! - *Only our mark*: [`Provider::list`](crate::provider::Provider::list) returns, by contract, only instances carrying our
 //!   managed mark for this cluster; a domain without it never reaches the collector. That
 //!   is a provider property and is tested there (kvm2's listing tests), not faked here.
 //!   The collector still ignores any instance with an empty owner UID.
