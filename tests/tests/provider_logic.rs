@@ -1908,7 +1908,7 @@ fn an_allowed_override_is_rendered_into_the_seed_and_a_refused_one_creates_nothi
         assert_eq!(env.hits(), 0);
 
         // A listed key with a value the plugin's schema refuses: permanent, names the
-        // field, and leaves no domain and none of the VM's volumes behind.
+        // field, and is refused before anything is downloaded or made.
         let env = Env::new();
         let p = provider_with_overridable_port(&env);
         let r = p
@@ -1924,7 +1924,10 @@ fn an_allowed_override_is_rendered_into_the_seed_and_a_refused_one_creates_nothi
             "{text}"
         );
         assert!(!text.contains(SECRET), "{text}");
-        assert!(env.domains("h1").is_empty(), "{:?}", env.domains("h1"));
-        assert_eq!(env.volumes("h1"), env.base(), "only the base image stays");
+        for h in ["h1", "h2"] {
+            assert!(env.volumes(h).is_empty(), "{h}: {:?}", env.volumes(h));
+            assert!(env.domains(h).is_empty(), "{h}: {:?}", env.domains(h));
+        }
+        assert_eq!(env.hits(), 0, "no image download for a refused Create");
     });
 }

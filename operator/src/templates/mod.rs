@@ -894,11 +894,7 @@ impl DomainTemplate {
         input: &DomainInput,
         overrides: Option<&SettingsOverrides>,
     ) -> Result<String, TemplateError> {
-        let settings = self.loaded.settings_for(overrides, |store, settings| {
-            let inst = self.pre.instantiate(&mut *store)?;
-            inst.egress_templates_domain_template()
-                .call_validate_settings(&mut *store, settings)
-        })?;
+        let settings = self.merged_settings(overrides)?;
         let mut input = input.clone();
         input.settings = settings;
         self.loaded.render_via(
@@ -909,6 +905,26 @@ impl DomainTemplate {
             },
             |xml| check::check_domain_xml(xml, &input),
         )
+    }
+
+    /// Checks a Proxy's overrides the way a render would, without rendering: lets a
+    /// Create refuse a bad value before it downloads an image or makes a volume.
+    pub fn check_overrides(
+        &self,
+        overrides: Option<&SettingsOverrides>,
+    ) -> Result<(), TemplateError> {
+        self.merged_settings(overrides).map(|_| ())
+    }
+
+    fn merged_settings(
+        &self,
+        overrides: Option<&SettingsOverrides>,
+    ) -> Result<String, TemplateError> {
+        self.loaded.settings_for(overrides, |store, settings| {
+            let inst = self.pre.instantiate(&mut *store)?;
+            inst.egress_templates_domain_template()
+                .call_validate_settings(&mut *store, settings)
+        })
     }
 }
 
@@ -962,11 +978,7 @@ impl VendorDataTemplate {
         input: &VendorDataInput,
         overrides: Option<&SettingsOverrides>,
     ) -> Result<String, TemplateError> {
-        let settings = self.loaded.settings_for(overrides, |store, settings| {
-            let inst = self.pre.instantiate(&mut *store)?;
-            inst.egress_templates_vendor_data_template()
-                .call_validate_settings(&mut *store, settings)
-        })?;
+        let settings = self.merged_settings(overrides)?;
         let mut input = input.clone();
         input.settings = settings;
         self.loaded.render_via(
@@ -977,6 +989,26 @@ impl VendorDataTemplate {
             },
             check::check_vendor_data,
         )
+    }
+
+    /// Checks a Proxy's overrides the way a render would, without rendering (see
+    /// [`DomainTemplate::check_overrides`]).
+    pub fn check_overrides(
+        &self,
+        overrides: Option<&SettingsOverrides>,
+    ) -> Result<(), TemplateError> {
+        self.merged_settings(overrides).map(|_| ())
+    }
+
+    fn merged_settings(
+        &self,
+        overrides: Option<&SettingsOverrides>,
+    ) -> Result<String, TemplateError> {
+        self.loaded.settings_for(overrides, |store, settings| {
+            let inst = self.pre.instantiate(&mut *store)?;
+            inst.egress_templates_vendor_data_template()
+                .call_validate_settings(&mut *store, settings)
+        })
     }
 }
 

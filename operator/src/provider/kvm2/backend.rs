@@ -401,6 +401,20 @@ impl Kvm2Provider {
         }
     }
 
+    /// Refuses bad per-Proxy plugin settings before anything is placed, downloaded or
+    /// made (a render would refuse them too, but only after the image and volumes).
+    async fn check_overrides(&self, req: &CreateRequest) -> Result<(), Kvm2Error> {
+        let Some(o) = req.spec.template_settings.clone() else {
+            return Ok(());
+        };
+        self.render_blocking(move |t| {
+            t.vendor_data()?.check_overrides(o.vendor_data.as_ref())?;
+            t.domain()?.check_overrides(o.domain.as_ref())?;
+            Ok(())
+        })
+        .await
+    }
+
     fn in_flight(&self, host: &str) -> usize {
         match self.reserved.lock() {
             Ok(t) => t.get(host).copied().unwrap_or(0),
@@ -428,6 +442,7 @@ impl Kvm2Provider {
         }
         let identity =
             InstanceIdentity::for_uid(&req.proxy.uid).map_err(Kvm2Error::InvalidRequest)?;
+        self.check_overrides(req).await?;
         let _name_lock = self.names.lock(&identity.domain_name).await;
         let host_name = self.place(req, &identity.domain_name).await?;
         let host = self.host(&host_name)?.clone();
