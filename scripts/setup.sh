@@ -16,12 +16,14 @@ set -euo pipefail
 #                                transport, the peer `make bench` measures ours against
 #                                (its default far end, virt-ssh-helper, ignores `socket=`
 #                                and would reach the system daemon, not the test one)
+#   socat                        the plain one-hop relay `make bench` measures as the
+#                                floor under any tunnel
 #   xorriso                      reads seed ISOs back in tests
 #   iproute2                     network namespaces and bridges for test VMs
 #   dnsmasq-base                 DHCP on the demo's isolated bridge
 #   syslinux mtools dosfstools   build the demo's tiny bootable image (scripts/demo-image.sh)
 BOOKWORM_PKGS=(pkg-config libvirt-dev libvirt-daemon-system libvirt-clients libxml2-utils
-  openssh-server netcat-openbsd xorriso iproute2 dnsmasq-base syslinux mtools dosfstools)
+  openssh-server netcat-openbsd socat xorriso iproute2 dnsmasq-base syslinux mtools dosfstools)
 #   kubernetes-client            kubectl: the manifest tests render config/default with
 #                                `kubectl kustomize`; only when no kubectl is on PATH yet
 #                                (another vendor's kubectl package would clash with it)

@@ -10,7 +10,10 @@
 //!   wrapper (`LibvirtConn::call`: blocking pool and deadline), through `Hosts::call` (the
 //!   production path: link lookup, metrics, tracing), and as bare `virt` calls on one
 //!   thread (the transport alone). Target: `Hosts::call` through the tunnel within 1.3x of
-//!   `LibvirtConn::call` on the direct socket.
+//!   `LibvirtConn::call` on the direct socket. A fourth peer is the floor under any
+//!   tunnel: one plain relay hop (socat between two unix sockets, no encryption, no SSH),
+//!   so the ratio of a single extra process hop is printed next to ours, which crosses
+//!   two (this process and sshd) and encrypts.
 //! - Time to a first successful call (SSH dial, handshake and login, libvirt open, one
 //!   call): ours (`HostLink::dial`) vs `+ssh://` (`LibvirtConn::open`). Target: ours faster.
 //!   Every `+ssh://` dial runs a command, so the host starts the login user's shell; the
@@ -55,6 +58,8 @@ const SHELL_RUNS: usize = 5;
 /// What the bench needs besides the harness's daemons: `nc -U` is the far end of
 /// libvirt's `+ssh://` transport (package netcat-openbsd, installed by `make setup`).
 const NETCAT: &str = "nc";
+/// The plain relay of the floor peer (package socat, installed by `make setup`).
+const SOCAT: &str = "socat";
 
 /// The drivers measured, each with the name of its host in the bench config.
 const DRIVERS: [(LibvirtDriver, &str); 2] = [
@@ -64,7 +69,10 @@ const DRIVERS: [(LibvirtDriver, &str); 2] = [
 
 fn main() {
     let reason = harness::skip_reason(&[Need::Sshd, Need::Libvirtd]).or_else(|| {
-        (!on_path(NETCAT)).then(|| format!("missing binary: {NETCAT} (run `make setup` as root)"))
+        [NETCAT, SOCAT]
+            .into_iter()
+            .find(|b| !on_path(b))
+            .map(|b| format!("missing binary: {b} (run `make setup` as root)"))
     });
     if let Some(reason) = reason {
         println!("transport bench SKIPPED: {reason}");
@@ -74,6 +82,8 @@ fn main() {
     let libvirtd = Libvirtd::start().unwrap();
     let scratch = tempfile::tempdir().unwrap();
     let ssh_command = write_ssh_command(scratch.path(), &sshd);
+
+    let relay = Relay::start(scratch.path(), &libvirtd.socket_path());
 
     let shell = login_shell_start(sshd.user());
     println!(
@@ -89,8 +99,13 @@ fn main() {
     rt.block_on(async {
         for (driver, host) in DRIVERS {
             let config = bench_config(&sshd, &libvirtd, driver, host);
+            let direct = direct_uri(&libvirtd, driver);
             let uris = Uris {
-                direct: direct_uri(&libvirtd, driver),
+                relay: direct.replace(
+                    &libvirtd.socket_path().display().to_string(),
+                    &relay.socket.display().to_string(),
+                ),
+                direct,
                 ssh: ssh_uri(&sshd, &libvirtd, driver, &ssh_command),
             };
             round_trips(&config, driver, host, &uris).await;
@@ -99,6 +114,7 @@ fn main() {
     });
     // Blocking closes queued by dropped connections finish before the daemons stop.
     drop(rt);
+    drop(relay);
     drop(libvirtd);
     drop(sshd);
 }
@@ -109,6 +125,39 @@ struct Uris {
     direct: String,
     /// libvirt's own SSH transport through OpenSSH.
     ssh: String,
+    /// The daemon's socket through one plain relay hop (socat): the floor of any tunnel.
+    relay: String,
+}
+
+/// `socat` relaying a unix socket of ours to the daemon's, one connection per client:
+/// an extra process hop with nothing else (no encryption, no protocol).
+struct Relay {
+    child: std::process::Child,
+    socket: PathBuf,
+}
+
+impl Relay {
+    fn start(dir: &Path, target: &Path) -> Self {
+        let socket = dir.join("relay.sock");
+        let child = Command::new(SOCAT)
+            .arg(format!("UNIX-LISTEN:{},fork", socket.display()))
+            .arg(format!("UNIX-CONNECT:{}", target.display()))
+            .spawn()
+            .unwrap();
+        let started = Instant::now();
+        while !socket.exists() {
+            assert!(started.elapsed() < CALL_DEADLINE, "socat did not listen");
+            std::thread::sleep(Duration::from_millis(10));
+        }
+        Self { child, socket }
+    }
+}
+
+impl Drop for Relay {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
 }
 
 fn driver_name(driver: LibvirtDriver) -> &'static str {
@@ -277,6 +326,9 @@ async fn round_trips(config: &ValidConfig, driver: LibvirtDriver, host: &'static
     let ssh = LibvirtConn::open(&pool, &uris.ssh, CALL_DEADLINE, None)
         .await
         .unwrap();
+    let relay = LibvirtConn::open(&pool, &uris.relay, CALL_DEADLINE, None)
+        .await
+        .unwrap();
 
     let vias = [
         ("direct unix socket, LibvirtConn::call", Via::Conn(&direct)),
@@ -295,6 +347,8 @@ async fn round_trips(config: &ValidConfig, driver: LibvirtDriver, host: &'static
             Via::Bare(link.conn()),
         ),
         ("+ssh:// (OpenSSH),  bare virt call   ", Via::Bare(&ssh)),
+        ("plain relay (socat) LibvirtConn::call", Via::Conn(&relay)),
+        ("plain relay (socat) bare virt call   ", Via::Bare(&relay)),
     ];
     for (_, via) in &vias {
         via.sample(WARMUP_CALLS).await;
@@ -321,6 +375,8 @@ async fn round_trips(config: &ValidConfig, driver: LibvirtDriver, host: &'static
         bare_direct_m,
         bare_tunnel_m,
         bare_ssh_m,
+        conn_relay,
+        bare_relay_m,
     ] = medians[..]
     else {
         unreachable!("one median per way of calling")
@@ -351,9 +407,18 @@ async fn round_trips(config: &ValidConfig, driver: LibvirtDriver, host: &'static
         ratio(bare_tunnel_m, bare_ssh_m)
     );
 
+    println!(
+        "ratio {name} one plain relay hop (socat) / direct, LibvirtConn  {:>5.2}x (the floor of one extra process hop; the tunnel crosses two and encrypts)",
+        ratio(conn_relay, conn_direct)
+    );
+    println!(
+        "ratio {name} one plain relay hop (socat) / direct, bare calls   {:>5.2}x",
+        ratio(bare_relay_m, bare_direct_m)
+    );
+
     // The connections close on blocking threads as they drop; the link closes with the
     // table.
-    drop((direct, ssh, link));
+    drop((direct, ssh, relay, link));
     hosts.close().await;
 }
 
