@@ -1731,3 +1731,133 @@ async fn a_refused_final_status_write_fails_the_reconcile_and_the_retry_adopts()
     assert_eq!(w.fake.instances().len(), 1);
     assert_eq!(w.timeline.last_status()["phase"], "Running");
 }
+
+// ---- Graceful shutdown of the whole controller loop ----------------------------------------
+
+/// A provider whose Create waits until the test lets it finish, so a shutdown can be
+/// requested while a Create is in flight.
+struct Gated {
+    inner: Arc<FakeProvider>,
+    entered: Arc<tokio::sync::Notify>,
+    release: Arc<tokio::sync::Semaphore>,
+}
+
+impl Provider for Gated {
+    fn name(&self) -> &str {
+        self.inner.name()
+    }
+
+    fn create<'a>(
+        &'a self,
+        req: &'a CreateRequest,
+    ) -> BoxFuture<'a, Result<Instance, ProviderError>> {
+        Box::pin(async move {
+            self.entered.notify_one();
+            let _permit = self.release.acquire().await;
+            self.inner.create(req).await
+        })
+    }
+
+    fn get<'a>(&'a self, id: &'a InstanceId) -> BoxFuture<'a, Result<Instance, ProviderError>> {
+        self.inner.get(id)
+    }
+
+    fn delete<'a>(&'a self, id: &'a InstanceId) -> BoxFuture<'a, Result<(), ProviderError>> {
+        self.inner.delete(id)
+    }
+
+    fn list(&self) -> BoxFuture<'_, Vec<TargetListing>> {
+        self.inner.list()
+    }
+}
+
+/// SIGTERM in the middle of a Create: `run` stops taking work but returns only after the
+/// Create finished and its status (naming the instance) was written, so no half-created
+/// VM is left behind and the next leader adopts a recorded instance.
+#[tokio::test]
+async fn shutdown_waits_for_a_create_in_flight_and_its_status() {
+    let proxy_value = serde_json::to_value(proxy()).unwrap();
+    let (service, mut handle) = tower_test::mock::pair::<Request<Body>, Response<Body>>();
+    let timeline = Timeline::default();
+    let server_timeline = timeline.clone();
+    tokio::spawn(async move {
+        // Watches are held open (never answered) for as long as the server runs.
+        let mut watches = Vec::new();
+        while let Some((request, send)) = handle.next_request().await {
+            let (parts, body) = request.into_parts();
+            let bytes = body.collect_bytes().await.unwrap_or_default();
+            let query = parts.uri.query().unwrap_or_default().to_string();
+            let path = parts.uri.path().to_string();
+            let seen = Seen {
+                method: parts.method.to_string(),
+                path: path.clone(),
+                query: BTreeMap::new(),
+                content_type: String::new(),
+                body: serde_json::from_slice(&bytes).unwrap_or(Value::Null),
+            };
+            let collection = "/apis/egress-operator.dev/v1alpha1/proxies";
+            let (code, reply) = if path == collection && query.contains("watch=true") {
+                watches.push(send);
+                continue;
+            } else if path == collection {
+                (
+                    200,
+                    json!({"apiVersion": "egress-operator.dev/v1alpha1", "kind": "ProxyList",
+                           "metadata": {"resourceVersion": "41"}, "items": [proxy_value.clone()]}),
+                )
+            } else {
+                server_timeline.push(Step::Api(seen.clone()));
+                default_answer(&seen, &proxy_value, &BTreeMap::new())
+            };
+            let response = Response::builder()
+                .status(code)
+                .header(http::header::CONTENT_TYPE, "application/json")
+                .body(Body::from(serde_json::to_vec(&reply).unwrap()))
+                .unwrap();
+            send.send_response(response);
+        }
+    });
+    let client = Client::new(service, "default");
+
+    let fake = Arc::new(FakeProvider::named("kvm2", &["h1", "h2"]));
+    let entered = Arc::new(tokio::sync::Notify::new());
+    let release = Arc::new(tokio::sync::Semaphore::new(0));
+    let mut providers = Registry::new();
+    providers.insert(Arc::new(Gated {
+        inner: fake.clone(),
+        entered: entered.clone(),
+        release: release.clone(),
+    }));
+    let ctx = Arc::new(Context::new(
+        client,
+        config(),
+        Arc::new(providers),
+        ControllerMetrics::default(),
+        None,
+    ));
+    let (stop_tx, stop_rx) = tokio::sync::oneshot::channel::<()>();
+    let runner = tokio::spawn(run(ctx, 2, async move {
+        let _ = stop_rx.await;
+    }));
+
+    guard(entered.notified()).await;
+    stop_tx.send(()).unwrap();
+    // Asked to stop, the loop still waits for the Create it is in.
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    assert!(
+        !runner.is_finished(),
+        "run returned with a Create in flight"
+    );
+    assert!(fake.instances().is_empty());
+
+    release.add_permits(1);
+    guard(runner).await.unwrap();
+    assert_eq!(fake.instances().len(), 1, "the Create finished");
+    let last = timeline.last_status();
+    assert_eq!(last["phase"], "Running", "{last}");
+    assert_eq!(
+        last["instanceId"],
+        json!(fake.instances()[0].id.to_string()),
+        "the status names the instance before run returns"
+    );
+}
