@@ -1193,4 +1193,80 @@ mod tests {
         });
         assert_eq!(owner_of(&p).unwrap().1.instance_id, None);
     }
+
+    /// The Kubernetes index against a mock API server: it follows continue tokens across
+    /// pages, keys owners by UID with the instance their status names, and a failing page
+    /// fails the whole listing (never a partial owner set, which would read as orphans).
+    #[tokio::test]
+    async fn the_kubernetes_index_reads_every_page_and_fails_whole() {
+        use http::{Request, Response};
+        use kube::client::Body;
+
+        let proxy = |name: &str, uid: &str, instance: Option<&str>| {
+            serde_json::json!({
+                "apiVersion": "egress-operator.dev/v1alpha1", "kind": "Proxy",
+                "metadata": {"name": name, "namespace": "ns", "uid": uid},
+                "spec": {"provider": "kvm2"},
+                "status": instance.map(|i| serde_json::json!({"instanceId": i})),
+            })
+        };
+        let page = |items: Vec<serde_json::Value>, next: &str| {
+            serde_json::json!({
+                "apiVersion": "egress-operator.dev/v1alpha1", "kind": "ProxyList",
+                "metadata": {"resourceVersion": "9", "continue": next}, "items": items,
+            })
+        };
+        for fail_second_page in [false, true] {
+            let (service, mut handle) = tower_test::mock::pair::<Request<Body>, Response<Body>>();
+            let pages = vec![
+                page(vec![proxy("a", "u-a", Some("h1/egress-u-a"))], "tok-1"),
+                page(vec![proxy("b", "u-b", None)], ""),
+            ];
+            let server = tokio::spawn(async move {
+                let mut queries = Vec::new();
+                for (n, body) in pages.into_iter().enumerate() {
+                    let (request, send) = handle.next_request().await.expect("a list request");
+                    assert_eq!(
+                        request.uri().path(),
+                        "/apis/egress-operator.dev/v1alpha1/proxies"
+                    );
+                    queries.push(request.uri().query().unwrap_or_default().to_string());
+                    let (code, body) = if n == 1 && fail_second_page {
+                        (
+                            503,
+                            serde_json::json!({"kind": "Status", "apiVersion": "v1",
+                                "status": "Failure", "code": 503, "message": "busy"}),
+                        )
+                    } else {
+                        (200, body)
+                    };
+                    send.send_response(
+                        Response::builder()
+                            .status(code)
+                            .body(Body::from(serde_json::to_vec(&body).unwrap()))
+                            .unwrap(),
+                    );
+                }
+                queries
+            });
+            let index = KubeProxyIndex::new(kube::Client::new(service, "default"));
+            let result = index.owners().await;
+            let queries = server.await.unwrap();
+            assert!(queries[0].contains("limit=500"), "{queries:?}");
+            assert!(queries[1].contains("continue=tok-1"), "{queries:?}");
+            if fail_second_page {
+                let e = result.unwrap_err();
+                assert_eq!(e.class(), ErrorClass::Transient, "{e}");
+            } else {
+                let owners = result.unwrap();
+                assert_eq!(owners.len(), 2, "{owners:?}");
+                assert_eq!(
+                    owners["u-a"].instance_id,
+                    Some(InstanceId::parse("h1/egress-u-a").unwrap())
+                );
+                assert_eq!(owners["u-b"].instance_id, None);
+                assert_eq!(owners["u-b"].name, "b");
+            }
+        }
+    }
 }
