@@ -451,6 +451,15 @@ pub fn check_domain_xml(xml: &str, input: &DomainInput) -> Result<(), TemplateEr
     Ok(())
 }
 
+/// Checks libvirt's own reading of a defined domain (its inactive XML,
+/// `virDomainGetXMLDesc(VIR_DOMAIN_XML_INACTIVE)`) against the input the plugin rendered
+/// from, before the domain is ever started. libvirt fills in defaults (emulator, addresses,
+/// controllers, generated MACs, the NVRAM path); everything else obeys the same rules as
+/// the plugin's output, so a document that libvirt reads differently from us is caught.
+pub fn check_defined_domain_xml(xml: &str, input: &DomainInput) -> Result<(), TemplateErrorKind> {
+    check_domain_xml(xml, input)
+}
+
 /// Checks rendered vendor-data: `#cloud-config` YAML that parses to a mapping, or a MIME
 /// multipart document with its boundary.
 pub fn check_vendor_data(text: &str) -> Result<(), TemplateErrorKind> {
