@@ -1,6 +1,8 @@
 //! The provider health monitor: every period, checks each provider's targets, records the
 //! result on that provider's [`HealthBoard`] (so placement skips dead hosts) and writes
-//! it to the provider's `ProviderHealth` object (so people and alerting see it).
+//! it to the provider's `ProviderHealth` object (so people and alerting see it). A
+//! provider's template plugins, when it has any ([`HealthMonitor::with_plugins`]), are
+//! reported in the same status (`plugins`): loading, loaded or failed, with the reason.
 //!
 //! Kubernetes is reached only through [`HealthSink`], so the monitor's logic is tested
 //! against a fake and [`KubeSink`] alone against a mock API server. A failed write is
@@ -23,10 +25,13 @@ use prometheus_client::registry::Registry;
 use tokio::sync::watch;
 use tokio::time::MissedTickBehavior;
 
-use crate::api::provider_health::{ProviderHealth, ProviderHealthStatus, TargetHealthStatus};
+use crate::api::provider_health::{
+    PluginHealthStatus, PluginState, ProviderHealth, ProviderHealthStatus, TargetHealthStatus,
+};
 use crate::config::HealthCheckConfig;
 use crate::provider::health::HealthBoard;
 use crate::provider::{BoxFuture, SharedProvider, TargetHealth};
+use crate::templates::{PluginHealth, TemplateSet};
 
 /// Field manager of every write, so server-side apply knows these fields are ours.
 pub const FIELD_MANAGER: &str = "egress-operator";
@@ -271,6 +276,8 @@ pub type Clock = Arc<dyn Fn() -> jiff::Timestamp + Send + Sync>;
 pub struct HealthMonitor {
     providers: Vec<SharedProvider>,
     boards: BTreeMap<String, HealthBoard>,
+    /// Template plugins of each provider that has them, read at every round.
+    plugins: BTreeMap<String, Arc<TemplateSet>>,
     sink: Arc<dyn HealthSink>,
     options: MonitorOptions,
     metrics: HealthMetrics,
@@ -308,6 +315,7 @@ impl HealthMonitor {
         Self {
             providers,
             boards,
+            plugins: BTreeMap::new(),
             sink,
             options,
             metrics,
@@ -315,6 +323,12 @@ impl HealthMonitor {
             checked: watch::Sender::new(false),
             known: Mutex::default(),
         }
+    }
+
+    /// Reports `plugins` in `provider`'s status at every round.
+    pub fn with_plugins(mut self, provider: &str, plugins: Arc<TemplateSet>) -> Self {
+        self.plugins.insert(provider.to_string(), plugins);
+        self
     }
 
     /// Replaces the clock (tests).
@@ -398,7 +412,10 @@ impl HealthMonitor {
         if let Some(b) = board {
             b.record(&results);
         }
-        let status = status_of(&results, (self.clock)());
+        let mut status = status_of(&results, (self.clock)());
+        if let Some(set) = self.plugins.get(name) {
+            status.plugins = plugin_statuses(&set.health());
+        }
         if let Err(e) = self.sink.write(name, &status).await {
             self.metrics
                 .write_failures
@@ -453,7 +470,25 @@ pub fn status_of(results: &[TargetHealth], now: jiff::Timestamp) -> ProviderHeal
         total_targets: count(targets.len()),
         targets,
         last_checked: Some(now),
+        plugins: Vec::new(),
     }
+}
+
+/// The `plugins` list of a status, in the set's order.
+pub fn plugin_statuses(health: &[PluginHealth]) -> Vec<PluginHealthStatus> {
+    health
+        .iter()
+        .map(|h| PluginHealthStatus {
+            kind: h.kind.field().to_string(),
+            name: h.plugin.clone(),
+            state: match (&h.problem, h.loading) {
+                (None, _) => PluginState::Loaded,
+                (Some(_), true) => PluginState::Loading,
+                (Some(_), false) => PluginState::Failed,
+            },
+            message: h.problem.clone().unwrap_or_default(),
+        })
+        .collect()
 }
 
 #[cfg(test)]
@@ -665,6 +700,80 @@ mod tests {
         assert_eq!(metrics.target_up("fake", "b"), 1);
         assert_eq!(sink.written().len(), 2);
         assert_eq!(metrics.write_failures("fake"), 0);
+    }
+
+    #[tokio::test]
+    async fn plugin_health_is_written_with_the_status_and_follows_the_set() {
+        use crate::templates::{TemplateError, TemplateErrorKind, TemplateKind};
+        let templates: crate::config::TemplatesConfig = serde_json::from_value(serde_json::json!({
+            "domain": { "url": "https://127.0.0.1:1/d.wasm", "sha256": "ab".repeat(32) },
+            "vendorData": { "path": "/p/v.wasm" },
+        }))
+        .unwrap();
+        let set = Arc::new(TemplateSet::loading(&templates));
+        let sink = Arc::new(FakeSink::default());
+        let m = monitor(
+            vec![
+                Arc::new(FakeProvider::new(&["a"])),
+                Arc::new(FakeProvider::named("other", &["b"])),
+            ],
+            &[],
+            sink.clone(),
+            HealthMetrics::default(),
+        )
+        .with_plugins("fake", set.clone());
+        guarded(m.round()).await;
+        let s = sink.last("fake");
+        assert_eq!(
+            s.plugins,
+            vec![
+                PluginHealthStatus {
+                    kind: "domain".into(),
+                    name: "domain:https://127.0.0.1:1/d.wasm".into(),
+                    state: PluginState::Loading,
+                    message: "not loaded yet".into(),
+                },
+                PluginHealthStatus {
+                    kind: "vendorData".into(),
+                    name: "vendor-data:/p/v.wasm".into(),
+                    state: PluginState::Loading,
+                    message: "not loaded yet".into(),
+                },
+            ]
+        );
+        assert!(sink.last("other").plugins.is_empty(), "not its plugins");
+
+        set.mark_failed(
+            TemplateKind::Domain,
+            &TemplateError {
+                plugin: "domain:https://127.0.0.1:1/d.wasm".into(),
+                kind: TemplateErrorKind::Settings { issues: vec![] },
+            },
+            false,
+        );
+        guarded(m.round()).await;
+        let s = sink.last("fake");
+        assert_eq!(s.plugins[0].state, PluginState::Failed);
+        assert!(
+            s.plugins[0].message.starts_with("settings refused"),
+            "{s:?}"
+        );
+        assert_eq!(s.plugins[1].state, PluginState::Loading);
+        // The written JSON uses the CRD's names.
+        let json = serde_json::to_value(&s).unwrap();
+        assert_eq!(json["plugins"][0]["state"], "Failed");
+        assert_eq!(json["plugins"][1]["kind"], "vendorData");
+
+        let loaded = plugin_statuses(&[PluginHealth {
+            kind: crate::templates::TemplateKind::VendorData,
+            plugin: "vendor-data:/p/v.wasm".into(),
+            problem: None,
+            loading: false,
+        }]);
+        assert_eq!(
+            (loaded[0].state, loaded[0].message.as_str()),
+            (PluginState::Loaded, "")
+        );
     }
 
     #[tokio::test]

@@ -54,6 +54,41 @@ pub struct ProviderHealthStatus {
     /// When the round finished (RFC 3339).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub last_checked: Option<String>,
+    /// The provider's template plugins (kvm2: `domain` and `vendorData`), as of the
+    /// round. A plugin that is not `Loaded` leaves the operator running and ready, but
+    /// Creates that need it fail until it is.
+    #[serde(default)]
+    #[schemars(extend("x-kubernetes-list-type" = "map", "x-kubernetes-list-map-keys" = ["kind"]))]
+    pub plugins: Vec<PluginHealthStatus>,
+}
+
+/// Where a template plugin stands.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize, JsonSchema)]
+pub enum PluginState {
+    /// Not loaded yet; loading is retried in the background (e.g. its URL does not answer
+    /// yet). Creates that need it fail transiently and are retried.
+    #[default]
+    Loading,
+    /// Loaded and usable.
+    Loaded,
+    /// Failed for good (bad settings, sha256 mismatch, a forbidden import, a missing
+    /// file): stays so until the config is fixed and the operator restarted.
+    Failed,
+}
+
+/// One template plugin's state.
+#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize, JsonSchema)]
+#[serde(rename_all = "camelCase")]
+pub struct PluginHealthStatus {
+    /// Which plugin: its key under `kvm2.templates` (`domain`, `vendorData`).
+    pub kind: String,
+    /// Its name, `<kind>:<path or url>`.
+    pub name: String,
+    /// Loading, Loaded or Failed.
+    pub state: PluginState,
+    /// Why it is not loaded (the last failure), for people; empty when loaded.
+    #[serde(default)]
+    pub message: String,
 }
 
 /// One target's result.

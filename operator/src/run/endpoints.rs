@@ -2,6 +2,22 @@
 //! (liveness: the process serves and its main loop is not wedged) and `/readyz`
 //! (readiness: config loaded, API server reached, and either leading with the components
 //! started or standing by). Plain HTTP/1 on one port; no user data passes through here.
+//!
+//! Template plugins do not gate readiness: a plugin that is still loading (its URL does
+//! not answer yet) or failed for good makes the replica *ready but degraded*. `/readyz`
+//! keeps its status code, so the pod is neither restarted nor taken out of service for a
+//! plugin (Proxies that need it report the reason in their conditions), and its body
+//! says so after the role line:
+//!
+//! ```text
+//! ready: leading
+//! plugins: degraded
+//! plugin domain "domain:https://example.org/d.wasm": loading (retried in the background): cannot download ...
+//! plugin vendor-data "vendor-data:/plugins/v.wasm": loaded
+//! ```
+//!
+//! `plugins: ok` when every plugin is loaded; states are `loaded`, `loading` (not loaded
+//! yet, retried) and `failed` (permanent until the config is fixed).
 
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, AtomicU8, Ordering};
@@ -12,6 +28,8 @@ use axum::http::{StatusCode, header};
 use axum::response::{IntoResponse, Response};
 use axum::routing::get;
 use prometheus_client::registry::Registry;
+
+use crate::templates::TemplateSet;
 
 /// What this replica is doing, for `/readyz` and the `egress_operator_role` gauge.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -70,15 +88,52 @@ impl Probes {
 struct AppState {
     probes: Arc<Probes>,
     registry: Arc<Registry>,
+    plugins: Option<Arc<TemplateSet>>,
 }
 
-/// The router; `registry` must hold every metric before it is shared here.
-pub fn router(probes: Arc<Probes>, registry: Arc<Registry>) -> Router {
+/// The router; `registry` must hold every metric before it is shared here. `plugins`, when
+/// given, is reported in the `/readyz` body (never in its status code).
+pub fn router(
+    probes: Arc<Probes>,
+    registry: Arc<Registry>,
+    plugins: Option<Arc<TemplateSet>>,
+) -> Router {
     Router::new()
         .route("/metrics", get(metrics))
         .route("/healthz", get(healthz))
         .route("/readyz", get(readyz))
-        .with_state(AppState { probes, registry })
+        .with_state(AppState {
+            probes,
+            registry,
+            plugins,
+        })
+}
+
+/// The plugin part of the `/readyz` body (see the module docs).
+pub fn plugin_report(set: &TemplateSet) -> String {
+    let health = set.health();
+    let mut out = String::from(if health.iter().all(|h| h.is_healthy()) {
+        "plugins: ok\n"
+    } else {
+        "plugins: degraded\n"
+    });
+    for h in &health {
+        out.push_str(&format!(
+            "plugin {} {:?}: {}",
+            h.kind.as_str(),
+            h.plugin,
+            h.state()
+        ));
+        if let Some(problem) = &h.problem {
+            if h.loading {
+                out.push_str(" (retried in the background)");
+            }
+            // One line per plugin, whatever the reason holds.
+            out.push_str(&format!(": {}", problem.replace(['\r', '\n'], " ")));
+        }
+        out.push('\n');
+    }
+    out
 }
 
 async fn metrics(State(s): State<AppState>) -> Response {
@@ -125,7 +180,11 @@ async fn readyz(State(s): State<AppState>) -> Response {
     } else {
         StatusCode::SERVICE_UNAVAILABLE
     };
-    (code, text).into_response()
+    let mut body = text.to_string();
+    if let Some(set) = &s.plugins {
+        body.push_str(&plugin_report(set));
+    }
+    (code, body).into_response()
 }
 
 #[cfg(test)]
@@ -161,7 +220,7 @@ mod tests {
         c.inc();
         let registry = Arc::new(registry);
         let probes = Arc::new(Probes::default());
-        let app = || router(probes.clone(), registry.clone());
+        let app = || router(probes.clone(), registry.clone(), None);
 
         assert_eq!(get_text(app(), "/readyz").await.0, 503);
         assert_eq!(get_text(app(), "/healthz").await.0, 200);
@@ -181,5 +240,64 @@ mod tests {
         assert_eq!(code, 200);
         assert!(body.contains("egress_test_things_total 1"), "{body}");
         assert_eq!(get_text(app(), "/nothing").await.0, 404);
+    }
+
+    #[tokio::test]
+    async fn readyz_stays_ready_but_reports_degraded_plugins() {
+        use crate::error::{Classified as _, ErrorClass};
+        use crate::templates::{TemplateError, TemplateErrorKind, TemplateKind};
+
+        let templates: crate::config::TemplatesConfig = serde_json::from_value(serde_json::json!({
+            "domain": { "url": "https://127.0.0.1:1/d.wasm", "sha256": "ab".repeat(32) },
+            "vendorData": { "path": "/p/v.wasm" },
+        }))
+        .unwrap();
+        let set = Arc::new(TemplateSet::loading(&templates));
+        let probes = Arc::new(Probes::default());
+        probes.set_role(Role::Leading);
+        let app = || {
+            router(
+                probes.clone(),
+                Arc::new(Registry::default()),
+                Some(set.clone()),
+            )
+        };
+        let (code, body) = get_text(app(), "/readyz").await;
+        assert_eq!(code, 200, "a plugin never makes the replica unready");
+        assert_eq!(
+            body,
+            "ready: leading\nplugins: degraded\n\
+             plugin domain \"domain:https://127.0.0.1:1/d.wasm\": loading (retried in the background): not loaded yet\n\
+             plugin vendor-data \"vendor-data:/p/v.wasm\": loading (retried in the background): not loaded yet\n"
+        );
+
+        set.mark_failed(
+            TemplateKind::VendorData,
+            &TemplateError {
+                plugin: "vendor-data:/p/v.wasm".into(),
+                kind: TemplateErrorKind::ForbiddenImport {
+                    imports: vec!["wasi:sockets/tcp".into()],
+                },
+            },
+            false,
+        );
+        assert_eq!(
+            set.vendor_data().unwrap_err().class(),
+            ErrorClass::Permanent
+        );
+        let (code, body) = get_text(app(), "/readyz").await;
+        assert_eq!(code, 200);
+        let line = body.lines().nth(3).unwrap();
+        assert!(
+            line.starts_with(
+                "plugin vendor-data \"vendor-data:/p/v.wasm\": failed: imports wasi:sockets/tcp"
+            ),
+            "{body}"
+        );
+        // Not ready for its own reasons: still 503, with the plugins reported.
+        probes.set_role(Role::Starting);
+        let (code, body) = get_text(app(), "/readyz").await;
+        assert_eq!(code, 503);
+        assert!(body.contains("plugins: degraded"), "{body}");
     }
 }

@@ -1,7 +1,10 @@
 //! `egress-operator run`: the operator in a cluster.
 //!
 //! Start-up refuses a bad providers config at once (the pod fails visibly instead of
-//! running half-configured); then it serves `/metrics`, `/healthz`, `/readyz`, reaches the
+//! running half-configured), and so a refused `--plugin-cache-dir` or `--plugin-ca-file`;
+//! then it serves `/metrics`, `/healthz`, `/readyz`, loads the template plugins in the
+//! background ([`plugins`]: transient failures such as a download that does not answer
+//! are retried with backoff, and the replica is ready but degraded meanwhile), reaches the
 //! API server, and waits for the leader Lease. While leading, the Proxy controller, the
 //! garbage collector and the provider health monitor run; when the lease is lost they
 //! stop (in-flight reconciles finish) and the replica stands by again. SIGTERM stops
@@ -10,6 +13,7 @@
 //! takes over at once, closes every SSH connection, and exits 0.
 
 pub mod endpoints;
+pub mod plugins;
 
 use std::collections::BTreeMap;
 use std::net::SocketAddr;
@@ -29,8 +33,16 @@ use crate::provider::kvm2::backend::Kvm2Options;
 use crate::provider::registry::Registry;
 use crate::providerhealth::{HealthMetrics, HealthMonitor, KubeSink, MonitorOptions};
 use crate::telemetry::LogFormat;
-use crate::templates::{TemplateEngine, TemplateSet};
+use crate::templates::{EngineOptions, TemplateEngine, TemplateSet};
 use endpoints::{Probes, Role};
+use plugins::{LoadBackoff, PluginLoader, PluginMetrics};
+
+/// How long the process waits at exit for blocking threads still busy (a plugin download
+/// abandoned at shutdown is bounded only by its own, longer timeout): everything that
+/// matters has been awaited by then, so a short wait keeps SIGTERM prompt.
+const EXIT_BLOCKING_GRACE: Duration = Duration::from_secs(5);
+/// Largest `--plugin-ca-file` read: a CA bundle of a few hundred certificates.
+const MAX_CA_FILE_BYTES: u64 = 1024 * 1024;
 
 /// Arguments of `run`.
 #[derive(Debug, Clone, clap::Args)]
@@ -44,9 +56,15 @@ pub struct RunArgs {
     /// Log line format.
     #[arg(long, value_enum, default_value_t = LogFormat::Text)]
     pub log_format: LogFormat,
-    /// Cache of compiled template plugins (an emptyDir in the Deployment).
+    /// Cache of compiled template plugins. It holds native code, so it must be owned by
+    /// this user and not writable by group or others, else start-up fails; a missing one
+    /// is created 0700 (the Deployment points it below an emptyDir).
     #[arg(long, value_name = "DIR")]
     pub plugin_cache_dir: Option<PathBuf>,
+    /// PEM certificates to trust for `url` plugin downloads instead of Mozilla's roots
+    /// (a site's internal CA).
+    #[arg(long, value_name = "FILE")]
+    pub plugin_ca_file: Option<PathBuf>,
     /// Run without leader election (a single replica only).
     #[arg(long)]
     pub no_leader_election: bool,
@@ -132,7 +150,9 @@ pub fn run(args: &RunArgs, err: &mut dyn std::io::Write) -> std::io::Result<u8> 
             return Ok(2);
         }
     };
-    match runtime.block_on(serve(args.clone(), Arc::new(config))) {
+    let result = runtime.block_on(serve(args.clone(), Arc::new(config)));
+    runtime.shutdown_timeout(EXIT_BLOCKING_GRACE);
+    match result {
         Ok(()) => Ok(0),
         Err(e) => {
             tracing::error!(error = %e, class = %e.class(), "operator stopped");
@@ -146,6 +166,7 @@ pub fn run(args: &RunArgs, err: &mut dyn std::io::Write) -> std::io::Result<u8> 
 struct Parts {
     config: Arc<ValidConfig>,
     providers: Arc<Registry>,
+    templates: Arc<TemplateSet>,
     boards: BTreeMap<String, crate::provider::health::HealthBoard>,
     controller_metrics: ControllerMetrics,
     gc_metrics: GcMetrics,
@@ -164,18 +185,14 @@ impl Parts {
 
 async fn serve(args: RunArgs, config: Arc<ValidConfig>) -> Result<(), RunError> {
     let mut registry = prometheus_client::registry::Registry::default();
-    let engine = TemplateEngine::new(args.plugin_cache_dir.as_deref())
-        .map_err(|e| RunError::Templates(e.to_string()))?;
-    let templates = Arc::new(TemplateSet::load(&engine, &config.kvm2.templates));
-    if !templates.is_healthy() {
-        // Not fatal (invariant 8): Creates report the plugin's reason on each Proxy.
-        tracing::error!(
-            "a template plugin is unhealthy; Creates will fail until the config is fixed"
-        );
-    }
+    // The engine only checks its flags (cache directory, CA file): a refusal is a
+    // start-up error. Loading the plugins comes after the endpoints are up.
+    let engine = Arc::new(engine(&args)?);
+    let templates = Arc::new(TemplateSet::loading(&config.kvm2.templates));
+    let plugin_metrics = PluginMetrics::register(&mut registry);
     let (providers, kvm2) = Registry::from_config(
         config.clone(),
-        templates,
+        templates.clone(),
         Kvm2Options::default(),
         Some(&mut registry),
     )
@@ -192,6 +209,7 @@ async fn serve(args: RunArgs, config: Arc<ValidConfig>) -> Result<(), RunError> 
     let parts = Parts {
         config,
         providers: Arc::new(providers),
+        templates: templates.clone(),
         boards,
         controller_metrics: ControllerMetrics::register(&mut registry),
         gc_metrics: GcMetrics::register(&mut registry),
@@ -207,7 +225,11 @@ async fn serve(args: RunArgs, config: Arc<ValidConfig>) -> Result<(), RunError> 
             source,
         })?;
     let (http_stop, mut http_stop_rx) = watch::channel(false);
-    let app = endpoints::router(probes.clone(), Arc::new(registry));
+    let app = endpoints::router(
+        probes.clone(),
+        Arc::new(registry),
+        Some(parts.templates.clone()),
+    );
     let http = tokio::spawn(async move {
         let stopped = async move {
             let _ = http_stop_rx.wait_for(|s| *s).await;
@@ -223,14 +245,56 @@ async fn serve(args: RunArgs, config: Arc<ValidConfig>) -> Result<(), RunError> 
 
     let (term_tx, term_rx) = watch::channel(false);
     spawn_signal_watch(term_tx)?;
+    // Until a plugin is loaded, Creates that need it fail transiently and are requeued.
+    let loader = PluginLoader::new(
+        templates,
+        engine,
+        parts.config.kvm2.templates.clone(),
+        LoadBackoff::default(),
+        plugin_metrics,
+    );
+    let (loader_stop, loader_stopped) = watch::channel(false);
+    let loading = tokio::spawn(loader.run(terminated(loader_stopped)));
     let result = lead_until_terminated(&args, &parts, &probes, term_rx).await;
 
     probes.set_role(Role::Stopping);
+    let _ = loader_stop.send(true);
+    let _ = loading.await;
     kvm2.hosts.close().await;
     let _ = http_stop.send(true);
     let _ = http.await;
     tracing::info!("stopped");
     result
+}
+
+/// The template engine the flags ask for; a cache directory that is not private to this
+/// user, or an unreadable or empty CA file, is refused here, naming the path and why.
+fn engine(args: &RunArgs) -> Result<TemplateEngine, RunError> {
+    let download_ca_pem = match &args.plugin_ca_file {
+        None => None,
+        Some(path) => Some(read_ca_file(path).map_err(|e| {
+            RunError::Templates(format!("--plugin-ca-file {}: {e}", path.display()))
+        })?),
+    };
+    TemplateEngine::with_options(&EngineOptions {
+        cache_dir: args.plugin_cache_dir.clone(),
+        download_ca_pem,
+    })
+    .map_err(|e| RunError::Templates(e.to_string()))
+}
+
+fn read_ca_file(path: &std::path::Path) -> std::io::Result<Vec<u8>> {
+    use std::io::Read as _;
+    let mut bytes = Vec::new();
+    std::fs::File::open(path)?
+        .take(MAX_CA_FILE_BYTES + 1)
+        .read_to_end(&mut bytes)?;
+    if u64::try_from(bytes.len()).unwrap_or(u64::MAX) > MAX_CA_FILE_BYTES {
+        return Err(std::io::Error::other(format!(
+            "larger than {MAX_CA_FILE_BYTES} bytes"
+        )));
+    }
+    Ok(bytes)
 }
 
 fn spawn_signal_watch(term: watch::Sender<bool>) -> Result<(), RunError> {
@@ -369,7 +433,8 @@ async fn run_term(
         Arc::new(KubeSink::new(client.clone())),
         MonitorOptions::from_config(&parts.config.health_check),
         parts.health_metrics.clone(),
-    );
+    )
+    .with_plugins(crate::provider::registry::KVM2, parts.templates.clone());
     let mut tasks = tokio::task::JoinSet::new();
     tasks.spawn(controller::run(ctx, args.concurrency, stop()));
     tasks.spawn(gc.run(stop()));
