@@ -42,12 +42,13 @@ lint:
 fmt:
 	$(CARGO) fmt --all
 
-## generate: regenerate committed artefacts (JSON Schema, CRDs); CI fails when they are stale
+## generate: regenerate committed artefacts (JSON Schema, CRDs, the plugin output allow-list); CI fails when they are stale
 ## (the binary is built first, so a build failure leaves the committed files untouched)
 generate:
 	$(CARGO) build --quiet --locked -p egress-operator --bin egress-operator
 	$(BIN) config-schema > config/schema/providers-config.schema.json
 	set -o pipefail; $(BIN) crd | bash scripts/split-crds.sh config/crd/bases
+	$(BIN) allow-list > templates-sdk/src/allow_list.md
 
 ## test: setup, lint, docs, then every test
 test: setup lint plugins

@@ -28,6 +28,9 @@ pub enum Command {
     /// Print the CustomResourceDefinitions (Proxy, ProviderHealth) as YAML, as
     /// `config/crd/` holds them.
     Crd,
+    /// Print the allow-list of domain XML that plugin output is checked against (Markdown,
+    /// as `templates-sdk/src/allow_list.md` holds it).
+    AllowList,
     /// Validate a providers config file and print every problem it has.
     ValidateConfig {
         /// The providers config (YAML).
@@ -168,6 +171,9 @@ pub fn execute(command: Command, out: &mut dyn Write, err: &mut dyn Write) -> u8
     let result = match command {
         Command::ConfigSchema => out.write_all(config::json_schema().as_bytes()).map(|_| 0),
         Command::Crd => crd(out, err),
+        Command::AllowList => out
+            .write_all(crate::templates::check::allow_list_markdown().as_bytes())
+            .map(|_| 0),
         Command::ValidateConfig { file, proxies } => validate_config(&file, &proxies, out, err),
         Command::Render(args) => render(&args, out, err),
         Command::Check(args) => check(&args, out, err),

@@ -19,6 +19,19 @@
 //! The interface itself is the WIT package `egress:templates@0.1.0` in this crate's `wit/`
 //! folder; the operator refuses components built for another version.
 //!
+//! # What the output may contain
+//!
+//! The operator reads domain XML exactly as libvirt does, or refuses it: no namespaces
+//! outside `<metadata>`, no CDATA, no comments or child elements inside text, no
+//! repeated singletons, UTF-8 only. Every element and attribute must be on the
+//! [allow-list](allow_list), and the document must match its input: the given name, UUID,
+//! memory and vCPUs, only the prepared volumes (each once, `<driver type>` equal to its
+//! format, the seed `<readonly/>`), NICs only on the given bridge with the primary NIC on
+//! the given MAC and no MAC on the others, firmware files from the known list, the
+//! operator's mark unchanged as the one element of its namespace in `<metadata>`. The
+//! same checks run again on libvirt's own reading of the defined domain before it starts.
+//! Vendor-data must be `#cloud-config` YAML (a mapping) or a MIME multipart document.
+//!
 //! # Determinism and the sandbox
 //!
 //! Plugins are built for `wasm32-wasip2`, whose standard library imports a few WASI
@@ -42,8 +55,8 @@
 //! #[derive(serde::Deserialize, schemars::JsonSchema, Default)]
 //! #[serde(default, deny_unknown_fields, rename_all = "camelCase")]
 //! struct Settings {
-//!     /// Extra vCPUs on top of the machine type's.
-//!     extra_vcpus: u32,
+//!     /// Guest-visible name of the disk's serial number.
+//!     disk_serial: String,
 //! }
 //!
 //! struct Minimal;
@@ -52,8 +65,8 @@
 //!     type Settings = Settings;
 //!
 //!     fn validate_settings(s: &Settings) -> Vec<SettingsProblem> {
-//!         if s.extra_vcpus > 4 {
-//!             vec![SettingsProblem::new("/extraVcpus", "at most 4")]
+//!         if s.disk_serial.len() > 20 {
+//!             vec![SettingsProblem::new("/diskSerial", "at most 20 characters")]
 //!         } else {
 //!             vec![]
 //!         }
@@ -71,7 +84,7 @@
 //!             .child(Element::new("uuid").text(&input.uuid))
 //!             .child(Element::new("metadata").trusted_fragment(&input.metadata_mark))
 //!             .child(Element::new("memory").attr("unit", "MiB").text(input.memory_mib.to_string()))
-//!             .child(Element::new("vcpu").text((input.vcpus + s.extra_vcpus).to_string()))
+//!             .child(Element::new("vcpu").text(input.vcpus.to_string()))
 //!             .child(Element::new("os").child(Element::new("type").attr("arch", &input.host.arch).text("hvm")))
 //!             .child(Element::new("features").child(Element::new("acpi")))
 //!             .child(
@@ -80,7 +93,9 @@
 //!                         .attr("type", "volume")
 //!                         .attr("device", "disk")
 //!                         .child(Element::new("source").attr("pool", &root.pool).attr("volume", &root.volume))
-//!                         .child(Element::new("target").attr("dev", "vda").attr("bus", "virtio")),
+//!                         .child(Element::new("driver").attr("name", "qemu").attr("type", &root.format))
+//!                         .child(Element::new("target").attr("dev", "vda").attr("bus", "virtio"))
+//!                         .child_opt((!s.disk_serial.is_empty()).then(|| Element::new("serial").text(&s.disk_serial))),
 //!                 ),
 //!             )
 //!             .to_xml())
@@ -103,8 +118,8 @@
 //! // The operator calls these through the component; here we call them directly.
 //! let xml = templates_sdk::__private::render_domain::<Minimal>(&input).unwrap();
 //! assert!(xml.starts_with("<domain type=\"qemu\"><name>p-1</name>"));
-//! let bad = templates_sdk::__private::validate::<Settings>(r#"{"extraVcpus": 9}"#, Minimal::validate_settings);
-//! assert_eq!(bad.unwrap_err()[0].pointer, "/extraVcpus");
+//! let bad = templates_sdk::__private::validate::<Settings>(r#"{"diskSerial": "x-far-too-long-for-a-serial"}"#, Minimal::validate_settings);
+//! assert_eq!(bad.unwrap_err()[0].pointer, "/diskSerial");
 //! ```
 
 #![warn(missing_docs)]
@@ -117,6 +132,19 @@ pub mod settings;
 pub mod xml;
 
 pub use settings::SettingsProblem;
+
+/// The allow-list of domain XML: every element path a plugin may write, how often, with
+/// which attributes and content. Anything else is refused at render, naming its path.
+/// Values marked "must match the input" are tied to [`domain::DomainInput`]. Widening the
+/// list is a change to the operator (`operator/src/templates/check/allow.rs`) with its
+/// tests; this page is generated from it (`make generate`) and a test keeps them in step.
+///
+/// Elements libvirt itself adds to its reading of a defined domain (`<emulator>`,
+/// `<resource>`, generated MACs of further NICs, the NVRAM file path) are accepted there
+/// only; a plugin may not write them.
+///
+#[doc = include_str!("allow_list.md")]
+pub mod allow_list {}
 
 /// Bindings of the `domain` world: its input types and the exports a domain plugin makes.
 #[cfg(feature = "domain")]

@@ -64,6 +64,10 @@ pub struct Settings {
     pub memballoon: bool,
     /// Add a virtio RNG fed from the host's /dev/urandom (fast entropy at boot for TLS).
     pub rng: bool,
+    /// Further virtio NICs on the same bridge (e.g. a separate client-facing interface);
+    /// libvirt assigns their MAC addresses, the operator's MAC stays on the first.
+    #[schemars(range(max = 3))]
+    pub extra_nics: u8,
 }
 
 impl Default for Settings {
@@ -74,9 +78,13 @@ impl Default for Settings {
             uefi: Uefi::default(),
             memballoon: true,
             rng: true,
+            extra_nics: 0,
         }
     }
 }
+
+/// Most extra NICs: the operator's output check allows four NICs per VM.
+const MAX_EXTRA_NICS: u8 = 3;
 
 /// The plugin.
 #[derive(Debug)]
@@ -111,6 +119,12 @@ impl DomainPlugin for DefaultDomain {
                     "must be an absolute path without '.', '..' or empty components",
                 ));
             }
+        }
+        if s.extra_nics > MAX_EXTRA_NICS {
+            problems.push(SettingsProblem::new(
+                "/extraNics",
+                "at most 3 (the operator accepts four NICs per VM)",
+            ));
         }
         if s.uefi.secure_boot && s.machine != "q35" {
             problems.push(SettingsProblem::new(
@@ -171,19 +185,27 @@ impl DomainPlugin for DefaultDomain {
         for disk in &input.disks {
             devices = devices.child(render_disk(disk, &mut virtio_disks, &mut sata_disks)?);
         }
-        devices = devices
-            .child(
+        devices = devices.child(
+            Element::new("interface")
+                .attr("type", "bridge")
+                .child(Element::new("source").attr("bridge", &input.bridge))
+                .child_opt(
+                    input
+                        .mac
+                        .as_ref()
+                        .map(|m| Element::new("mac").attr("address", m)),
+                )
+                .child(Element::new("model").attr("type", "virtio")),
+        );
+        for _ in 0..s.extra_nics.min(MAX_EXTRA_NICS) {
+            devices = devices.child(
                 Element::new("interface")
                     .attr("type", "bridge")
                     .child(Element::new("source").attr("bridge", &input.bridge))
-                    .child_opt(
-                        input
-                            .mac
-                            .as_ref()
-                            .map(|m| Element::new("mac").attr("address", m)),
-                    )
                     .child(Element::new("model").attr("type", "virtio")),
-            )
+            );
+        }
+        devices = devices
             .child(
                 Element::new("serial")
                     .attr("type", "pty")
