@@ -157,7 +157,9 @@ fn kustomize_default() -> Option<Vec<Value>> {
     {
         Ok(out) => out,
         Err(e) if e.kind() == std::io::ErrorKind::NotFound => {
-            eprintln!("skipped: kubectl is not installed (`make setup` installs it)");
+            integration_tests::harness::cannot_run(
+                "kubectl is not installed (`make setup` installs it)",
+            );
             return None;
         }
         Err(e) => panic!("cannot run kubectl: {e}"),
@@ -448,11 +450,27 @@ fn deployment_is_hardened_and_its_pieces_fit() {
     let ports = c["ports"].as_array().unwrap();
     let http = ports.iter().find(|p| p["name"] == "http").unwrap();
     assert_eq!(http["containerPort"], http_port);
-    for (probe, path) in [("livenessProbe", "/healthz"), ("readinessProbe", "/readyz")] {
+    for (probe, path) in [
+        ("startupProbe", "/healthz"),
+        ("livenessProbe", "/healthz"),
+        ("readinessProbe", "/readyz"),
+    ] {
         let get = &c[probe]["httpGet"];
         assert_eq!(get["path"], path, "{probe}");
         assert!(get["port"] == "http" || get["port"] == http_port, "{probe}");
     }
+    // A slow start is not killed by the liveness probe: the startup probe, which holds
+    // the liveness probe back until it passes, allows at least this long.
+    const MIN_STARTUP_SECONDS: u64 = 60;
+    let budget = |probe: &str| {
+        c[probe]["periodSeconds"].as_u64().unwrap_or(10)
+            * c[probe]["failureThreshold"].as_u64().unwrap_or(3)
+    };
+    assert!(
+        budget("startupProbe") >= MIN_STARTUP_SECONDS,
+        "startupProbe allows {}s",
+        budget("startupProbe")
+    );
 
     // --config is a key of the rendered ConfigMap, mounted read-only.
     let config_path = arg(args, "--config");
@@ -509,10 +527,19 @@ fn deployment_is_hardened_and_its_pieces_fit() {
     // Writable places are emptyDirs: the plugin cache and /tmp.
     for path in [arg(args, "--plugin-cache-dir"), "/tmp"] {
         let (mount, volume) = mount_for(pod, c, path);
-        assert_eq!(str_at(mount, "/mountPath"), path);
         assert!(volume["emptyDir"].is_object(), "{path} is not an emptyDir");
         assert!(mount.get("readOnly").is_none_or(|r| r == false));
     }
+    // The kubelet makes an emptyDir root-owned and world-writable, which the operator
+    // refuses for its cache of native code: the cache is a directory below the mount
+    // that the operator creates itself (0700).
+    let cache = arg(args, "--plugin-cache-dir");
+    let (mount, _) = mount_for(pod, c, cache);
+    assert_ne!(
+        Path::new(str_at(mount, "/mountPath")),
+        Path::new(cache),
+        "--plugin-cache-dir must be below its emptyDir mount, not the mount itself"
+    );
 }
 
 #[test]
