@@ -62,8 +62,7 @@ impl Rig {
         if harness::skip(&[Need::Sshd, Need::Libvirtd]) {
             return None;
         }
-        if which("qemu-img").is_none() {
-            eprintln!("SKIPPED: qemu-img missing");
+        if which("qemu-img").is_none() && harness::cannot_run("qemu-img is missing") {
             return None;
         }
         let sshd = Sshd::start().unwrap();

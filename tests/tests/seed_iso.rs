@@ -21,7 +21,7 @@ fn xorriso() -> Option<PathBuf> {
 fn skip_without_xorriso() -> Option<PathBuf> {
     let found = xorriso();
     if found.is_none() {
-        eprintln!("SKIPPED: xorriso is not on PATH (run `make setup` as root)");
+        integration_tests::harness::cannot_run("xorriso is not on PATH (run `make setup` as root)");
     }
     found
 }

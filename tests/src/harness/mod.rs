@@ -34,7 +34,7 @@ use anyhow::{Context, Result};
 use tempfile::TempDir;
 
 pub use libvirtd::Libvirtd;
-pub use skip::{Need, skip, skip_reason};
+pub use skip::{Need, cannot_run, in_ci, skip, skip_reason};
 pub use sshd::Sshd;
 
 /// A fresh temp dir named `PREFIX<pid>-<random>`, the PID being this test

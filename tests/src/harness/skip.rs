@@ -1,7 +1,9 @@
 //! Decides whether a test that needs real daemons can run here. On the build
 //! machines (root, `make setup` done) nothing is skipped; elsewhere (a laptop
 //! without root, a container without the packages) the tests say why and pass
-//! instead of failing on something that is not a bug.
+//! instead of failing on something that is not a bug. In CI (`CI` set, as
+//! `.ci/run` runs) a missing daemon is a broken setup, never a pass: the test
+//! fails with the reason.
 
 use std::fs;
 use std::path::{Path, PathBuf};
@@ -66,15 +68,28 @@ pub fn skip_reason(needs: &[Need]) -> Option<String> {
 }
 
 /// Prints the skip reason for `needs` and returns true when the test must stop.
-/// Tests call this first: `if skip(&[Need::Sshd]) { return; }`.
+/// Tests call this first: `if skip(&[Need::Sshd]) { return; }`. Under CI it
+/// panics instead, so a machine that lost a daemon cannot turn tests green.
 pub fn skip(needs: &[Need]) -> bool {
     match skip_reason(needs) {
-        Some(reason) => {
-            eprintln!("SKIPPED: {reason}");
-            true
-        }
+        Some(reason) => cannot_run(&reason),
         None => false,
     }
+}
+
+/// Reports that a test cannot run here because `reason` (a missing tool, say):
+/// prints it and returns true outside CI, panics with it in CI.
+pub fn cannot_run(reason: &str) -> bool {
+    if in_ci() {
+        panic!("CI must run this test, but it cannot run here: {reason}");
+    }
+    eprintln!("SKIPPED: {reason}");
+    true
+}
+
+/// Whether this is a CI run: `CI` set to anything but empty, `0` or `false`.
+pub fn in_ci() -> bool {
+    std::env::var("CI").is_ok_and(|v| !matches!(v.trim(), "" | "0" | "false"))
 }
 
 /// Effective UID 0, read from procfs (no libc call, no unsafe).
