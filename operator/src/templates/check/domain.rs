@@ -395,6 +395,15 @@ fn tie_disks(devices: &Node, input: &DomainInput) -> Result<(), TemplateErrorKin
     let mut used = vec![false; input.disks.len()];
     for (i, disk) in devices.children_named("disk").enumerate() {
         let at = format!("/domain/devices/disk[{}]", i + 1);
+        // libvirt defaults a missing type to "file" and would ignore pool and volume.
+        if disk.attr("type") != Some("volume") {
+            return Err(refuse(
+                "disk-volume-only",
+                format!(
+                    "{at}/@type must be \"volume\" (libvirt reads a missing type as a host file)"
+                ),
+            ));
+        }
         let source = required(disk, "source", &at)?;
         let (pool, volume) = (
             source.attr("pool").unwrap_or_default(),
@@ -477,6 +486,12 @@ fn tie_interfaces(
     for (i, nic) in devices.children_named("interface").enumerate() {
         count += 1;
         let at = format!("/domain/devices/interface[{}]", i + 1);
+        if nic.attr("type") != Some("bridge") {
+            return Err(refuse(
+                "interface-bridge-only",
+                format!("{at}/@type must be \"bridge\""),
+            ));
+        }
         let bridge = required(nic, "source", &at)?.attr("bridge");
         if bridge != Some(input.bridge.as_str()) {
             return Err(refuse(

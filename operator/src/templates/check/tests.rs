@@ -1166,6 +1166,19 @@ fn the_output_is_tied_to_the_input() {
             ),
         ),
         (
+            "disk-volume-only",
+            "/domain/devices/disk[1]/@type",
+            with(
+                "<disk type=\"volume\" device=\"disk\">",
+                "<disk device=\"disk\">",
+            ),
+        ),
+        (
+            "interface-bridge-only",
+            "/domain/devices/interface[1]/@type",
+            with("<interface type=\"bridge\">", "<interface>"),
+        ),
+        (
             "arch-matches",
             "/domain/os/type/@arch",
             with("arch=\"x86_64\"", "arch=\"aarch64\""),
