@@ -26,7 +26,7 @@ use egress_operator::provider::kvm2::backend::{Kvm2Options, Kvm2Provider};
 use egress_operator::provider::kvm2::fake::{FAULT_POINTS, FakeOps, FaultyOps};
 use egress_operator::provider::kvm2::image::{ImageCacheOptions, ImageMetrics};
 use egress_operator::provider::kvm2::ops::{
-    Created, DomainRecord, HostOps, OpsError, PoolSpace, UploadChunks, VolumeInfo,
+    Created, DefinedDomain, DomainRecord, HostOps, OpsError, PoolSpace, UploadChunks, VolumeInfo,
 };
 use egress_operator::provider::{
     BoxFuture, CreateRequest, InstanceId, InstanceState, Provider, ProviderError, ProxyRef,
@@ -543,10 +543,12 @@ fn foreign_domains_are_refused_and_untouched_ours_are_adopted() {
         }
         assert_eq!(env.hits(), 0);
 
-        // Ours (same cluster, same UID) with its root volume: adopted as it is.
+        // Ours (same cluster, same UID) with its root volume: adopted as it is. Running: a
+        // shut-off one is first re-checked like a fresh define (tests/tests/define_check.rs),
+        // which this sketch of a domain would not pass.
         let ours = domain_xml(&name, Some(&mark("test", "adopted-name", &u)));
         env.fake
-            .put_domain("h1", &name, &ours, InstanceState::ShutOff);
+            .put_domain("h1", &name, &ours, InstanceState::Running);
         env.fake
             .put_volume("h1", &identity(&u).root_volume, b"overlay");
         let inst = p.create(&request(&u, "office", Some("h1"))).await.unwrap();
@@ -1372,7 +1374,18 @@ impl HostOps for ReplicaView {
     ) -> BoxFuture<'a, Result<Option<String>, OpsError>> {
         self.inner.domain_xml(host, name)
     }
-    fn define<'a>(&'a self, host: &'a str, xml: String) -> BoxFuture<'a, Result<(), OpsError>> {
+    fn inactive_xml<'a>(
+        &'a self,
+        host: &'a str,
+        name: &'a str,
+    ) -> BoxFuture<'a, Result<Option<String>, OpsError>> {
+        self.inner.inactive_xml(host, name)
+    }
+    fn define<'a>(
+        &'a self,
+        host: &'a str,
+        xml: String,
+    ) -> BoxFuture<'a, Result<DefinedDomain, OpsError>> {
         self.inner.define(host, xml)
     }
     fn start<'a>(&'a self, host: &'a str, name: &'a str) -> BoxFuture<'a, Result<(), OpsError>> {
@@ -1623,7 +1636,18 @@ impl HostOps for DeadHosts {
     ) -> BoxFuture<'a, Result<Option<String>, OpsError>> {
         self.inner.domain_xml(host, name)
     }
-    fn define<'a>(&'a self, host: &'a str, xml: String) -> BoxFuture<'a, Result<(), OpsError>> {
+    fn inactive_xml<'a>(
+        &'a self,
+        host: &'a str,
+        name: &'a str,
+    ) -> BoxFuture<'a, Result<Option<String>, OpsError>> {
+        self.inner.inactive_xml(host, name)
+    }
+    fn define<'a>(
+        &'a self,
+        host: &'a str,
+        xml: String,
+    ) -> BoxFuture<'a, Result<DefinedDomain, OpsError>> {
         self.inner.define(host, xml)
     }
     fn start<'a>(&'a self, host: &'a str, name: &'a str) -> BoxFuture<'a, Result<(), OpsError>> {

@@ -7,6 +7,13 @@
 //! start it and wait (bounded) until it runs. A failure cleans up what *this* Create
 //! made; whatever a crash leaves behind is ours by name and mark, so the next Create
 //! adopts or replaces it, and never anything else.
+//!
+//! Plugin output meets three layers before it runs: the plugin-output check (in the
+//! render), libvirt's schema validation at define, and the same check again on libvirt's
+//! own reading of the defined domain (its inactive XML), because what matters is what
+//! libvirt will run, not what the checker parsed. A domain whose reading fails is
+//! undefined with the volumes this Create made and never started; an adopted domain that
+//! is not running yet is checked the same way before it is started.
 
 use std::collections::BTreeMap;
 use std::sync::Arc;
@@ -30,7 +37,10 @@ use crate::provider::{
     BoxFuture, CreateRequest, HealthCheck, Instance, InstanceId, InstanceState, Provider,
     ProviderError, ProxyRef, TargetHealth, TargetListing,
 };
-use crate::templates::{PluginUnavailable, TemplateError, TemplateSet};
+use crate::templates::check::check_defined_domain_xml;
+use crate::templates::{
+    DomainInput, PluginUnavailable, TemplateError, TemplateErrorKind, TemplateSet,
+};
 use crate::validation::Problems;
 
 /// The provider's name in the config and in `spec.provider`.
@@ -92,6 +102,38 @@ pub enum Kvm2Error {
     /// A template render failed.
     #[error(transparent)]
     Template(#[from] TemplateError),
+    /// libvirt's own reading of a defined domain broke a plugin-output rule, so the domain
+    /// was not started. Permanent: libvirt reads the same plugin output the same way again.
+    #[error(
+        "libvirt's reading of domain {domain:?} on host {host:?} ({origin}) failed the \
+         post-define check, so it was not started: {kind}"
+    )]
+    DefinedRefused {
+        /// Host.
+        host: String,
+        /// Domain.
+        domain: String,
+        /// Which path defined it: this Create, or an earlier one (adoption).
+        origin: &'static str,
+        /// The rule and the path that refused it.
+        #[source]
+        kind: TemplateErrorKind,
+    },
+    /// libvirt defined the rendered XML under another name than the operator asked for (it
+    /// read `<name>` differently from the checker). That domain may be someone else's,
+    /// redefined, so it is not touched.
+    #[error(
+        "libvirt defined the domain XML for {expected:?} on host {host:?} as domain \
+         {defined:?}; left alone for an administrator to inspect"
+    )]
+    DefinedElsewhere {
+        /// Host.
+        host: String,
+        /// The name the operator asked for.
+        expected: String,
+        /// The name libvirt defined.
+        defined: String,
+    },
     /// The seed ISO could not be built.
     #[error(transparent)]
     Seed(#[from] SeedError),
@@ -115,7 +157,10 @@ pub enum Kvm2Error {
 impl Classified for Kvm2Error {
     fn class(&self) -> ErrorClass {
         match self {
-            Kvm2Error::InvalidRequest(_) | Kvm2Error::Foreign { .. } => ErrorClass::Permanent,
+            Kvm2Error::InvalidRequest(_)
+            | Kvm2Error::Foreign { .. }
+            | Kvm2Error::DefinedRefused { .. }
+            | Kvm2Error::DefinedElsewhere { .. } => ErrorClass::Permanent,
             Kvm2Error::NoCapacity(_) | Kvm2Error::HostFull { .. } => ErrorClass::Quota,
             Kvm2Error::NotFound(_) => ErrorClass::NotFound,
             Kvm2Error::Ops { source, .. } => source.class(),
@@ -135,6 +180,11 @@ impl From<ImageError> for Kvm2Error {
         Kvm2Error::Image(Box::new(e))
     }
 }
+
+/// [`Kvm2Error::DefinedRefused`]'s origin for a domain this Create defined (and removes).
+const JUST_DEFINED: &str = "just defined by this Create; undefined again";
+/// [`Kvm2Error::DefinedRefused`]'s origin for our domain found defined and not running.
+const ADOPTED: &str = "found defined and not running; left defined";
 
 fn step(step: &'static str) -> impl FnOnce(OpsError) -> Kvm2Error {
     move |source| Kvm2Error::Ops { step, source }
@@ -458,6 +508,9 @@ impl Kvm2Provider {
             match rec.mark.clone() {
                 Some(m) if self.is_ours(&m) && m.uid == req.proxy.uid => {
                     if self.adoptable(&host, &identity).await? {
+                        if rec.state != InstanceState::Running {
+                            self.check_adopted(req, &host, &identity, &m).await?;
+                        }
                         tracing::info!(host = h, domain = %identity.domain_name, "adopting our existing domain");
                         return self.finish_start(&host, &identity, rec, m).await;
                     }
@@ -517,6 +570,76 @@ impl Kvm2Provider {
             .await
             .map_err(step("root volume lookup"))?
             .is_some())
+    }
+
+    /// Runs the post-define check on libvirt's reading of our domain before an adopting
+    /// Create starts it: a crash between the define and its check (or an operator version
+    /// without the check) leaves a defined domain nobody checked. The input is this Proxy's
+    /// on this host with the mark the domain carries (the Proxy's name and creation time
+    /// when it was rendered). A domain that fails is not started and is left defined: its
+    /// mark says it is this Proxy's, and this Create did not make it.
+    async fn check_adopted(
+        &self,
+        req: &CreateRequest,
+        host: &HostConfig,
+        identity: &InstanceIdentity,
+        mark: &MetadataMark,
+    ) -> Result<(), Kvm2Error> {
+        let h = host.name.as_str();
+        let mut facts = self.ops.facts(h).await.map_err(step("host facts"))?;
+        facts.kvm &= !host.disable_kvm;
+        let owner = ProxyRef {
+            namespace: mark.namespace.clone(),
+            name: mark.name.clone(),
+            uid: req.proxy.uid.clone(),
+        };
+        let inputs = crate::render::inputs_for(
+            &self.config,
+            &owner,
+            &req.spec,
+            Some(h),
+            &facts,
+            &mark.created_at,
+        )
+        .map_err(Kvm2Error::InvalidRequest)?;
+        let xml = self
+            .ops
+            .inactive_xml(h, &identity.domain_name)
+            .await
+            .map_err(step("domain inactive xml"))?
+            .ok_or_else(|| {
+                Kvm2Error::NotFound(InstanceId {
+                    host: h.into(),
+                    name: identity.domain_name.clone(),
+                })
+            })?;
+        self.check_defined(h, &identity.domain_name, xml, inputs.domain, ADOPTED)
+            .await
+    }
+
+    /// Checks libvirt's reading of a defined domain (its inactive XML) with the same
+    /// rules as the plugin's output, off the async threads like a render.
+    async fn check_defined(
+        &self,
+        host: &str,
+        domain: &str,
+        xml: String,
+        input: DomainInput,
+        origin: &'static str,
+    ) -> Result<(), Kvm2Error> {
+        let verdict = tokio::task::spawn_blocking(move || check_defined_domain_xml(&xml, &input))
+            .await
+            .map_err(|e| Kvm2Error::Runtime(e.to_string()))?;
+        verdict.map_err(|kind| {
+            tracing::warn!(host, domain, origin, reason = %kind,
+                "libvirt's reading of the defined domain failed the post-define check; not starting it");
+            Kvm2Error::DefinedRefused {
+                host: host.into(),
+                domain: domain.into(),
+                origin,
+                kind,
+            }
+        })
     }
 
     /// Takes a slot on `host` if its domains plus the Creates in flight stay within
@@ -626,7 +749,8 @@ impl Kvm2Provider {
             .await
             .map_err(step("seed volume"))?;
 
-        // Domain.
+        // Domain: render, define (libvirt validates against its schema), then check
+        // libvirt's own reading of what it defined before anything starts it.
         let domain_input = inputs.domain.clone();
         let domain_overrides = inputs.overrides.domain.clone();
         let xml = self
@@ -635,11 +759,29 @@ impl Kvm2Provider {
                     .render_with(&domain_input, domain_overrides.as_ref())?)
             })
             .await?;
-        self.ops
+        let defined = self
+            .ops
             .define(h, xml)
             .await
             .map_err(step("domain define"))?;
+        if defined.name != identity.domain_name {
+            tracing::error!(host = h, expected = %identity.domain_name, defined = %defined.name,
+                "libvirt defined the rendered domain under another name");
+            return Err(Kvm2Error::DefinedElsewhere {
+                host: h.into(),
+                expected: identity.domain_name.clone(),
+                defined: defined.name,
+            });
+        }
         made.domain = true;
+        self.check_defined(
+            h,
+            &identity.domain_name,
+            defined.inactive_xml,
+            inputs.domain.clone(),
+            JUST_DEFINED,
+        )
+        .await?;
         let rec = self
             .ops
             .domain(h, &identity.domain_name)
@@ -969,6 +1111,7 @@ fn reason_code(e: &OpsError) -> String {
             _ => h.reason_code().into(),
         },
         OpsError::UploadAborted { .. } => "upload".into(),
+        OpsError::Unsendable { .. } => "unsendable".into(),
         OpsError::Injected { .. } => "injected".into(),
     }
 }

@@ -10,7 +10,9 @@ use std::time::Duration;
 
 use super::addresses::{AddressSource, NicAddrs};
 use super::metadata;
-use super::ops::{Created, DomainRecord, HostOps, OpsError, PoolSpace, UploadChunks, VolumeInfo};
+use super::ops::{
+    Created, DefinedDomain, DomainRecord, HostOps, OpsError, PoolSpace, UploadChunks, VolumeInfo,
+};
 use crate::error::ErrorClass;
 use crate::provider::{BoxFuture, InstanceState};
 use crate::render::Facts;
@@ -35,11 +37,32 @@ struct FakeHost {
     down: bool,
 }
 
+/// How the fake "libvirt" reads a domain XML it is asked to define: the document it
+/// stores and hands back as the inactive XML.
+pub type Reading = Arc<dyn Fn(&str) -> String + Send + Sync>;
+
 /// An in-memory set of hosts: volumes with content, domains with state.
-#[derive(Debug)]
+///
+/// A define stores, and returns as libvirt's inactive XML, the fake's *reading* of the
+/// document: the XML as given, unless a test sets another reading
+/// ([`FakeOps::set_reading`]) to model libvirt reading a document differently from the
+/// operator's checker. Every call is counted by operation ([`FakeOps::calls`]), so a test
+/// can prove that a step (a start) never ran.
 pub struct FakeOps {
     hosts: Mutex<BTreeMap<String, FakeHost>>,
     uploads: AtomicUsize,
+    reading: Mutex<Option<Reading>>,
+    calls: Mutex<BTreeMap<&'static str, usize>>,
+}
+
+impl std::fmt::Debug for FakeOps {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("FakeOps")
+            .field("hosts", &self.hosts)
+            .field("uploads", &self.uploads)
+            .field("calls", &self.calls)
+            .finish_non_exhaustive()
+    }
 }
 
 impl FakeOps {
@@ -61,6 +84,33 @@ impl FakeOps {
                     .collect(),
             ),
             uploads: AtomicUsize::new(0),
+            reading: Mutex::new(None),
+            calls: Mutex::new(BTreeMap::new()),
+        }
+    }
+
+    /// From now on, a define stores and returns `reading(xml)` instead of `xml`: what
+    /// libvirt would have made of the document (its defaults added, or an attribute or
+    /// element read differently from the checker).
+    pub fn set_reading(&self, reading: impl Fn(&str) -> String + Send + Sync + 'static) {
+        if let Ok(mut r) = self.reading.lock() {
+            *r = Some(Arc::new(reading));
+        }
+    }
+
+    /// How many calls of operation `op` (`domain-start`, `domain-define`, ...) reached a
+    /// fake host, failed ones included.
+    pub fn calls(&self, op: &str) -> usize {
+        self.calls
+            .lock()
+            .ok()
+            .and_then(|c| c.get(op).copied())
+            .unwrap_or(0)
+    }
+
+    fn count(&self, op: &'static str) {
+        if let Ok(mut c) = self.calls.lock() {
+            *c.entry(op).or_insert(0) += 1;
         }
     }
 
@@ -70,6 +120,7 @@ impl FakeOps {
         op: &'static str,
         f: impl FnOnce(&mut FakeHost) -> T,
     ) -> Result<T, OpsError> {
+        self.count(op);
         let mut hosts = self
             .hosts
             .lock()
@@ -346,16 +397,49 @@ impl HostOps for FakeOps {
         })
     }
 
-    fn define<'a>(&'a self, host: &'a str, xml: String) -> BoxFuture<'a, Result<(), OpsError>> {
+    fn inactive_xml<'a>(
+        &'a self,
+        host: &'a str,
+        name: &'a str,
+    ) -> BoxFuture<'a, Result<Option<String>, OpsError>> {
         Box::pin(async move {
-            let name = domain_name(&xml)
-                .ok_or_else(|| injected("domain-define", host, ErrorClass::Permanent))?;
+            self.with(host, "domain-inactive-xml", |h| {
+                h.domains.get(name).map(|d| d.xml.clone())
+            })
+        })
+    }
+
+    fn define<'a>(
+        &'a self,
+        host: &'a str,
+        xml: String,
+    ) -> BoxFuture<'a, Result<DefinedDomain, OpsError>> {
+        Box::pin(async move {
+            let reading = self.reading.lock().ok().and_then(|r| r.clone());
+            let xml = match reading {
+                Some(read) => read(&xml),
+                None => xml,
+            };
+            let Some(name) = domain_name(&xml) else {
+                self.count("domain-define");
+                return Err(injected("domain-define", host, ErrorClass::Permanent));
+            };
             self.with(host, "domain-define", |h| {
                 let state = h
                     .domains
                     .get(&name)
                     .map_or(InstanceState::ShutOff, |d| d.state);
-                h.domains.insert(name, FakeDomain { xml, state });
+                h.domains.insert(
+                    name.clone(),
+                    FakeDomain {
+                        xml: xml.clone(),
+                        state,
+                    },
+                );
+                DefinedDomain {
+                    name,
+                    inactive_xml: xml,
+                }
             })
         })
     }
@@ -601,7 +685,23 @@ impl HostOps for FaultyOps {
     ) -> BoxFuture<'a, Result<Option<String>, OpsError>> {
         gated!(self, "domain-xml", host, self.inner.domain_xml(host, name))
     }
-    fn define<'a>(&'a self, host: &'a str, xml: String) -> BoxFuture<'a, Result<(), OpsError>> {
+    fn inactive_xml<'a>(
+        &'a self,
+        host: &'a str,
+        name: &'a str,
+    ) -> BoxFuture<'a, Result<Option<String>, OpsError>> {
+        gated!(
+            self,
+            "domain-inactive-xml",
+            host,
+            self.inner.inactive_xml(host, name)
+        )
+    }
+    fn define<'a>(
+        &'a self,
+        host: &'a str,
+        xml: String,
+    ) -> BoxFuture<'a, Result<DefinedDomain, OpsError>> {
         gated!(self, "domain-define", host, self.inner.define(host, xml))
     }
     fn start<'a>(&'a self, host: &'a str, name: &'a str) -> BoxFuture<'a, Result<(), OpsError>> {

@@ -60,6 +60,21 @@ pub struct DomainRecord {
     pub mark: Option<MetadataMark>,
 }
 
+/// A domain libvirt has just defined, as libvirt read it.
+///
+/// The post-define check runs on this reading, not on what the plugin returned: where
+/// libvirt parses a document differently from the operator's checker (first of repeated
+/// elements, attributes by local name, entities), only libvirt's reading says what would
+/// run.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct DefinedDomain {
+    /// The name libvirt gave the domain it defined (its reading of `<name>`).
+    pub name: String,
+    /// libvirt's inactive XML of the domain (`VIR_DOMAIN_XML_INACTIVE`), read right after
+    /// the define.
+    pub inactive_xml: String,
+}
+
 /// Chunks of an upload. `Err` aborts it (the download failed or did not verify), so a
 /// volume is never finished with partial content.
 pub type UploadChunks = mpsc::Receiver<Result<Bytes, String>>;
@@ -80,6 +95,17 @@ pub enum OpsError {
         /// Why.
         reason: String,
     },
+    /// The request was refused before it reached libvirt: the `virt` crate cannot carry it
+    /// (a NUL byte in XML would panic in its `CString` conversion).
+    #[error("{op} on host {host:?} refused before reaching libvirt: {reason}")]
+    Unsendable {
+        /// The operation.
+        op: &'static str,
+        /// Host.
+        host: String,
+        /// Why.
+        reason: String,
+    },
     /// A failure made on purpose by [`super::fake::FaultyOps`] or [`super::fake::FakeOps`].
     #[error("injected failure in {op} on host {host:?}")]
     Injected {
@@ -97,6 +123,8 @@ impl Classified for OpsError {
         match self {
             OpsError::Host(e) => e.class(),
             OpsError::UploadAborted { .. } => ErrorClass::Transient,
+            // The same bytes are refused the same way every time.
+            OpsError::Unsendable { .. } => ErrorClass::Permanent,
             OpsError::Injected { class, .. } => *class,
         }
     }
@@ -176,8 +204,23 @@ pub trait HostOps: Send + Sync {
         host: &'a str,
         name: &'a str,
     ) -> BoxFuture<'a, Result<Option<String>, OpsError>>;
-    /// Defines a persistent domain.
-    fn define<'a>(&'a self, host: &'a str, xml: String) -> BoxFuture<'a, Result<(), OpsError>>;
+    /// libvirt's inactive XML of the domain (its persistent definition as libvirt reads
+    /// it, whatever the run state), or `None` when absent. The adoption path checks this
+    /// before starting a domain it did not define itself.
+    fn inactive_xml<'a>(
+        &'a self,
+        host: &'a str,
+        name: &'a str,
+    ) -> BoxFuture<'a, Result<Option<String>, OpsError>>;
+    /// Defines a persistent domain with libvirt's schema validation
+    /// (`VIR_DOMAIN_DEFINE_VALIDATE`: XML that libvirt's RNG schema refuses is not
+    /// defined) and returns libvirt's reading of what it defined. A refusal of the XML is
+    /// a permanent error carrying libvirt's message.
+    fn define<'a>(
+        &'a self,
+        host: &'a str,
+        xml: String,
+    ) -> BoxFuture<'a, Result<DefinedDomain, OpsError>>;
     /// Starts a defined domain; starting a running one is not an error.
     fn start<'a>(&'a self, host: &'a str, name: &'a str) -> BoxFuture<'a, Result<(), OpsError>>;
     /// Asks the guest to shut down (ACPI); absent or already off is not an error.
@@ -545,14 +588,57 @@ impl HostOps for LibvirtOps {
         })
     }
 
-    fn define<'a>(&'a self, host: &'a str, xml: String) -> BoxFuture<'a, Result<(), OpsError>> {
+    fn inactive_xml<'a>(
+        &'a self,
+        host: &'a str,
+        name: &'a str,
+    ) -> BoxFuture<'a, Result<Option<String>, OpsError>> {
+        let name = name.to_string();
         Box::pin(async move {
-            self.hosts
+            Ok(self
+                .hosts
+                .call(
+                    host,
+                    "domain-inactive-xml",
+                    move |c| match Domain::lookup_by_name(c, &name)
+                        .and_then(|d| d.get_xml_desc(virt::sys::VIR_DOMAIN_XML_INACTIVE))
+                    {
+                        Ok(x) => Ok(Some(x)),
+                        Err(e) if absent(&e) => Ok(None),
+                        Err(e) => Err(e),
+                    },
+                )
+                .await?)
+        })
+    }
+
+    fn define<'a>(
+        &'a self,
+        host: &'a str,
+        xml: String,
+    ) -> BoxFuture<'a, Result<DefinedDomain, OpsError>> {
+        Box::pin(async move {
+            if xml.contains('\0') {
+                return Err(OpsError::Unsendable {
+                    op: "domain-define",
+                    host: host.to_string(),
+                    reason: "the domain XML contains a NUL byte".into(),
+                });
+            }
+            // Define and read back in one blocking call: the reading is of exactly the
+            // definition this call made (a retry after a transport failure defines the same
+            // XML again, which is idempotent, and reads that).
+            Ok(self
+                .hosts
                 .call(host, "domain-define", move |c| {
-                    Domain::define_xml(c, &xml).map(drop)
+                    let d =
+                        Domain::define_xml_flags(c, &xml, virt::sys::VIR_DOMAIN_DEFINE_VALIDATE)?;
+                    Ok(DefinedDomain {
+                        name: d.get_name()?,
+                        inactive_xml: d.get_xml_desc(virt::sys::VIR_DOMAIN_XML_INACTIVE)?,
+                    })
                 })
-                .await?;
-            Ok(())
+                .await?)
         })
     }
 

@@ -1,0 +1,644 @@
+//! Defence in depth at define time: each layer catches a case the others are not given.
+//!
+//! - libvirt's schema validation (`VIR_DOMAIN_DEFINE_VALIDATE`): the host operation is
+//!   handed XML libvirt's RNG schema refuses (no checker runs before it) and defines
+//!   nothing, with a permanent error carrying libvirt's message;
+//! - the post-define check on libvirt's own reading (`check_defined_domain_xml` on the
+//!   inactive XML): the host operation is handed XML that libvirt's schema accepts but
+//!   libvirt reads differently from the plugin-output checker, and the Create path
+//!   undefines it, removes its volumes and never starts it;
+//! - the positive case: the default plugin's output, defined on libvirt 9.0, passes the
+//!   check on libvirt's reading, which is kept as the fixture
+//!   `operator/src/templates/testdata/libvirt-inactive-default.xml`.
+//!
+//! The first tests run against the in-memory fake hosts (no daemons; the fake models
+//! libvirt's reading with a hook); the rest run on the harness's sshd and libvirtd with
+//! the QEMU driver.
+#![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)] // tests fail loudly
+
+use std::collections::BTreeSet;
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::{Arc, OnceLock};
+use std::time::Duration;
+
+use egress_operator::Classified as _;
+use egress_operator::api::proxy::{self, ProxySpec};
+use egress_operator::config::{self, ValidConfig};
+use egress_operator::error::ErrorClass;
+use egress_operator::instance::{InstanceIdentity, image_marker_name, image_volume_name};
+use egress_operator::provider::kvm2::addresses::{AddressSource, NicAddrs};
+use egress_operator::provider::kvm2::backend::{Kvm2Error, Kvm2Options, Kvm2Provider};
+use egress_operator::provider::kvm2::fake::FakeOps;
+use egress_operator::provider::kvm2::image::{ImageCacheOptions, ImageMetrics};
+use egress_operator::provider::kvm2::ops::{
+    Created, DefinedDomain, DomainRecord, HostOps, OpsError, PoolSpace, UploadChunks, VolumeInfo,
+};
+use egress_operator::provider::{
+    BoxFuture, CreateRequest, InstanceState, Provider, ProviderError, ProxyRef, UserData,
+};
+use egress_operator::render::{self, Facts};
+use egress_operator::templates::check::check_defined_domain_xml;
+use egress_operator::templates::{DomainInput, TemplateEngine, TemplateErrorKind, TemplateSet};
+use integration_tests::http::{HttpServer, Route};
+use integration_tests::provider_rig::{self, Rig};
+use integration_tests::{plugin_path, sha256_hex, workspace_root};
+
+/// A hang fails the test instead of blocking CI; not a timing assertion.
+const HANG_GUARD: Duration = Duration::from_secs(60);
+/// The creation time of the sample render (as in tests/snapshots/domain-default.xml).
+const CREATED_AT: &str = "2026-01-01T00:00:00Z";
+/// The NIC the default plugin writes, and how libvirt reads it when a plugin adds a
+/// namespaced `x:type="user"` before it (`xmlGetProp` matches the local name and takes
+/// the first): user-mode networking, a NIC off the configured bridge.
+const BRIDGE_NIC: &str = r#"<interface type="bridge">"#;
+const USER_NIC: &str = r#"<interface type="user">"#;
+/// A root element that declares libvirt's QEMU passthrough namespace with a character
+/// reference in its URI (`1.&#48;` is `1.0`): libvirt's schema accepts the
+/// `<q:commandline>` it carries, and libvirt reads it as raw QEMU arguments.
+const QEMU_NS_BY_CHARREF: &str =
+    r#"<domain type="qemu" xmlns:q="http://libvirt.org/schemas/domain/qemu/1.&#48;">"#;
+const PASSTHROUGH: &str = r#"<q:commandline><q:arg value="-no-reboot"/></q:commandline></domain>"#;
+/// A NIC whose namespaced `x:type="user"` libvirt would honour: its RNG schema refuses it.
+const NAMESPACED_NIC: &str = r#"<interface xmlns:x="urn:x" x:type="user" type="bridge">"#;
+
+fn run<F: std::future::Future>(f: F) -> F::Output {
+    let rt = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .enable_all()
+        .build()
+        .unwrap();
+    rt.block_on(async {
+        tokio::time::timeout(HANG_GUARD, f)
+            .await
+            .expect("hang guard")
+    })
+}
+
+fn uid(n: u8) -> String {
+    format!("0b7c3c1e-9a43-4f5e-a1d2-3c4b5a6978{n:02x}")
+}
+
+fn names<I: IntoIterator<Item = S>, S: Into<String>>(items: I) -> BTreeSet<String> {
+    items.into_iter().map(Into::into).collect()
+}
+
+/// The Kvm2 error inside a provider error.
+fn kvm2(e: &ProviderError) -> &Kvm2Error {
+    e.inner()
+        .downcast_ref::<Kvm2Error>()
+        .unwrap_or_else(|| panic!("not a kvm2 error: {e}"))
+}
+
+/// Asserts `e` is the post-define check's refusal: permanent, says libvirt's reading of
+/// the defined domain failed, names `origin`, and carries the rule and path of the
+/// checker's refusal; returns the refusal's detail.
+fn assert_refused_on_libvirts_reading(e: &ProviderError, origin: &str) -> String {
+    assert_eq!(e.class(), ErrorClass::Permanent, "{e}");
+    let shown = e.to_string();
+    assert!(
+        shown.contains("libvirt's reading of domain") && shown.contains("post-define check"),
+        "{shown}"
+    );
+    assert!(shown.contains(origin), "{shown}");
+    let Kvm2Error::DefinedRefused { kind, .. } = kvm2(e) else {
+        panic!("not the post-define check's refusal: {e:?}");
+    };
+    let TemplateErrorKind::InvalidOutput { rule, detail } = kind else {
+        panic!("not a rule's refusal: {kind:?}");
+    };
+    assert!(
+        shown.contains(rule) && shown.contains(detail.as_str()),
+        "{shown}"
+    );
+    assert!(detail.contains('/'), "the detail names a path: {detail}");
+    detail.clone()
+}
+
+// On the fake hosts. ----------------------------------------------------------------------
+
+/// Fake hosts h1, an image server, and a provider over them.
+struct FakeWorld {
+    _http: HttpServer,
+    fake: Arc<FakeOps>,
+    config: Arc<ValidConfig>,
+    sha: String,
+}
+
+impl FakeWorld {
+    fn new() -> Self {
+        let bytes: Arc<Vec<u8>> = Arc::new((0..4000u32).map(|i| (i * 13 % 251) as u8).collect());
+        let http =
+            HttpServer::start(vec![("/img".to_string(), Route::Body(bytes.clone()))]).unwrap();
+        let sha = sha256_hex(&bytes);
+        let config = fake_config(&http.url("/img"), &sha);
+        Self {
+            _http: http,
+            fake: Arc::new(FakeOps::new(&["h1"], 1 << 40)),
+            config,
+            sha,
+        }
+    }
+
+    fn provider(&self) -> Kvm2Provider {
+        let options = Kvm2Options {
+            images: ImageCacheOptions {
+                poll_every: Duration::from_millis(20),
+                ..ImageCacheOptions::default()
+            },
+            start_timeout: Duration::from_secs(2),
+            shutdown_timeout: Duration::from_secs(1),
+            poll_every: Duration::from_millis(10),
+            ..Kvm2Options::default()
+        };
+        Kvm2Provider::new(
+            self.config.clone(),
+            self.fake.clone(),
+            fake_templates(),
+            options,
+            ImageMetrics::default(),
+        )
+    }
+
+    fn base(&self) -> BTreeSet<String> {
+        names([image_volume_name(&self.sha), image_marker_name(&self.sha)])
+    }
+
+    fn with_vm(&self, uid: &str) -> BTreeSet<String> {
+        let id = InstanceIdentity::for_uid(uid).unwrap();
+        let mut v = self.base();
+        v.extend([id.root_volume, id.seed_volume]);
+        v
+    }
+}
+
+fn fake_config(url: &str, sha: &str) -> Arc<ValidConfig> {
+    let yaml = format!(
+        r#"
+clusterId: test
+kvm2:
+  ssh:
+    user: egress
+    privateKeyFile: /nonexistent/id_ed25519
+    knownHostsFile: /nonexistent/known_hosts
+  hosts:
+    - {{name: h1, address: "127.0.0.1:1", storagePool: default, bridge: br0}}
+  images:
+    - {{name: base, url: "{url}", sha256: "{sha}", format: qcow2, allowHttp: true, allowPrivateAddresses: true}}
+  machineTypes:
+    - {{name: small, vcpus: 1, memoryMiB: 128, diskGiB: 1}}
+  defaults: {{machineType: small, image: base}}
+  templates:
+    domain: {{path: {domain}}}
+    vendorData:
+      path: {vendor}
+      settings: {{listenPort: 3128, allowedClientCidrs: [10.0.0.0/8]}}
+"#,
+        domain = plugin_path("domain-default").unwrap().display(),
+        vendor = plugin_path("vendor-data-default").unwrap().display(),
+    );
+    Arc::new(config::parse(&yaml, "define-check-config", std::path::Path::new("/")).unwrap())
+}
+
+/// The default plugins, compiled once for the fake tests of this binary.
+fn fake_templates() -> Arc<TemplateSet> {
+    static SET: OnceLock<Arc<TemplateSet>> = OnceLock::new();
+    SET.get_or_init(|| {
+        let config = fake_config("http://127.0.0.1:1/img", &"a".repeat(64));
+        // Leaked: the engine's epoch ticker must outlive every render of the binary.
+        let engine: &'static TemplateEngine =
+            Box::leak(Box::new(TemplateEngine::new(None).unwrap()));
+        let set = TemplateSet::load(engine, &config.kvm2.templates);
+        assert!(set.is_healthy(), "{:?}", set.health());
+        Arc::new(set)
+    })
+    .clone()
+}
+
+fn fake_request(uid: &str) -> CreateRequest {
+    CreateRequest {
+        proxy: ProxyRef {
+            namespace: "default".into(),
+            name: "office".into(),
+            uid: uid.into(),
+        },
+        spec: ProxySpec {
+            provider: "kvm2".into(),
+            machine_type: None,
+            image: None,
+            host: Some("h1".into()),
+            user_data: None,
+            template_settings: None,
+        },
+        user_data: Some(UserData::new(b"#cloud-config\n".to_vec())),
+    }
+}
+
+/// libvirt reads the plugin's bridge NIC as a user-mode NIC (the reading of a namespaced
+/// `type` in front of the plain one): the Create defines, checks libvirt's reading,
+/// refuses it, undefines the domain and removes the volumes it made, and never starts it.
+/// The same Create without the divergent reading runs, so only the reading made the
+/// difference.
+#[test]
+fn post_define_check_refuses_libvirts_reading_undefines_and_removes_what_it_made() {
+    let w = FakeWorld::new();
+    run(async {
+        let p = w.provider();
+        w.fake
+            .set_reading(|xml| xml.replacen(BRIDGE_NIC, USER_NIC, 1));
+        let u = uid(1);
+        let e = p.create(&fake_request(&u)).await.unwrap_err();
+        let detail = assert_refused_on_libvirts_reading(&e, "just defined by this Create");
+        assert!(detail.contains("interface"), "{detail}");
+        assert_eq!(w.fake.calls("domain-define"), 1);
+        assert_eq!(w.fake.calls("domain-undefine"), 1, "undefined again");
+        assert_eq!(w.fake.calls("domain-start"), 0, "never started");
+        assert!(
+            w.fake.domains("h1").is_empty(),
+            "{:?}",
+            w.fake.domains("h1")
+        );
+        assert_eq!(
+            w.fake.volumes("h1"),
+            w.base(),
+            "the VM's root and seed volumes are removed; the shared base image stays"
+        );
+
+        // The same Create with libvirt reading the document as written: defined, checked,
+        // started.
+        w.fake.set_reading(str::to_string);
+        let inst = p.create(&fake_request(&u)).await.unwrap();
+        assert_eq!(inst.state, InstanceState::Running);
+        assert_eq!(w.fake.calls("domain-start"), 1);
+        assert_eq!(w.fake.volumes("h1"), w.with_vm(&u));
+    });
+}
+
+/// A Create that finds our domain defined but not running checks libvirt's reading of it
+/// before starting it: a good one is started; one that fails is refused permanently, left
+/// defined (its mark says it is this Proxy's, and this Create did not make it) with its
+/// volumes, and not started.
+#[test]
+fn adoption_rechecks_a_shut_off_domain_before_starting_it() {
+    let w = FakeWorld::new();
+    run(async {
+        let p = w.provider();
+        let u = uid(2);
+        let id = InstanceIdentity::for_uid(&u).unwrap();
+        p.create(&fake_request(&u)).await.unwrap();
+        assert_eq!(w.fake.calls("domain-start"), 1);
+
+        // Shut off (a crash between define and start leaves the same): adopted, re-checked
+        // on libvirt's inactive XML, started.
+        w.fake.destroy("h1", &id.domain_name).await.unwrap();
+        let inst = p.create(&fake_request(&u)).await.unwrap();
+        assert_eq!(inst.state, InstanceState::Running);
+        assert_eq!(w.fake.calls("domain-inactive-xml"), 1);
+        assert_eq!(w.fake.calls("domain-start"), 2);
+        assert_eq!(w.fake.calls("domain-define"), 1, "adopted, not redefined");
+
+        // Running: adopted as it is, no re-check.
+        p.create(&fake_request(&u)).await.unwrap();
+        assert_eq!(w.fake.calls("domain-inactive-xml"), 1);
+
+        // Shut off, and libvirt's definition now reads differently: not started, left.
+        let xml = w
+            .fake
+            .inactive_xml("h1", &id.domain_name)
+            .await
+            .unwrap()
+            .unwrap();
+        assert!(xml.contains(BRIDGE_NIC), "{xml}");
+        let changed = xml.replacen(BRIDGE_NIC, USER_NIC, 1);
+        w.fake
+            .put_domain("h1", &id.domain_name, &changed, InstanceState::ShutOff);
+        let e = p.create(&fake_request(&u)).await.unwrap_err();
+        let detail = assert_refused_on_libvirts_reading(&e, "found defined and not running");
+        assert!(detail.contains("interface"), "{detail}");
+        assert_eq!(w.fake.calls("domain-start"), 2, "not started");
+        assert_eq!(w.fake.calls("domain-undefine"), 0, "not undefined");
+        assert_eq!(w.fake.domains("h1"), names([id.domain_name.clone()]));
+        assert_eq!(
+            w.fake.domain_xml("h1", &id.domain_name).await.unwrap(),
+            Some(changed)
+        );
+        assert_eq!(w.fake.volumes("h1"), w.with_vm(&u), "volumes kept");
+    });
+}
+
+// On the harness's libvirtd (QEMU driver, through sshd). -----------------------------------
+
+/// The sample inputs the snapshot `tests/snapshots/domain-default.xml` renders from.
+fn sample_inputs() -> render::Inputs {
+    let root = workspace_root().join("config/samples");
+    let config = config::load_file(&root.join("providers-config.yaml")).unwrap();
+    let proxy = proxy::load_manifest(&root.join("proxy_kvm2.yaml"), &config).unwrap();
+    render::inputs(&config, &proxy, None, &Facts::default(), CREATED_AT).unwrap()
+}
+
+/// The default domain plugin's render of `input`, through the real template engine.
+fn render_default(input: &DomainInput) -> String {
+    let root = workspace_root().join("config/samples");
+    let config = config::load_file(&root.join("providers-config.yaml")).unwrap();
+    let mut t = config.kvm2.templates.domain.clone();
+    t.path = Some(plugin_path("domain-default").unwrap().display().to_string());
+    let engine = TemplateEngine::new(None).unwrap();
+    engine.load_domain(&t).unwrap().render(input).unwrap()
+}
+
+/// libvirt's schema refuses a namespaced attribute: the define fails with a permanent
+/// error carrying libvirt's message and defines nothing. Without validation libvirt would
+/// have defined it and read the NIC as user-mode networking, which is why the flag is on.
+/// A NUL byte (which the `virt` crate cannot carry) is refused before libvirt, also
+/// permanently, instead of panicking.
+#[test]
+fn validate_refuses_what_libvirts_schema_does_not_know() {
+    let Some(rig) = Rig::start(vec![], Rig::base_image) else {
+        return;
+    };
+    let inputs = sample_inputs();
+    let xml = render_default(&inputs.domain);
+    assert!(xml.contains(BRIDGE_NIC), "{xml}");
+    let hostile = xml.replacen(BRIDGE_NIC, NAMESPACED_NIC, 1);
+    let name = inputs.domain.name.clone();
+    provider_rig::run(async {
+        let e = rig.ops.define("h1", hostile.clone()).await.unwrap_err();
+        assert_eq!(e.class(), ErrorClass::Permanent, "{e}");
+        let shown = e.to_string();
+        assert!(
+            shown.contains("failed to validate against schema"),
+            "libvirt's message: {shown}"
+        );
+        assert!(rig.domains().is_empty(), "{:?}", rig.domains());
+
+        let e = rig
+            .ops
+            .define("h1", xml.replacen("</domain>", "\0</domain>", 1))
+            .await
+            .unwrap_err();
+        assert_eq!(e.class(), ErrorClass::Permanent, "{e}");
+        assert!(e.to_string().contains("NUL"), "{e}");
+        assert!(rig.domains().is_empty(), "{:?}", rig.domains());
+        rig.hosts.close().await;
+    });
+    // What the flag prevents: libvirt without validation defines it as a user-mode NIC.
+    let dir = tempfile::tempdir().unwrap();
+    let file = dir.path().join("namespaced.xml");
+    std::fs::write(&file, &hostile).unwrap();
+    rig.virsh(&["define", file.to_str().unwrap()]);
+    let reading = rig.virsh(&["dumpxml", "--inactive", &name]);
+    rig.virsh(&["undefine", &name]);
+    assert!(reading.contains("<interface type='user'>"), "{reading}");
+}
+
+/// libvirt's schema accepts a QEMU passthrough namespace written with a character
+/// reference, and libvirt reads `<q:commandline>` as raw QEMU arguments. Handed straight
+/// to the host operation (no plugin-output check before it), it is defined; the
+/// post-define check on libvirt's reading refuses it, naming the passthrough.
+#[test]
+fn post_define_check_refuses_what_libvirt_reads_as_qemu_passthrough() {
+    let Some(rig) = Rig::start(vec![], Rig::base_image) else {
+        return;
+    };
+    let inputs = sample_inputs();
+    let hostile = passthrough(&render_default(&inputs.domain));
+    provider_rig::run(async {
+        let defined = rig.ops.define("h1", hostile).await.unwrap();
+        assert_eq!(defined.name, inputs.domain.name);
+        assert!(
+            defined.inactive_xml.contains("<qemu:commandline>"),
+            "libvirt reads it as passthrough: {}",
+            defined.inactive_xml
+        );
+        let refusal = check_defined_domain_xml(&defined.inactive_xml, &inputs.domain);
+        assert!(rig.ops.undefine("h1", &defined.name).await.unwrap());
+        rig.hosts.close().await;
+        let Err(TemplateErrorKind::InvalidOutput { rule, detail }) = refusal else {
+            panic!("libvirt's reading passed the post-define check: {refusal:?}");
+        };
+        assert!(names_passthrough(&detail), "{rule}: {detail}");
+    });
+    assert!(rig.domains().is_empty());
+}
+
+/// The same divergence through the Create path on real libvirt: a host-operations wrapper
+/// hands libvirt the passthrough form of the plugin's (checked) output, as if libvirt had
+/// read the plugin's document that way. The Create refuses libvirt's reading, undefines
+/// the domain, removes the VM's volumes and never starts it.
+#[test]
+fn create_undefines_a_domain_whose_libvirt_reading_is_refused() {
+    let Some(rig) = Rig::start(vec![], Rig::base_image) else {
+        return;
+    };
+    provider_rig::run(async {
+        let ops = Arc::new(Rewrite::new(rig.ops.clone(), passthrough));
+        let p = rig.provider(ops.clone());
+        let u = provider_rig::uid(0x61);
+        let e = p
+            .create(&provider_rig::request(&u, "office"))
+            .await
+            .unwrap_err();
+        let detail = assert_refused_on_libvirts_reading(&e, "just defined by this Create");
+        assert!(names_passthrough(&detail), "{detail}");
+        assert_eq!(ops.defines.load(Ordering::SeqCst), 1);
+        assert_eq!(ops.starts.load(Ordering::SeqCst), 0, "never started");
+        rig.hosts.close().await;
+    });
+    assert!(rig.domains().is_empty(), "{:?}", rig.domains());
+    let mut base = rig.base_volumes();
+    base.sort();
+    assert_eq!(rig.volumes(), base, "only the shared base image stays");
+}
+
+/// The default plugin's output defined on libvirt 9.0 passes the post-define check on
+/// libvirt's reading, and that reading is the fixture the checker's unit tests use
+/// (`UPDATE_SNAPSHOTS=1` rewrites it when libvirt or QEMU changes what it adds).
+#[test]
+fn default_plugin_output_passes_the_check_on_libvirts_reading() {
+    let Some(rig) = Rig::start(vec![], Rig::base_image) else {
+        return;
+    };
+    let inputs = sample_inputs();
+    let xml = render_default(&inputs.domain);
+    let defined = provider_rig::run(async {
+        let defined = rig.ops.define("h1", xml).await.unwrap();
+        assert!(rig.ops.undefine("h1", &defined.name).await.unwrap());
+        rig.hosts.close().await;
+        defined
+    });
+    assert!(rig.domains().is_empty());
+    let fixture =
+        workspace_root().join("operator/src/templates/testdata/libvirt-inactive-default.xml");
+    if std::env::var_os("UPDATE_SNAPSHOTS").is_some() {
+        std::fs::write(&fixture, &defined.inactive_xml).unwrap();
+    }
+    let expected = std::fs::read_to_string(&fixture).unwrap_or_default();
+    assert!(
+        expected == defined.inactive_xml,
+        "{} differs from libvirt's reading; if libvirt or QEMU changed, rerun with \
+         UPDATE_SNAPSHOTS=1\n--- libvirt's reading ---\n{}",
+        fixture.display(),
+        defined.inactive_xml
+    );
+    if let Err(e) = check_defined_domain_xml(&defined.inactive_xml, &inputs.domain) {
+        panic!(
+            "libvirt's reading of the default plugin's output fails the post-define check: {e}\n{}",
+            defined.inactive_xml
+        );
+    }
+}
+
+/// Whether a refusal names the passthrough libvirt read: its namespace (libvirt declares
+/// `xmlns:qemu` on the root of its reading) or its `commandline` element.
+fn names_passthrough(detail: &str) -> bool {
+    detail.contains("qemu") || detail.contains("commandline")
+}
+
+/// The plugin's XML with libvirt's QEMU passthrough namespace declared through a
+/// character reference and a `<q:commandline>` in it.
+fn passthrough(xml: &str) -> String {
+    assert!(xml.starts_with(r#"<domain type="qemu">"#), "{xml}");
+    xml.replacen(r#"<domain type="qemu">"#, QEMU_NS_BY_CHARREF, 1)
+        .replacen("</domain>", PASSTHROUGH, 1)
+}
+
+/// Real host operations, except that a define hands libvirt `rewrite(xml)`; counts
+/// defines and starts.
+struct Rewrite {
+    inner: Arc<dyn HostOps>,
+    rewrite: fn(&str) -> String,
+    defines: AtomicUsize,
+    starts: AtomicUsize,
+}
+
+impl Rewrite {
+    fn new(inner: Arc<dyn HostOps>, rewrite: fn(&str) -> String) -> Self {
+        Self {
+            inner,
+            rewrite,
+            defines: AtomicUsize::new(0),
+            starts: AtomicUsize::new(0),
+        }
+    }
+}
+
+impl HostOps for Rewrite {
+    fn hosts(&self) -> Vec<String> {
+        self.inner.hosts()
+    }
+    fn facts<'a>(&'a self, host: &'a str) -> BoxFuture<'a, Result<Facts, OpsError>> {
+        self.inner.facts(host)
+    }
+    fn pool_space<'a>(
+        &'a self,
+        host: &'a str,
+        pool: &'a str,
+    ) -> BoxFuture<'a, Result<PoolSpace, OpsError>> {
+        self.inner.pool_space(host, pool)
+    }
+    fn volume<'a>(
+        &'a self,
+        host: &'a str,
+        pool: &'a str,
+        name: &'a str,
+    ) -> BoxFuture<'a, Result<Option<VolumeInfo>, OpsError>> {
+        self.inner.volume(host, pool, name)
+    }
+    fn create_volume<'a>(
+        &'a self,
+        host: &'a str,
+        pool: &'a str,
+        name: &'a str,
+        xml: String,
+    ) -> BoxFuture<'a, Result<Created, OpsError>> {
+        self.inner.create_volume(host, pool, name, xml)
+    }
+    fn resize_volume<'a>(
+        &'a self,
+        host: &'a str,
+        pool: &'a str,
+        name: &'a str,
+        capacity: u64,
+    ) -> BoxFuture<'a, Result<(), OpsError>> {
+        self.inner.resize_volume(host, pool, name, capacity)
+    }
+    fn delete_volume<'a>(
+        &'a self,
+        host: &'a str,
+        pool: &'a str,
+        name: &'a str,
+    ) -> BoxFuture<'a, Result<bool, OpsError>> {
+        self.inner.delete_volume(host, pool, name)
+    }
+    fn upload<'a>(
+        &'a self,
+        host: &'a str,
+        pool: &'a str,
+        name: &'a str,
+        length: u64,
+        chunks: UploadChunks,
+        deadline: Duration,
+    ) -> BoxFuture<'a, Result<(), OpsError>> {
+        self.inner
+            .upload(host, pool, name, length, chunks, deadline)
+    }
+    fn domain<'a>(
+        &'a self,
+        host: &'a str,
+        name: &'a str,
+    ) -> BoxFuture<'a, Result<Option<DomainRecord>, OpsError>> {
+        self.inner.domain(host, name)
+    }
+    fn domain_xml<'a>(
+        &'a self,
+        host: &'a str,
+        name: &'a str,
+    ) -> BoxFuture<'a, Result<Option<String>, OpsError>> {
+        self.inner.domain_xml(host, name)
+    }
+    fn inactive_xml<'a>(
+        &'a self,
+        host: &'a str,
+        name: &'a str,
+    ) -> BoxFuture<'a, Result<Option<String>, OpsError>> {
+        self.inner.inactive_xml(host, name)
+    }
+    fn define<'a>(
+        &'a self,
+        host: &'a str,
+        xml: String,
+    ) -> BoxFuture<'a, Result<DefinedDomain, OpsError>> {
+        self.defines.fetch_add(1, Ordering::SeqCst);
+        self.inner.define(host, (self.rewrite)(&xml))
+    }
+    fn start<'a>(&'a self, host: &'a str, name: &'a str) -> BoxFuture<'a, Result<(), OpsError>> {
+        self.starts.fetch_add(1, Ordering::SeqCst);
+        self.inner.start(host, name)
+    }
+    fn shutdown<'a>(&'a self, host: &'a str, name: &'a str) -> BoxFuture<'a, Result<(), OpsError>> {
+        self.inner.shutdown(host, name)
+    }
+    fn destroy<'a>(&'a self, host: &'a str, name: &'a str) -> BoxFuture<'a, Result<(), OpsError>> {
+        self.inner.destroy(host, name)
+    }
+    fn undefine<'a>(
+        &'a self,
+        host: &'a str,
+        name: &'a str,
+    ) -> BoxFuture<'a, Result<bool, OpsError>> {
+        self.inner.undefine(host, name)
+    }
+    fn addresses<'a>(
+        &'a self,
+        host: &'a str,
+        name: &'a str,
+        source: AddressSource,
+    ) -> BoxFuture<'a, Result<Vec<NicAddrs>, OpsError>> {
+        self.inner.addresses(host, name, source)
+    }
+    fn list_domains<'a>(
+        &'a self,
+        host: &'a str,
+    ) -> BoxFuture<'a, Result<Vec<DomainRecord>, OpsError>> {
+        self.inner.list_domains(host)
+    }
+}
