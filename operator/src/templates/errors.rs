@@ -59,6 +59,9 @@ pub enum Limit {
     Memory,
     /// The plugin wrote more than the captured stdout/stderr allows.
     Log,
+    /// The plugin held more WASI resources (streams, pollables) or component handles at
+    /// once than a call may (see `sandbox::MAX_RESOURCES`).
+    Resources,
 }
 
 impl std::fmt::Display for Limit {
@@ -68,6 +71,9 @@ impl std::fmt::Display for Limit {
             Limit::Fuel => "ran out of fuel (instruction budget)",
             Limit::Memory => "exceeded its memory cap",
             Limit::Log => "wrote more to stdout/stderr than is captured",
+            Limit::Resources => {
+                "held more WASI resources (streams, pollables) or handles at once than a call may"
+            }
         })
     }
 }
@@ -126,6 +132,16 @@ pub enum TemplateErrorKind {
     /// The plugin's exported settings schema is not a usable JSON Schema.
     #[error("its settings-schema is not a valid JSON Schema: {0}")]
     BadSchema(String),
+    /// The plugin's exported settings schema breaks a limit the host puts on schemas (size,
+    /// nesting, references, patterns, compile or evaluation time), so it is never compiled
+    /// or never used.
+    #[error("its settings-schema is refused by rule {rule:?}: {detail}")]
+    SchemaRefused {
+        /// Short name of the rule (`schema-size`, `schema-depth`, `schema-ref`, ...).
+        rule: &'static str,
+        /// Where and what.
+        detail: String,
+    },
     /// The configured settings were refused.
     #[error("settings refused: {}", issues.iter().map(ToString::to_string).collect::<Vec<_>>().join("; "))]
     Settings {
@@ -155,6 +171,14 @@ pub enum TemplateErrorKind {
     /// The plugin's render returned an error.
     #[error("refused to render: {0}")]
     Refused(String),
+    /// The plugin's render returned an error message longer than is read.
+    #[error("refused to render with a message of {size} bytes; at most {max} are read")]
+    RefusalTooLarge {
+        /// Length the plugin declared for its message.
+        size: usize,
+        /// The cap.
+        max: usize,
+    },
     /// The output is larger than its cap.
     #[error("output is {size} bytes; at most {max} are accepted")]
     OutputTooLarge {

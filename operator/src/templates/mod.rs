@@ -7,9 +7,17 @@
 //! - every call (schema, settings validation, render) gets a **fresh `Store`**, so no state
 //!   leaks from one render into the next and a render is a pure function of its input;
 //! - each store has fuel (a deterministic instruction budget), an epoch deadline (a
-//!   wall-clock budget driven by one ticker thread), a memory cap, and captured stdio;
+//!   wall-clock budget driven by one ticker thread), a memory cap, caps on the WASI
+//!   resources, component handles and bytes per host call a plugin can make the host hold
+//!   (see [`sandbox`]), and captured stdio;
 //! - imports are checked against the [`sandbox`] allow-list at load, and outputs are
-//!   checked by [`check`] before anyone uses them.
+//!   checked by [`check`] before anyone uses them;
+//! - every result (output, refusal message, schema, settings issues) is size-checked
+//!   *before* it is copied into host memory (`bindings::capped`), and what a refusal keeps
+//!   of settings issues is capped again;
+//! - the plugin's settings schema is held to the rules of [`schema`] (size, depth,
+//!   self-contained references, bounded expansion, linear-time patterns) before it is
+//!   compiled, so checking settings against it is bounded work.
 //!
 //! Calls are synchronous and CPU-bound: async callers run them with `spawn_blocking`.
 
@@ -18,8 +26,11 @@ pub mod cache;
 pub mod check;
 mod errors;
 pub mod sandbox;
+pub mod schema;
 mod set;
 pub mod source;
+#[cfg(test)]
+mod tests_limits;
 #[cfg(test)]
 mod tests_overrides;
 
@@ -29,7 +40,7 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::Duration;
 
 use sha2::{Digest, Sha256};
-use wasmtime::component::{Component, InstancePre, Linker};
+use wasmtime::component::{Component, ComponentExportIndex, InstancePre, Linker, Lower};
 use wasmtime::{Config, Engine, ResourceLimiter, Store, Trap};
 
 pub use bindings::types::{
@@ -40,6 +51,7 @@ pub use errors::{Limit, OverrideIssue, SettingsIssue, TemplateError, TemplateErr
 pub use set::{PluginHealth, PluginUnavailable, TemplateSet};
 
 use crate::config::TemplateConfig;
+use bindings::capped::{Capped, CappedList};
 use bindings::domain::DomainPre;
 use bindings::vendor_data::VendorDataPre;
 use sandbox::RenderState;
@@ -92,8 +104,29 @@ impl TemplateKind {
 /// Per-Proxy settings overrides: top-level keys merged over the configured settings.
 pub type SettingsOverrides = serde_json::Map<String, serde_json::Value>;
 
-/// Most issues one refused override reports; the rest are counted.
-const MAX_OVERRIDE_ISSUES: usize = 16;
+/// Longest error message of a render that is read from the plugin; a longer one is
+/// refused by its length alone, never copied (and what is kept is cut further, see
+/// `truncate`).
+pub const REFUSAL_MAX: usize = 4096;
+/// Most settings issues lifted from `validate-settings`, or formatted from the schema's
+/// verdict, and kept in a refusal; the rest are only counted. A plugin returning a million
+/// issues costs the host sixteen.
+pub const MAX_SETTINGS_ISSUES: usize = 16;
+/// Longest pointer or message of one `validate-settings` issue that is copied out of the
+/// plugin; a longer one is replaced by a note of its length.
+pub const ISSUE_TEXT_LIFT_MAX: usize = 4096;
+/// Longest message of one settings issue kept in a refusal (a condition, an event and a log
+/// line carry it).
+const ISSUE_MESSAGE_KEPT: usize = 256;
+/// Longest JSON pointer of one settings issue kept in a refusal.
+const ISSUE_POINTER_KEPT: usize = 128;
+/// Most bytes of pointers and messages all kept issues of one refusal carry together.
+const ISSUES_TEXT_KEPT: usize = 2048;
+
+/// What `validate-settings` returns, lifted within the caps above.
+type PluginIssues = CappedList<bindings::capped::Issue, MAX_SETTINGS_ISSUES>;
+/// What `render` returns, with the output capped at `MAX` bytes.
+type RenderResult<const MAX: usize> = Result<Capped<MAX>, Capped<REFUSAL_MAX>>;
 
 /// Per-call resource limits of one plugin.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -284,11 +317,11 @@ impl TemplateEngine {
 
     /// Loads the domain plugin an entry of the config names and validates its settings.
     pub fn load_domain(&self, t: &TemplateConfig) -> Result<DomainTemplate, TemplateError> {
-        let loaded = self.load(TemplateKind::Domain, t)?;
-        let pre = DomainPre::new(loaded.pre.clone()).map_err(|e| loaded.abi_error(e))?;
-        let mut plugin = DomainTemplate { loaded, pre };
-        plugin.loaded.schema = Some(plugin.validate_settings()?);
-        Ok(plugin)
+        let mut loaded = self.load(TemplateKind::Domain, t)?;
+        // The generated bindings check the type of every export, once, at load.
+        DomainPre::new(loaded.pre.clone()).map_err(|e| loaded.abi_error(e))?;
+        loaded.schema = Some(loaded.validate_settings()?);
+        Ok(DomainTemplate { loaded })
     }
 
     /// Loads the vendor-data plugin an entry of the config names and validates its
@@ -297,11 +330,11 @@ impl TemplateEngine {
         &self,
         t: &TemplateConfig,
     ) -> Result<VendorDataTemplate, TemplateError> {
-        let loaded = self.load(TemplateKind::VendorData, t)?;
-        let pre = VendorDataPre::new(loaded.pre.clone()).map_err(|e| loaded.abi_error(e))?;
-        let mut plugin = VendorDataTemplate { loaded, pre };
-        plugin.loaded.schema = Some(plugin.validate_settings()?);
-        Ok(plugin)
+        let mut loaded = self.load(TemplateKind::VendorData, t)?;
+        // The generated bindings check the type of every export, once, at load.
+        VendorDataPre::new(loaded.pre.clone()).map_err(|e| loaded.abi_error(e))?;
+        loaded.schema = Some(loaded.validate_settings()?);
+        Ok(VendorDataTemplate { loaded })
     }
 
     fn load(&self, kind: TemplateKind, t: &TemplateConfig) -> Result<Loaded, TemplateError> {
@@ -356,7 +389,8 @@ impl TemplateEngine {
             }
         };
         check_imports(&self.engine, &component).map_err(&fail)?;
-        check_exports(&self.engine, &component, kind).map_err(&fail)?;
+        let interface = check_exports(&self.engine, &component, kind).map_err(&fail)?;
+        let exports = Exports::find(&component, &interface).map_err(&fail)?;
         let pre = self
             .linker
             .instantiate_pre(&component)
@@ -372,6 +406,7 @@ impl TemplateEngine {
             kind,
             engine: self.engine.clone(),
             pre,
+            exports,
             settings: t.settings.clone(),
             settings_json: serde_json::to_string(&t.settings).unwrap_or_else(|_| "{}".into()),
             overridable: t.overridable_settings.clone(),
@@ -428,12 +463,13 @@ fn check_imports(engine: &Engine, component: &Component) -> Result<(), TemplateE
     }
 }
 
-/// Checks that the component exports this kind's interface in a compatible version.
+/// Checks that the component exports this kind's interface in a compatible version;
+/// returns the interface's export name.
 fn check_exports(
     engine: &Engine,
     component: &Component,
     kind: TemplateKind,
-) -> Result<(), TemplateErrorKind> {
+) -> Result<String, TemplateErrorKind> {
     let ours = format!("{}/{}@", bindings::PACKAGE, kind.interface());
     let other_kind = match kind {
         TemplateKind::Domain => TemplateKind::VendorData,
@@ -447,7 +483,7 @@ fn check_exports(
         .collect();
     if let Some(version) = exports.iter().find_map(|n| n.strip_prefix(&ours)) {
         return if compatible(version, bindings::PACKAGE_VERSION) {
-            Ok(())
+            Ok(format!("{ours}{version}"))
         } else {
             Err(TemplateErrorKind::Abi(format!(
                 "built for {}@{version}; this operator speaks {}@{}",
@@ -476,6 +512,35 @@ fn check_exports(
     )))
 }
 
+/// The plugin's three functions, found once at load and called through typed functions
+/// whose results are lifted by `bindings::capped` (the generated bindings would copy a
+/// result of any size into host memory before a cap could refuse it).
+#[derive(Debug, Clone)]
+struct Exports {
+    settings_schema: ComponentExportIndex,
+    validate_settings: ComponentExportIndex,
+    render: ComponentExportIndex,
+}
+
+impl Exports {
+    fn find(component: &Component, interface: &str) -> Result<Self, TemplateErrorKind> {
+        let missing = |what: &str| TemplateErrorKind::Abi(format!("does not export {what}"));
+        let iface = component
+            .get_export_index(None, interface)
+            .ok_or_else(|| missing(interface))?;
+        let func = |name: &str| {
+            component
+                .get_export_index(Some(&iface), name)
+                .ok_or_else(|| missing(&format!("{interface}#{name}")))
+        };
+        Ok(Self {
+            settings_schema: func("settings-schema")?,
+            validate_settings: func("validate-settings")?,
+            render: func("render")?,
+        })
+    }
+}
+
 /// Semver compatibility: same major, and for 0.x the same minor.
 fn compatible(theirs: &str, ours: &str) -> bool {
     let parts = |v: &str| -> Option<(u64, u64)> {
@@ -501,6 +566,7 @@ struct Loaded {
     kind: TemplateKind,
     engine: Engine,
     pre: InstancePre<RenderState>,
+    exports: Exports,
     /// The configured settings, and the same serialised (what renders without overrides
     /// get).
     settings: serde_json::Value,
@@ -509,7 +575,7 @@ struct Loaded {
     overridable: Vec<String>,
     /// The plugin's settings schema, compiled once when the configured settings passed it;
     /// checks merged per-Proxy settings.
-    schema: Option<jsonschema::Validator>,
+    schema: Option<schema::Compiled>,
     limits: RenderLimits,
     sha256: String,
     outcome: CacheOutcome,
@@ -545,6 +611,8 @@ impl Loaded {
     fn store(&self, timeout: Duration) -> Result<Store<RenderState>, TemplateError> {
         let mut store = Store::new(&self.engine, RenderState::new(self.limits.memory_bytes));
         store.limiter(|s| s);
+        store.set_max_component_handles(sandbox::MAX_COMPONENT_HANDLES);
+        store.set_hostcall_fuel(sandbox::HOSTCALL_FUEL);
         store
             .set_fuel(self.limits.fuel)
             .map_err(|e| self.error(TemplateErrorKind::Engine(e.to_string())))?;
@@ -567,68 +635,121 @@ impl Loaded {
         if !log.is_empty() {
             tracing::info!(plugin = %self.name, output = %log, "template plugin output");
         }
-        result.map_err(|e| self.error(classify_failure(&e, store.data())))
+        result.map_err(|e| self.error(classify_failure(&e, store.data_mut())))
     }
 
-    /// Runs the plugin's `settings-schema` and `validate-settings` (through `exports`, in
-    /// one fresh store) and checks the configured settings against both. Returns the
-    /// compiled schema, kept for checking per-Proxy settings.
-    fn validate_settings_via(
+    /// `settings-schema`, in a new instance in `store`; the text is copied only when it is
+    /// at most [`schema::SCHEMA_MAX_BYTES`].
+    fn call_settings_schema(
         &self,
-        exports: impl FnOnce(
-            &mut Store<RenderState>,
-            &str,
-        ) -> wasmtime::Result<(
-            String,
-            Result<(), Vec<bindings::types::SettingsError>>,
-        )>,
-    ) -> Result<jsonschema::Validator, TemplateError> {
+        store: &mut Store<RenderState>,
+    ) -> wasmtime::Result<Capped<{ schema::SCHEMA_MAX_BYTES }>> {
+        let inst = self.pre.instantiate(&mut *store)?;
+        let f = inst.get_typed_func::<(), (Capped<{ schema::SCHEMA_MAX_BYTES }>,)>(
+            &mut *store,
+            &self.exports.settings_schema,
+        )?;
+        Ok(f.call(&mut *store, ())?.0)
+    }
+
+    /// `validate-settings`, in a new instance in `store`; at most
+    /// [`MAX_SETTINGS_ISSUES`] issues are copied, each text within
+    /// [`ISSUE_TEXT_LIFT_MAX`].
+    fn call_validate_settings(
+        &self,
+        store: &mut Store<RenderState>,
+        settings: &str,
+    ) -> wasmtime::Result<Result<(), PluginIssues>> {
+        let inst = self.pre.instantiate(&mut *store)?;
+        let f = inst.get_typed_func::<(&str,), (Result<(), PluginIssues>,)>(
+            &mut *store,
+            &self.exports.validate_settings,
+        )?;
+        Ok(f.call(&mut *store, (settings,))?.0)
+    }
+
+    /// Runs the plugin's `settings-schema` and `validate-settings` (in one fresh store)
+    /// and checks the configured settings against both. Returns the compiled schema, kept
+    /// for checking per-Proxy settings.
+    fn validate_settings(&self) -> Result<schema::Compiled, TemplateError> {
         let (schema, own) = self.call(LOAD_CALL_TIMEOUT, |store| {
-            exports(store, &self.settings_json)
+            let schema = self.call_settings_schema(store)?;
+            if let Capped::Over { .. } = schema {
+                return Ok((schema, Ok(())));
+            }
+            let own = self.call_validate_settings(store, &self.settings_json)?;
+            Ok((schema, own))
         })?;
-        self.check_settings(&schema, own)
+        self.check_settings(schema, own)
     }
 
-    /// Runs a render (through `render`, in a fresh store, within the plugin's deadline)
-    /// and applies the output `check`.
-    fn render_via(
+    /// Runs a render of `input` (in a fresh store, within the plugin's deadline) and
+    /// applies the output `check`. The output is copied out of the plugin only when it is
+    /// at most `MAX` bytes, an error message only within [`REFUSAL_MAX`].
+    fn render_via<I: Lower, const MAX: usize>(
         &self,
-        render: impl FnOnce(&mut Store<RenderState>) -> wasmtime::Result<Result<String, String>>,
+        input: &I,
         check: impl FnOnce(&str) -> Result<(), TemplateErrorKind>,
     ) -> Result<String, TemplateError> {
-        let out = self.call(self.limits.timeout, render)?;
-        let text = out.map_err(|m| self.error(TemplateErrorKind::Refused(truncate(m))))?;
+        let out = self.call(self.limits.timeout, |store| {
+            let inst = self.pre.instantiate(&mut *store)?;
+            let f = inst
+                .get_typed_func::<(&I,), (RenderResult<MAX>,)>(&mut *store, &self.exports.render)?;
+            Ok(f.call(&mut *store, (input,))?.0)
+        })?;
+        let text = match out {
+            Ok(Capped::Text(text)) => text,
+            Ok(Capped::Over { len }) => {
+                return Err(self.error(TemplateErrorKind::OutputTooLarge {
+                    size: len,
+                    max: MAX,
+                }));
+            }
+            Err(Capped::Text(m)) => {
+                return Err(self.error(TemplateErrorKind::Refused(truncate(m))));
+            }
+            Err(Capped::Over { len }) => {
+                return Err(self.error(TemplateErrorKind::RefusalTooLarge {
+                    size: len,
+                    max: REFUSAL_MAX,
+                }));
+            }
+        };
         check(&text).map_err(|k| self.error(k))?;
         Ok(text)
     }
 
-    /// Compiles the plugin's schema and checks the configured settings against it and
-    /// against the plugin's own verdict.
+    /// Checks and compiles the plugin's schema (see [`schema`]) and checks the configured
+    /// settings against it and against the plugin's own verdict.
     fn check_settings(
         &self,
-        schema: &str,
-        own: Result<(), Vec<bindings::types::SettingsError>>,
-    ) -> Result<jsonschema::Validator, TemplateError> {
-        let schema: serde_json::Value = serde_json::from_str(schema)
-            .map_err(|e| self.error(TemplateErrorKind::BadSchema(e.to_string())))?;
-        let validator = jsonschema::validator_for(&schema)
-            .map_err(|e| self.error(TemplateErrorKind::BadSchema(e.to_string())))?;
+        schema: Capped<{ schema::SCHEMA_MAX_BYTES }>,
+        own: Result<(), PluginIssues>,
+    ) -> Result<schema::Compiled, TemplateError> {
+        let schema = schema
+            .into_result()
+            .map_err(|len| self.error(schema::too_large(len)))?;
+        let validator = schema::compile(&schema).map_err(|k| self.error(k))?;
         let settings: serde_json::Value =
             serde_json::from_str(&self.settings_json).unwrap_or(serde_json::Value::Null);
-        let mut issues = schema_issues(&validator, &settings);
-        // Only a document that fits the schema is handed to the plugin's own checks.
+        let (mut issues, mut total, took) =
+            schema::evaluate(&validator, &settings, MAX_SETTINGS_ISSUES);
+        if took > schema::SCHEMA_EVALUATION_BUDGET {
+            return Err(self.error(schema::too_slow(took)));
+        }
+        // Only a document that fits the schema is held to the plugin's own checks.
         if issues.is_empty()
             && let Err(errors) = own
         {
-            issues.extend(errors.into_iter().map(|e| SettingsIssue {
-                pointer: e.pointer,
-                message: e.message,
-            }));
+            total = errors.total;
+            issues = plugin_issues(errors.items);
         }
         if issues.is_empty() {
             Ok(validator)
         } else {
-            Err(self.error(TemplateErrorKind::Settings { issues }))
+            Err(self.error(TemplateErrorKind::Settings {
+                issues: keep_issues(issues, total),
+            }))
         }
     }
 
@@ -643,8 +764,7 @@ impl Loaded {
         validate: impl FnOnce(
             &mut Store<RenderState>,
             &str,
-        )
-            -> wasmtime::Result<Result<(), Vec<bindings::types::SettingsError>>>,
+        ) -> wasmtime::Result<Result<(), PluginIssues>>,
     ) -> Result<String, TemplateError> {
         let Some(overrides) = overrides.filter(|o| !o.is_empty()) else {
             return Ok(self.settings_json.clone());
@@ -699,54 +819,80 @@ impl Loaded {
                 "the settings schema was not compiled at load".into(),
             ))
         })?;
-        let mut issues = schema_issues(schema, &merged);
+        let (mut issues, mut total, _) = schema::evaluate(schema, &merged, MAX_SETTINGS_ISSUES);
         // Only a document that fits the schema is handed to the plugin's own checks.
         if issues.is_empty()
             && let Err(errors) = self.call(self.limits.timeout, |store| validate(store, &text))?
         {
-            issues = errors
-                .into_iter()
-                .map(|e| SettingsIssue {
-                    pointer: e.pointer,
-                    message: e.message,
-                })
-                .collect();
+            total = errors.total;
+            issues = plugin_issues(errors.items);
         }
         if issues.is_empty() {
             Ok(text)
         } else {
-            Err(refuse(override_issues(field, overrides, issues)))
+            Err(refuse(override_issues(
+                field,
+                overrides,
+                keep_issues(issues, total),
+            )))
         }
     }
 }
 
-/// Every place `settings` breaks `schema`.
-fn schema_issues(
-    schema: &jsonschema::Validator,
-    settings: &serde_json::Value,
-) -> Vec<SettingsIssue> {
-    schema
-        .iter_errors(settings)
-        .map(|e| SettingsIssue {
-            pointer: e.instance_path().to_string(),
-            message: e.to_string(),
+/// The issues a plugin's `validate-settings` returned, as lifted: a pointer or message
+/// over [`ISSUE_TEXT_LIFT_MAX`] was not copied and is replaced by a note of its length.
+fn plugin_issues(items: Vec<bindings::capped::Issue>) -> Vec<SettingsIssue> {
+    let text = |c: Capped<ISSUE_TEXT_LIFT_MAX>, what: &str| {
+        c.into_result().unwrap_or_else(|len| {
+            format!("<a {what} of {len} bytes, over the {ISSUE_TEXT_LIFT_MAX}-byte cap, not read>")
+        })
+    };
+    items
+        .into_iter()
+        .map(|i| SettingsIssue {
+            pointer: text(i.pointer, "pointer"),
+            message: text(i.message, "message"),
         })
         .collect()
+}
+
+/// What a refusal keeps of `total` settings issues (of which `issues` are the first): each
+/// pointer and message cut short, as many as fit [`ISSUES_TEXT_KEPT`] (at least one), and
+/// how many more there were, noted on the last one.
+fn keep_issues(issues: Vec<SettingsIssue>, total: usize) -> Vec<SettingsIssue> {
+    let mut kept: Vec<SettingsIssue> = Vec::new();
+    let mut bytes = 0usize;
+    for issue in issues.into_iter().take(MAX_SETTINGS_ISSUES) {
+        let issue = SettingsIssue {
+            pointer: cut(issue.pointer, ISSUE_POINTER_KEPT),
+            message: cut(issue.message, ISSUE_MESSAGE_KEPT),
+        };
+        bytes += issue.pointer.len() + issue.message.len();
+        if bytes > ISSUES_TEXT_KEPT && !kept.is_empty() {
+            break;
+        }
+        kept.push(issue);
+    }
+    let more = total.saturating_sub(kept.len());
+    if more > 0
+        && let Some(last) = kept.last_mut()
+    {
+        last.message.push_str(&format!(" (and {more} more)"));
+    }
+    kept
 }
 
 /// Maps issues in the merged settings (JSON pointers) to the Proxy's fields: an issue under
 /// an overridden key names `spec.templateSettings.<field>.<key>...`; one elsewhere (a rule
 /// across keys) names `spec.templateSettings.<field>` and where in the merged settings it
-/// is. Messages are cut short and their number capped.
+/// is. The issues were already cut short and counted by [`keep_issues`].
 fn override_issues(
     field: &str,
     overrides: &SettingsOverrides,
     issues: Vec<SettingsIssue>,
 ) -> Vec<OverrideIssue> {
-    let total = issues.len();
-    let mut out: Vec<OverrideIssue> = issues
+    issues
         .into_iter()
-        .take(MAX_OVERRIDE_ISSUES)
         .map(|issue| {
             let segments: Vec<String> = issue
                 .pointer
@@ -781,20 +927,13 @@ fn override_issues(
             };
             OverrideIssue {
                 path,
-                message: truncate(issue.message),
+                message: issue.message,
             }
         })
-        .collect();
-    if total > MAX_OVERRIDE_ISSUES
-        && let Some(last) = out.last_mut()
-    {
-        last.message
-            .push_str(&format!(" (and {} more)", total - MAX_OVERRIDE_ISSUES));
-    }
-    out
+        .collect()
 }
 
-fn classify_failure(e: &wasmtime::Error, state: &RenderState) -> TemplateErrorKind {
+fn classify_failure(e: &wasmtime::Error, state: &mut RenderState) -> TemplateErrorKind {
     if state.memory_cap.hit {
         return TemplateErrorKind::Limit {
             limit: Limit::Memory,
@@ -812,6 +951,21 @@ fn classify_failure(e: &wasmtime::Error, state: &RenderState) -> TemplateErrorKi
         }
         _ => {}
     }
+    // The WASI resource table refuses entries past `sandbox::MAX_RESOURCES`; wasmtime's
+    // component handle table past `sandbox::MAX_COMPONENT_HANDLES` (an error it only
+    // describes in text). Either way the plugin held too much at once.
+    let table_full = e.chain().any(|c| {
+        matches!(
+            c.downcast_ref::<wasmtime::component::ResourceTableError>(),
+            Some(wasmtime::component::ResourceTableError::Full)
+        )
+    });
+    if table_full || state.resources_full() || root_cause(e).contains("store handle limit exceeded")
+    {
+        return TemplateErrorKind::Limit {
+            limit: Limit::Resources,
+        };
+    }
     // A full log closes stdout/stderr; Rust's `println!` then panics. Report the cause,
     // not the panic it led to.
     if state.log_is_full() {
@@ -823,13 +977,11 @@ fn classify_failure(e: &wasmtime::Error, state: &RenderState) -> TemplateErrorKi
 /// A loaded, validated domain plugin.
 pub struct DomainTemplate {
     loaded: Loaded,
-    pre: DomainPre<RenderState>,
 }
 
 /// A loaded, validated vendor-data plugin.
 pub struct VendorDataTemplate {
     loaded: Loaded,
-    pre: VendorDataPre<RenderState>,
 }
 
 impl std::fmt::Debug for DomainTemplate {
@@ -841,6 +993,15 @@ impl std::fmt::Debug for DomainTemplate {
 impl std::fmt::Debug for VendorDataTemplate {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         self.loaded.fmt(f)
+    }
+}
+
+impl Loaded {
+    /// The plugin's settings JSON Schema text (at most [`schema::SCHEMA_MAX_BYTES`]).
+    fn settings_schema(&self) -> Result<String, TemplateError> {
+        self.call(LOAD_CALL_TIMEOUT, |store| self.call_settings_schema(store))?
+            .into_result()
+            .map_err(|len| self.error(schema::too_large(len)))
     }
 }
 
@@ -860,23 +1021,7 @@ impl DomainTemplate {
 
     /// The plugin's settings JSON Schema.
     pub fn settings_schema(&self) -> Result<String, TemplateError> {
-        self.loaded.call(LOAD_CALL_TIMEOUT, |store| {
-            let inst = self.pre.instantiate(&mut *store)?;
-            inst.egress_templates_domain_template()
-                .call_settings_schema(&mut *store)
-        })
-    }
-
-    fn validate_settings(&self) -> Result<jsonschema::Validator, TemplateError> {
-        self.loaded.validate_settings_via(|store, settings| {
-            let inst = self.pre.instantiate(&mut *store)?;
-            let exports = inst.egress_templates_domain_template();
-            let schema = exports.call_settings_schema(&mut *store)?;
-            Ok((
-                schema,
-                exports.call_validate_settings(&mut *store, settings)?,
-            ))
-        })
+        self.loaded.settings_schema()
     }
 
     /// Renders and checks domain XML. `input.settings` is replaced by the configured
@@ -897,14 +1042,10 @@ impl DomainTemplate {
         let settings = self.merged_settings(overrides)?;
         let mut input = input.clone();
         input.settings = settings;
-        self.loaded.render_via(
-            |store| {
-                let inst = self.pre.instantiate(&mut *store)?;
-                inst.egress_templates_domain_template()
-                    .call_render(&mut *store, &input)
-            },
-            |xml| check::check_domain_xml(xml, &input),
-        )
+        self.loaded
+            .render_via::<_, { check::DOMAIN_XML_MAX }>(&input, |xml| {
+                check::check_domain_xml(xml, &input)
+            })
     }
 
     /// Checks a Proxy's overrides the way a render would, without rendering: lets a
@@ -921,9 +1062,7 @@ impl DomainTemplate {
         overrides: Option<&SettingsOverrides>,
     ) -> Result<String, TemplateError> {
         self.loaded.settings_for(overrides, |store, settings| {
-            let inst = self.pre.instantiate(&mut *store)?;
-            inst.egress_templates_domain_template()
-                .call_validate_settings(&mut *store, settings)
+            self.loaded.call_validate_settings(store, settings)
         })
     }
 }
@@ -944,23 +1083,7 @@ impl VendorDataTemplate {
 
     /// The plugin's settings JSON Schema.
     pub fn settings_schema(&self) -> Result<String, TemplateError> {
-        self.loaded.call(LOAD_CALL_TIMEOUT, |store| {
-            let inst = self.pre.instantiate(&mut *store)?;
-            inst.egress_templates_vendor_data_template()
-                .call_settings_schema(&mut *store)
-        })
-    }
-
-    fn validate_settings(&self) -> Result<jsonschema::Validator, TemplateError> {
-        self.loaded.validate_settings_via(|store, settings| {
-            let inst = self.pre.instantiate(&mut *store)?;
-            let exports = inst.egress_templates_vendor_data_template();
-            let schema = exports.call_settings_schema(&mut *store)?;
-            Ok((
-                schema,
-                exports.call_validate_settings(&mut *store, settings)?,
-            ))
-        })
+        self.loaded.settings_schema()
     }
 
     /// Renders and checks vendor-data. `input.settings` is replaced by the configured
@@ -981,14 +1104,8 @@ impl VendorDataTemplate {
         let settings = self.merged_settings(overrides)?;
         let mut input = input.clone();
         input.settings = settings;
-        self.loaded.render_via(
-            |store| {
-                let inst = self.pre.instantiate(&mut *store)?;
-                inst.egress_templates_vendor_data_template()
-                    .call_render(&mut *store, &input)
-            },
-            check::check_vendor_data,
-        )
+        self.loaded
+            .render_via::<_, { check::VENDOR_DATA_MAX }>(&input, check::check_vendor_data)
     }
 
     /// Checks a Proxy's overrides the way a render would, without rendering (see
@@ -1005,18 +1122,20 @@ impl VendorDataTemplate {
         overrides: Option<&SettingsOverrides>,
     ) -> Result<String, TemplateError> {
         self.loaded.settings_for(overrides, |store, settings| {
-            let inst = self.pre.instantiate(&mut *store)?;
-            inst.egress_templates_vendor_data_template()
-                .call_validate_settings(&mut *store, settings)
+            self.loaded.call_validate_settings(store, settings)
         })
     }
 }
 
 /// Cuts a plugin-supplied message to a length that fits a log line and a condition.
-fn truncate(mut s: String) -> String {
-    const MAX: usize = 1024;
-    if s.len() > MAX {
-        let mut end = MAX;
+fn truncate(s: String) -> String {
+    cut(s, 1024)
+}
+
+/// Cuts `s` to at most `max` bytes (on a character boundary), marking the cut with `…`.
+fn cut(mut s: String, max: usize) -> String {
+    if s.len() > max {
+        let mut end = max;
         while !s.is_char_boundary(end) {
             end -= 1;
         }

@@ -44,6 +44,33 @@ const MAX_INSTANCES: usize = 16;
 const MAX_TABLES: usize = 16;
 const MAX_TABLE_ELEMENTS: usize = 100_000;
 const MAX_MEMORIES: usize = 4;
+/// Most entries the store's WASI resource table holds at once (streams, pollables, errors).
+/// Every `get-stdout` or `subscribe` a plugin makes is a host-side entry until the plugin
+/// drops it; without a cap a plugin that never drops them grows the operator's memory
+/// (wasmtime's default is a million entries) within its time budget. Rust's standard
+/// library holds a handful at a time; a call that needs more fails with a `Limit` reason.
+/// wasmtime's `ResourceTable::set_max_capacity` enforces it in the table itself, so every
+/// WASI host function (ours are wasmtime-wasi's) is covered without wrapping them.
+pub const MAX_RESOURCES: usize = 256;
+/// Most component-model handles live in one store at once. Each WASI resource a plugin
+/// holds is also a handle; resources a component defines itself (`resource.new`) are only
+/// handles, with no host function in the loop, so this is their cap (wasmtime's default is
+/// 100,000). Above [`MAX_RESOURCES`], so WASI resources hit their own, clearer cap first.
+pub const MAX_COMPONENT_HANDLES: usize = 2 * MAX_RESOURCES;
+/// Most bytes wasmtime copies from a plugin into host memory in one lift: the arguments of
+/// one WASI call (a `write` carries at most 4 KiB by the WASI contract), or one call's
+/// result (which [`super::bindings::capped`] keeps within the output caps before copying).
+/// wasmtime's default is 128 MiB; this must stay above the largest accepted output
+/// ([`super::check::VENDOR_DATA_MAX`]) and schema ([`super::schema::SCHEMA_MAX_BYTES`]).
+pub const HOSTCALL_FUEL: usize = 1024 * 1024;
+// The largest lift of one call must fit the hostcall fuel: an output, a refusal, a schema,
+// or the kept `validate-settings` issues (16-byte records plus both texts).
+const _: () = assert!(HOSTCALL_FUEL >= super::check::VENDOR_DATA_MAX);
+const _: () = assert!(HOSTCALL_FUEL >= super::check::DOMAIN_XML_MAX);
+const _: () = assert!(HOSTCALL_FUEL >= super::REFUSAL_MAX);
+const _: () = assert!(HOSTCALL_FUEL >= super::schema::SCHEMA_MAX_BYTES);
+const _: () =
+    assert!(HOSTCALL_FUEL >= super::MAX_SETTINGS_ISSUES * (16 + 2 * super::ISSUE_TEXT_LIFT_MAX));
 
 /// Whether a component import is allowed; returns it back when it is not.
 pub fn check_import(name: &str) -> Result<(), String> {
@@ -94,15 +121,29 @@ impl RenderState {
             .memories(MAX_MEMORIES)
             .trap_on_grow_failure(true)
             .build();
+        let mut table = ResourceTable::new();
+        table.set_max_capacity(MAX_RESOURCES);
         Self {
             wasi,
-            table: ResourceTable::new(),
+            table,
             limits,
             memory_cap: super::MemoryCap {
                 max_bytes: memory_bytes,
                 hit: false,
             },
             log,
+        }
+    }
+
+    /// Whether the WASI resource table is at [`MAX_RESOURCES`] with no free entry, so the
+    /// next resource would be refused.
+    pub fn resources_full(&mut self) -> bool {
+        match self.table.push(()) {
+            Ok(probe) => {
+                let _ = self.table.delete(probe);
+                false
+            }
+            Err(_) => true,
         }
     }
 
