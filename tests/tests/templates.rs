@@ -8,7 +8,7 @@ use egress_operator::api::proxy;
 use egress_operator::config::{self, TemplateConfig};
 use egress_operator::render::{self, Facts};
 use egress_operator::templates::{
-    CacheOutcome, DomainInput, Limit, TemplateEngine, TemplateError, TemplateErrorKind,
+    self, CacheOutcome, DomainInput, Limit, TemplateEngine, TemplateError, TemplateErrorKind, check,
 };
 use integration_tests::{plugin_path, workspace_root};
 use serde_json::json;
@@ -166,7 +166,10 @@ fn render_hostile(
 
 #[test]
 fn hostile_corpus_is_refused_case_by_case_and_the_host_survives() {
-    let engine = std::sync::Arc::new(TemplateEngine::new(None).unwrap());
+    // Compiled once, then loaded from the code cache: the cases cost their runs, not a
+    // compile each.
+    let cache = tempfile::tempdir().unwrap();
+    let engine = std::sync::Arc::new(TemplateEngine::new(Some(cache.path())).unwrap());
     let input = sample_inputs().domain;
 
     type Expect = fn(&TemplateErrorKind) -> bool;
@@ -254,24 +257,25 @@ fn hostile_corpus_is_refused_case_by_case_and_the_host_survives() {
         (
             "hostdev",
             hostile("hostdev"),
-            |k| matches!(k, TemplateErrorKind::InvalidOutput { rule: "no-host-resources", detail } if detail.contains("hostdev")),
+            // The deny-list's rule, or the allow-list's that replaces it (issue 11).
+            |k| matches!(k, TemplateErrorKind::InvalidOutput { rule: "no-host-resources" | "allow-list", detail } if detail.contains("hostdev")),
         ),
         ("file-backed disk", hostile("file-disk"), |k| {
             matches!(
                 k,
                 TemplateErrorKind::InvalidOutput {
-                    rule: "disk-volume-only",
-                    ..
-                }
+                    rule: "disk-volume-only" | "value",
+                    detail,
+                } if detail.contains("disk")
             )
         }),
         ("qemu:commandline", hostile("qemu-commandline"), |k| {
             matches!(
                 k,
                 TemplateErrorKind::InvalidOutput {
-                    rule: "no-qemu-passthrough",
-                    ..
-                }
+                    rule: "no-qemu-passthrough" | "namespaces",
+                    detail,
+                } if detail.contains("qemu")
             )
         }),
         ("second bridge", hostile("second-bridge"), |k| {
@@ -287,9 +291,9 @@ fn hostile_corpus_is_refused_case_by_case_and_the_host_survives() {
             matches!(
                 k,
                 TemplateErrorKind::InvalidOutput {
-                    rule: "no-host-chardev",
-                    ..
-                }
+                    rule: "no-host-chardev" | "value",
+                    detail,
+                } if detail.contains("serial")
             )
         }),
         ("doctype", hostile("doctype"), |k| {
@@ -343,30 +347,184 @@ fn hostile_corpus_is_refused_case_by_case_and_the_host_survives() {
             },
             |k| matches!(k, TemplateErrorKind::Sha256Mismatch { .. }),
         ),
+        // A long deadline: the handle caps must stop these, not the clock.
+        (
+            "stdout handles never dropped",
+            TemplateConfig {
+                timeout_millis: 10_000,
+                ..hostile("many-handles")
+            },
+            |k| {
+                matches!(
+                    k,
+                    TemplateErrorKind::Limit {
+                        limit: Limit::Resources
+                    }
+                )
+            },
+        ),
+        (
+            "pollables never dropped",
+            TemplateConfig {
+                timeout_millis: 10_000,
+                ..hostile("many-pollables")
+            },
+            |k| {
+                matches!(
+                    k,
+                    TemplateErrorKind::Limit {
+                        limit: Limit::Resources
+                    }
+                )
+            },
+        ),
+        // Memory and time to build 64 MiB: refused by its declared length, not a limit.
+        (
+            "64 MiB output within the memory cap",
+            TemplateConfig {
+                timeout_millis: 10_000,
+                max_memory_mib: 256,
+                ..hostile("oversized-output")
+            },
+            |k| {
+                matches!(
+                    k,
+                    TemplateErrorKind::OutputTooLarge { size, max }
+                        if *size == 64 * 1024 * 1024 && *max == check::DOMAIN_XML_MAX
+                )
+            },
+        ),
+        ("1 MiB refusal message", hostile("oversized-refusal"), |k| {
+            matches!(
+                k,
+                TemplateErrorKind::RefusalTooLarge { size, max }
+                    if *size == 1024 * 1024 && *max == templates::REFUSAL_MAX
+            )
+        }),
+        (
+            "100,000 validate-settings issues",
+            hostile("many-issues"),
+            |k| {
+                matches!(k, TemplateErrorKind::Settings { issues }
+                if !issues.is_empty()
+                    && issues.len() <= templates::MAX_SETTINGS_ISSUES
+                    && issues[0].pointer == "/mode/0"
+                    && issues.last().is_some_and(|i| i.message.ends_with(
+                        &format!("(and {} more)", 100_000 - issues.len())
+                    )))
+            },
+        ),
+        (
+            "a 1 MiB validate-settings message and 64 KiB pointer",
+            hostile("long-issue"),
+            |k| {
+                matches!(k, TemplateErrorKind::Settings { issues }
+                    if issues.len() == 1
+                        && issues[0].pointer.contains("65537 bytes, over the 4096-byte cap")
+                        && issues[0].message.contains("1048576 bytes, over the 4096-byte cap"))
+            },
+        ),
     ];
 
+    // Every case runs, and every wrong outcome is reported at once.
+    let mut wrong = Vec::new();
     for (name, cfg, expect) in cases {
         let (e, i) = (engine.clone(), input.clone());
         let result = guarded(move || render_hostile(&e, &cfg, &i));
         match result {
-            Ok(out) => panic!("{name}: rendered instead of failing ({} bytes)", out.len()),
+            Ok(out) => wrong.push(format!(
+                "{name}: rendered instead of failing ({} bytes)",
+                out.len()
+            )),
             Err(err) => {
-                assert!(expect(&err.kind), "{name}: wrong reason: {err}");
-                assert!(
-                    err.plugin.starts_with("domain:"),
-                    "{name}: error does not name the plugin: {err}"
-                );
                 let text = err.to_string();
-                assert!(
-                    text.len() < 4096,
-                    "{name}: message too long ({} bytes)",
-                    text.len()
-                );
+                if !expect(&err.kind) {
+                    wrong.push(format!("{name}: wrong reason: {err}"));
+                } else if !err.plugin.starts_with("domain:") {
+                    wrong.push(format!("{name}: error does not name the plugin: {err}"));
+                } else if text.len() >= 4096 {
+                    wrong.push(format!("{name}: message too long ({} bytes)", text.len()));
+                }
             }
         }
         // The same engine still renders a good plugin after every hostile case.
         let xml = render_hostile(&engine, &hostile("good"), &input)
             .unwrap_or_else(|e| panic!("after {name}: good plugin failed: {e}"));
+        assert!(xml.contains(&input.metadata_mark));
+    }
+    assert!(wrong.is_empty(), "{}", wrong.join("\n"));
+}
+
+/// A copy of the hostile plugin whose `settings-schema` returns the schema `mode` names
+/// (see `SCHEMA_MODE` in the plugin): the mode's bytes are patched in place.
+fn hostile_with_schema(dir: &std::path::Path, mode: &str) -> TemplateConfig {
+    const PREFIX: &[u8] = b"egress-hostile-schema-mode:";
+    const FIELD: usize = 16;
+    let mut bytes = std::fs::read(plugin_path("hostile-domain").unwrap()).unwrap();
+    let found: Vec<usize> = bytes
+        .windows(PREFIX.len())
+        .enumerate()
+        .filter(|(_, w)| *w == PREFIX)
+        .map(|(i, _)| i + PREFIX.len())
+        .collect();
+    assert_eq!(
+        found.len(),
+        1,
+        "the schema mode marker must be in the component once"
+    );
+    assert!(mode.len() <= FIELD);
+    let field = format!("{mode:_<FIELD$}");
+    bytes[found[0]..found[0] + FIELD].copy_from_slice(field.as_bytes());
+    let file = dir.join(format!("hostile-schema-{mode}.wasm"));
+    std::fs::write(&file, bytes).unwrap();
+    TemplateConfig {
+        path: Some(file.display().to_string()),
+        ..hostile("good")
+    }
+}
+
+#[test]
+fn hostile_settings_schemas_are_refused_at_load_naming_the_plugin_and_the_rule() {
+    let engine = std::sync::Arc::new(TemplateEngine::new(None).unwrap());
+    let input = sample_inputs().domain;
+    let dir = tempfile::tempdir().unwrap();
+
+    // The patched copy with the ordinary schema loads and renders: what the cases below
+    // change is only the schema.
+    let ordinary = hostile_with_schema(dir.path(), "ordinary");
+    let plugin = engine.load_domain(&ordinary).unwrap();
+    assert!(plugin.settings_schema().unwrap().contains("\"mode\""));
+    assert!(plugin.render(&input).is_ok());
+
+    for (mode, rule, detail) in [
+        ("deep", "schema-depth", "more than 32 deep"),
+        ("huge", "schema-size", "at most 262144 are read"),
+        (
+            "remote-ref",
+            "schema-ref",
+            "https://schemas.example.org/settings.json",
+        ),
+        ("bad-pattern", "schema-pattern", "linear-time regex engine"),
+        ("ref-bomb", "schema-expansion", "every $ref expanded"),
+        ("recursive", "schema-recursive-ref", "refers to itself"),
+    ] {
+        let cfg = hostile_with_schema(dir.path(), mode);
+        let source = cfg.path.clone().unwrap();
+        let e = engine.clone();
+        let err = guarded(move || e.load_domain(&cfg).map(|_| ()))
+            .expect_err(&format!("{mode}: the schema was accepted"));
+        assert!(
+            matches!(&err.kind, TemplateErrorKind::SchemaRefused { rule: r, detail: d }
+                if *r == rule && d.contains(detail)),
+            "{mode}: wrong reason: {err}"
+        );
+        assert_eq!(err.plugin, format!("domain:{source}"), "{mode}");
+        let text = err.to_string();
+        assert!(text.contains(rule) && text.contains(&source), "{text}");
+        assert!(text.len() < 4096, "{mode}: message too long: {text}");
+        // The same engine keeps loading and rendering other plugins.
+        let xml = render_hostile(&engine, &hostile("good"), &input)
+            .unwrap_or_else(|e| panic!("after {mode}: good plugin failed: {e}"));
         assert!(xml.contains(&input.metadata_mark));
     }
 }
