@@ -1545,11 +1545,21 @@ fn a_corpus_of_ordinary_documents_stays_accepted() {
 /// libvirtd: the post-define check must accept it.
 #[test]
 fn libvirts_reading_of_the_default_output_is_accepted() {
-    let Ok(xml) = std::fs::read_to_string(concat!(
-        env!("CARGO_MANIFEST_DIR"),
-        "/src/templates/testdata/libvirt-inactive-default.xml"
-    )) else {
-        panic!("testdata/libvirt-inactive-default.xml is missing");
+    for (file, firmware) in [
+        ("libvirt-inactive-default.xml", Firmware::Bios),
+        ("libvirt-inactive-default-uefi.xml", Firmware::Efi),
+    ] {
+        libvirts_reading_is_accepted(file, firmware);
+    }
+}
+
+fn libvirts_reading_is_accepted(file: &str, firmware: Firmware) {
+    let path = format!(
+        "{}/src/templates/testdata/{file}",
+        env!("CARGO_MANIFEST_DIR")
+    );
+    let Ok(xml) = std::fs::read_to_string(&path) else {
+        panic!("{path} is missing");
     };
     let doc = tree::parse(&xml, tree::Opaque::DomainMetadata).expect("parses");
     let name = doc
@@ -1562,7 +1572,7 @@ fn libvirts_reading_of_the_default_output_is_accepted() {
         .child("uuid")
         .map(|n| n.text.clone())
         .unwrap_or_default();
-    let mut input = input();
+    let mut input = input_with(firmware);
     let uid = name.trim_start_matches("egress-").to_string();
     input.name = name.clone();
     input.uuid = uuid;
