@@ -731,13 +731,13 @@ mod tests {
                     kind: "domain".into(),
                     name: "domain:https://127.0.0.1:1/d.wasm".into(),
                     state: PluginState::Loading,
-                    message: "not loaded yet".into(),
+                    message: "no load attempt has finished yet".into(),
                 },
                 PluginHealthStatus {
                     kind: "vendorData".into(),
                     name: "vendor-data:/p/v.wasm".into(),
                     state: PluginState::Loading,
-                    message: "not loaded yet".into(),
+                    message: "no load attempt has finished yet".into(),
                 },
             ]
         );

@@ -267,8 +267,8 @@ mod tests {
         assert_eq!(
             body,
             "ready: leading\nplugins: degraded\n\
-             plugin domain \"domain:https://127.0.0.1:1/d.wasm\": loading (retried in the background): not loaded yet\n\
-             plugin vendor-data \"vendor-data:/p/v.wasm\": loading (retried in the background): not loaded yet\n"
+             plugin domain \"domain:https://127.0.0.1:1/d.wasm\": loading (retried in the background): no load attempt has finished yet\n\
+             plugin vendor-data \"vendor-data:/p/v.wasm\": loading (retried in the background): no load attempt has finished yet\n"
         );
 
         set.mark_failed(

@@ -395,7 +395,10 @@ mod tests {
         assert_eq!(secs, vec![0, 1, 3, 7, 15, 31]);
         // Before the first attempt: not loaded yet; after a failure: loading with it.
         let states = states.lock().unwrap();
-        assert_eq!(states[0].problem.as_deref(), Some("not loaded yet"));
+        assert_eq!(
+            states[0].problem.as_deref(),
+            Some("no load attempt has finished yet")
+        );
         assert!(states[1..].iter().all(|h| h.loading
             && h.problem.as_deref()
                 == Some("cannot download https://127.0.0.1:1/d.wasm: Connection refused")));

@@ -19,7 +19,7 @@ use crate::config::{TemplateConfig, TemplatesConfig};
 use crate::error::{Classified, ErrorClass};
 
 /// Reason a slot reports before its first load attempt finished.
-const NOT_LOADED_YET: &str = "not loaded yet";
+const NOT_LOADED_YET: &str = "no load attempt has finished yet";
 
 /// A plugin cannot be used now: it is still loading (transient: a Create that needs it is
 /// retried later), or it failed for good (permanent: bad settings, a sha256 mismatch, a
