@@ -273,6 +273,43 @@ fn post_define_check_refuses_libvirts_reading_undefines_and_removes_what_it_made
     });
 }
 
+/// libvirt defines the document under another name than the operator asked for (it read
+/// `<name>` differently from the checker): that domain may be another Proxy's, redefined,
+/// so the Create refuses permanently, names both, and neither undefines nor starts it;
+/// the volumes it made are still removed.
+#[test]
+fn a_domain_libvirt_defined_under_another_name_is_left_alone() {
+    let w = FakeWorld::new();
+    run(async {
+        let p = w.provider();
+        let u = uid(3);
+        let ours = InstanceIdentity::for_uid(&u).unwrap().domain_name;
+        let other = InstanceIdentity::for_uid(&uid(4)).unwrap().domain_name;
+        let (from, to) = (
+            format!("<name>{ours}</name>"),
+            format!("<name>{other}</name>"),
+        );
+        w.fake.set_reading(move |xml| xml.replacen(&from, &to, 1));
+        let e = p.create(&fake_request(&u)).await.unwrap_err();
+        assert_eq!(e.class(), ErrorClass::Permanent, "{e}");
+        let Kvm2Error::DefinedElsewhere {
+            expected, defined, ..
+        } = kvm2(&e)
+        else {
+            panic!("not a define under another name: {e:?}");
+        };
+        assert_eq!((expected, defined), (&ours, &other));
+        assert_eq!(w.fake.domains("h1"), names([other.clone()]), "left alone");
+        assert_eq!(w.fake.calls("domain-undefine"), 0);
+        assert_eq!(w.fake.calls("domain-start"), 0);
+        assert_eq!(
+            w.fake.volumes("h1"),
+            w.base(),
+            "the VM's volumes are removed"
+        );
+    });
+}
+
 /// A Create that finds our domain defined but not running checks libvirt's reading of it
 /// before starting it: a good one is started; one that fails is refused permanently, left
 /// defined (its mark says it is this Proxy's, and this Create did not make it) with its
