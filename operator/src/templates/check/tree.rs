@@ -422,13 +422,13 @@ fn open_element(
             format!("{here} is nested deeper than {MAX_DEPTH} elements"),
         ));
     }
-    if let Some(parent) = stack.last() {
-        if parent.had_text {
-            return Err(refuse(
-                "text-only",
-                format!("{parent_path} mixes text with the element <{name}>"),
-            ));
-        }
+    if let Some(parent) = stack.last()
+        && parent.had_text
+    {
+        return Err(refuse(
+            "text-only",
+            format!("{parent_path} mixes text with the element <{name}>"),
+        ));
     }
     let (in_metadata, namespaces_allowed) = match opaque {
         Opaque::Fragment => (true, true),
@@ -472,21 +472,19 @@ fn open_element(
         let (aprefix, alocal) = split_qname(a.key.as_ref())?;
         let is_decl =
             aprefix.as_deref() == Some("xmlns") || (aprefix.is_none() && alocal == "xmlns");
-        if is_decl || aprefix.is_some() {
-            if !namespaces_allowed {
-                return Err(refuse(
-                    "namespaces",
-                    format!(
-                        "{here} has {} {}: namespaces are allowed only inside /domain/metadata (libvirt matches attributes by local name and takes the first)",
-                        if is_decl {
-                            "the namespace declaration"
-                        } else {
-                            "the prefixed attribute"
-                        },
-                        super::show(&String::from_utf8_lossy(a.key.as_ref()))
-                    ),
-                ));
-            }
+        if (is_decl || aprefix.is_some()) && !namespaces_allowed {
+            return Err(refuse(
+                "namespaces",
+                format!(
+                    "{here} has {} {}: namespaces are allowed only inside /domain/metadata (libvirt matches attributes by local name and takes the first)",
+                    if is_decl {
+                        "the namespace declaration"
+                    } else {
+                        "the prefixed attribute"
+                    },
+                    super::show(&String::from_utf8_lossy(a.key.as_ref()))
+                ),
+            ));
         }
         if is_decl {
             let p = if aprefix.is_some() {
