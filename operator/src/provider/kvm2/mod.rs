@@ -1,5 +1,13 @@
 //! The kvm2 provider: proxy VMs on remote KVM/libvirt hosts, reached only over SSH.
 //!
+//! Grouped by boundary: [`link`] is everything between the operator and one host (SSH,
+//! known_hosts, the socket tunnel, the per-host link table, the blocking libvirt pool,
+//! error classes, call observation, the host check); [`domain`] is the lifecycle of a
+//! proxy VM (Create/Get/Delete/List over host operations, the ownership mark, state,
+//! addresses, its volumes and seed ISO); [`image`] is the verified base-image cache and
+//! its downloads. The modules are re-exported here under their flat names so callers
+//! keep one short path each.
+//!
 //! A host needs nothing but sshd and libvirtd. The operator opens one SSH session per
 //! host ([`ssh`]), verifies the host key against a known_hosts file ([`known_hosts`]),
 //! and exposes the host's libvirt unix socket as a private local socket ([`tunnel`]) that
@@ -25,23 +33,11 @@
 //! a domain (hostile input, strictly checked), [`state`] maps libvirt's domain state, and
 //! [`addresses`] chooses the guest addresses to publish.
 
-pub mod addresses;
-pub mod backend;
-pub mod check;
-pub mod errors;
-pub mod fake;
-pub mod fetch;
-pub mod hosts;
+pub mod domain;
 pub mod image;
-pub mod known_hosts;
-pub mod libvirt;
+pub mod link;
 pub mod locks;
-pub mod metadata;
-pub mod observe;
-pub mod ops;
-pub mod seed;
-pub mod ssh;
-pub mod state;
-pub mod tunnel;
-pub mod virt_error;
-pub mod volume;
+
+pub use domain::{addresses, backend, fake, metadata, ops, seed, state, volume};
+pub use image::fetch;
+pub use link::{check, errors, hosts, known_hosts, libvirt, observe, ssh, tunnel, virt_error};

@@ -3,12 +3,12 @@
 //! A plugin is code a site wrote; its output is untrusted input. Domain XML is checked in
 //! three steps, each reading the document exactly as libvirt will or refusing it:
 //!
-//! 1. [`tree`]: a strict parse into a tree with libxml2's reading of attributes, text,
+//! 1. `tree`: a strict parse into a tree with libxml2's reading of attributes, text,
 //!    entities, namespaces and characters (no namespaces outside `<metadata>`, no CDATA,
 //!    no mixed text, no DOCTYPE, UTF-8 only, ...), bounded in size and depth;
-//! 2. [`allow`]: every element path, attribute and value on an allow-list of what a proxy
+//! 2. `allow`: every element path, attribute and value on an allow-list of what a proxy
 //!    VM needs; anything else is refused, naming its path and the rule;
-//! 3. [`domain`]: the document tied to its input: name, UUID, the operator's mark (one
+//! 3. `domain`: the document tied to its input: name, UUID, the operator's mark (one
 //!    element, structurally equal), memory, vCPUs, the prepared volumes and their formats,
 //!    the seed read-only, the bridge, the assigned MAC, known firmware files.
 //!

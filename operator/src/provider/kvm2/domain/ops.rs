@@ -20,8 +20,8 @@ use virt::storage_vol::StorageVol;
 use virt::stream::Stream;
 
 use super::addresses::{AddressSource, NicAddrs};
-use super::hosts::{HostError, Hosts};
-use super::libvirt::LibvirtError;
+use crate::provider::kvm2::hosts::{HostError, Hosts};
+use crate::provider::kvm2::libvirt::LibvirtError;
 use super::metadata;
 use super::state::instance_state;
 use crate::error::{Classified, ErrorClass};
@@ -778,7 +778,7 @@ impl HostOps for LibvirtOps {
 }
 
 fn is_transport(e: &virt::error::Error) -> bool {
-    super::virt_error::is_link_failure(e)
+    crate::provider::kvm2::virt_error::is_link_failure(e)
 }
 
 /// The default guest architecture from capabilities XML (`<host><cpu><arch>`).

@@ -24,8 +24,8 @@ use futures_util::stream::{FuturesUnordered, StreamExt as _};
 use tokio::sync::Semaphore;
 
 use super::addresses::{self, AddressSource};
-use super::image::{ImageCache, ImageCacheOptions, ImageError, ImageMetrics};
-use super::locks::KeyedLocks;
+use crate::provider::kvm2::image::{ImageCache, ImageCacheOptions, ImageError, ImageMetrics};
+use crate::provider::kvm2::locks::KeyedLocks;
 use super::ops::{Created, DomainRecord, HostOps, OpsError};
 use super::seed::{self, SeedError, SeedFiles};
 use super::volume;

@@ -37,6 +37,8 @@
 //! Memory stays flat: chunks go from the HTTP body through a small bounded channel into a
 //! libvirt stream on a blocking thread, never into a buffer of the image's size.
 
+pub mod fetch;
+
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
@@ -47,7 +49,7 @@ use prometheus_client::metrics::gauge::Gauge;
 use prometheus_client::registry::Registry;
 use tokio::sync::mpsc;
 
-use super::fetch::{self, FetchError, FetchPolicy};
+use self::fetch::{FetchError, FetchPolicy};
 use super::locks::KeyedLocks;
 use super::ops::{Created, HostOps, OpsError};
 use crate::config::{HostConfig, ImageConfig, ImageFormat};
