@@ -1458,7 +1458,7 @@ fn replica_view_commits_verified_content_without_a_race() {
 ///
 /// With the takeover claim, this interleaving needs replica 2 to stay paused between its
 /// claim and its delete for more than two stale windows, which the protocol treats as
-/// dead (see the protocol notes in operator/src/provider/kvm2/image.rs). Closing that
+/// dead (see the protocol notes in operator/src/provider/kvm2/image/mod.rs). Closing that
 /// needs a fencing token kept in the claim; until then this reproduces the limit.
 #[test]
 #[ignore = "known limit: a taker paused for over two stale windows between claim and delete (image.rs protocol notes)"]
