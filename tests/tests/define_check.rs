@@ -273,6 +273,44 @@ fn post_define_check_refuses_libvirts_reading_undefines_and_removes_what_it_made
     });
 }
 
+/// While the plugins are still loading, a Create fails at once and transiently with the
+/// plugins' reason, before it touches a host: no placement, download, volume or define.
+#[test]
+fn a_create_while_plugins_load_fails_before_touching_a_host() {
+    let w = FakeWorld::new();
+    run(async {
+        let loading = Arc::new(TemplateSet::loading(&w.config.kvm2.templates));
+        let p = Kvm2Provider::new(
+            w.config.clone(),
+            w.fake.clone(),
+            loading,
+            Kvm2Options::default(),
+            ImageMetrics::default(),
+        );
+        let e = p.create(&fake_request(&uid(9))).await.unwrap_err();
+        assert_eq!(e.class(), ErrorClass::Transient, "{e}");
+        assert!(e.to_string().contains("not loaded yet"), "{e}");
+        for op in [
+            "host-facts",
+            "pool-info",
+            "domain-list",
+            "domain-lookup",
+            "volume-info",
+            "volume-create",
+            "volume-upload",
+            "domain-define",
+            "domain-start",
+        ] {
+            assert_eq!(w.fake.calls(op), 0, "{op} was called");
+        }
+        assert!(
+            w.fake.volumes("h1").is_empty(),
+            "{:?}",
+            w.fake.volumes("h1")
+        );
+    });
+}
+
 /// libvirt defines the document under another name than the operator asked for (it read
 /// `<name>` differently from the checker): that domain may be another Proxy's, redefined,
 /// so the Create refuses permanently, names both, and neither undefines nor starts it;

@@ -24,8 +24,6 @@ use futures_util::stream::{FuturesUnordered, StreamExt as _};
 use tokio::sync::Semaphore;
 
 use super::addresses::{self, AddressSource};
-use crate::provider::kvm2::image::{ImageCache, ImageCacheOptions, ImageError, ImageMetrics};
-use crate::provider::kvm2::locks::KeyedLocks;
 use super::ops::{Created, DomainRecord, HostOps, OpsError};
 use super::seed::{self, SeedError, SeedFiles};
 use super::volume;
@@ -33,6 +31,8 @@ use crate::config::{HostConfig, ValidConfig};
 use crate::error::{Classified, ErrorClass};
 use crate::instance::{InstanceIdentity, MetadataMark};
 use crate::provider::health::HealthBoard;
+use crate::provider::kvm2::image::{ImageCache, ImageCacheOptions, ImageError, ImageMetrics};
+use crate::provider::kvm2::locks::KeyedLocks;
 use crate::provider::{
     BoxFuture, CreateRequest, HealthCheck, Instance, InstanceId, InstanceState, Provider,
     ProviderError, ProxyRef, TargetHealth, TargetListing,
@@ -453,13 +453,18 @@ impl Kvm2Provider {
 
     /// Refuses bad per-Proxy plugin settings before anything is placed, downloaded or
     /// made (a render would refuse them too, but only after the image and volumes).
+    /// Both plugins must be loaded, and a Proxy's overrides acceptable to them, before a
+    /// Create places, downloads or makes anything: a Create while the plugins still load
+    /// (or after they failed) fails at once with their reason, instead of after an image
+    /// upload and a root volume it then has to remove.
     async fn check_overrides(&self, req: &CreateRequest) -> Result<(), Kvm2Error> {
-        let Some(o) = req.spec.template_settings.clone() else {
-            return Ok(());
-        };
+        let overrides = req.spec.template_settings.clone();
         self.render_blocking(move |t| {
-            t.vendor_data()?.check_overrides(o.vendor_data.as_ref())?;
-            t.domain()?.check_overrides(o.domain.as_ref())?;
+            let (vendor_data, domain) = (t.vendor_data()?, t.domain()?);
+            if let Some(o) = overrides {
+                vendor_data.check_overrides(o.vendor_data.as_ref())?;
+                domain.check_overrides(o.domain.as_ref())?;
+            }
             Ok(())
         })
         .await
