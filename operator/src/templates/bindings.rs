@@ -96,7 +96,7 @@ pub(crate) mod capped {
                 return Ok(Capped::Over { len: declared });
             }
             let text = copy(cx)?;
-            tests::count_lifted(text.len());
+            lift_counter::add(text.len());
             if text.len() > MAX {
                 return Ok(Capped::Over { len: text.len() });
             }
@@ -227,16 +227,17 @@ pub(crate) mod capped {
     }
 
     /// A test-only count of plugin bytes copied into host strings on this thread, so a test
-    /// can prove an oversized result was refused without being copied.
-    pub(crate) mod tests {
+    /// can prove an oversized result was refused without being copied (nothing is counted
+    /// outside tests).
+    pub(crate) mod lift_counter {
         #[cfg(test)]
         thread_local! {
             static LIFTED: std::cell::Cell<usize> = const { std::cell::Cell::new(0) };
         }
 
-        /// Adds `n` bytes to this thread's count (nothing outside tests).
+        /// Adds `n` bytes to this thread's count.
         #[inline]
-        pub(crate) fn count_lifted(n: usize) {
+        pub(crate) fn add(n: usize) {
             #[cfg(test)]
             LIFTED.with(|c| c.set(c.get().saturating_add(n)));
             #[cfg(not(test))]
@@ -245,7 +246,7 @@ pub(crate) mod capped {
 
         /// Bytes copied on this thread so far.
         #[cfg(test)]
-        pub(crate) fn lifted() -> usize {
+        pub(crate) fn total() -> usize {
             LIFTED.with(std::cell::Cell::get)
         }
     }

@@ -20,10 +20,10 @@
 //!   which is what bounds evaluation: references can share one subschema many times over
 //!   (`anyOf` of two references to a definition that does the same, 40 levels deep, is a
 //!   few KB of text and 2^40 evaluations);
-//! - `schema-pattern`: every `pattern`/`patternProperties` regex is at most
-//!   [`SCHEMA_MAX_PATTERN_BYTES`] and compiles with the linear-time `regex` engine within
-//!   a size limit, so no pattern backtracks catastrophically (look-around and
-//!   back-references are refused);
+//! - `schema-pattern`: at most [`SCHEMA_MAX_PATTERNS`] `pattern`/`patternProperties`
+//!   regexes, each at most [`SCHEMA_MAX_PATTERN_BYTES`], compiling with the linear-time
+//!   `regex` engine within a size limit, so no pattern backtracks catastrophically
+//!   (look-around and back-references are refused) or takes long to compile;
 //! - `schema-time`: compiling, and evaluating the configured settings at load, each fit a
 //!   wall-clock budget ([`SCHEMA_COMPILE_BUDGET`], [`SCHEMA_EVALUATION_BUDGET`]).
 //!
@@ -60,6 +60,10 @@ pub const SCHEMA_MAX_REFS: usize = 256;
 pub const SCHEMA_MAX_EXPANDED: u64 = 2_000;
 /// Longest `pattern` (or `patternProperties` key) accepted.
 pub const SCHEMA_MAX_PATTERN_BYTES: usize = 1024;
+/// Most patterns accepted. Each compiles in at most a few milliseconds within the size
+/// limits below (measured here), once per schema (one pattern cache per compile); a
+/// generated schema has one per field with a `regex` attribute.
+pub const SCHEMA_MAX_PATTERNS: usize = 64;
 /// Compiled size limit of one pattern (the `regex` crate's own limits; its defaults are
 /// 10 MiB and 2 MiB): a short pattern like `([a-z]{1000}){1000}` compiles to far more.
 const REGEX_SIZE_LIMIT: usize = 1024 * 1024;
@@ -152,13 +156,17 @@ pub(crate) fn compile(text: &str) -> Result<Compiled, TemplateErrorKind> {
 }
 
 /// How the validator is built: nothing is ever fetched, patterns use the linear-time
-/// engine with size limits.
+/// engine with size limits, each compiled once per schema (the cache lives as long as
+/// the options).
 fn options() -> jsonschema::ValidationOptions<'static> {
-    jsonschema::options().offline().with_pattern_options(
-        jsonschema::PatternOptions::regex()
-            .size_limit(REGEX_SIZE_LIMIT)
-            .dfa_size_limit(REGEX_DFA_SIZE_LIMIT),
-    )
+    jsonschema::options()
+        .offline()
+        .with_pattern_options(
+            jsonschema::PatternOptions::regex()
+                .size_limit(REGEX_SIZE_LIMIT)
+                .dfa_size_limit(REGEX_DFA_SIZE_LIMIT),
+        )
+        .with_pattern_cache(jsonschema::PatternCache::new())
 }
 
 /// A validator's message, cut to a length that fits a log line.
@@ -235,6 +243,7 @@ fn check_tree(root: &Value) -> Result<Vec<Ref>, TemplateErrorKind> {
         }
     }
     let mut refs = Vec::new();
+    let mut patterns = 0usize;
     let mut stack: Vec<(&Value, String, usize)> = vec![(root, String::new(), 1)];
     while let Some((value, path, depth)) = stack.pop() {
         if depth > SCHEMA_MAX_DEPTH {
@@ -275,13 +284,23 @@ fn check_tree(root: &Value) -> Result<Vec<Ref>, TemplateErrorKind> {
                                 ),
                             ));
                         }
-                        ("pattern", Value::String(p)) => pattern_length(p, &here)?,
-                        ("patternProperties", Value::Object(patterns)) => {
-                            for p in patterns.keys() {
+                        ("pattern", Value::String(p)) => {
+                            pattern_length(p, &here)?;
+                            patterns += 1;
+                        }
+                        ("patternProperties", Value::Object(map)) => {
+                            for p in map.keys() {
                                 pattern_length(p, &child_path(&here, p))?;
                             }
+                            patterns += map.len();
                         }
                         _ => {}
+                    }
+                    if patterns > SCHEMA_MAX_PATTERNS {
+                        return Err(refuse(
+                            "schema-pattern",
+                            format!("has more than {SCHEMA_MAX_PATTERNS} patterns"),
+                        ));
                     }
                     stack.push((child, here, depth + 1));
                 }
@@ -652,6 +671,7 @@ mod tests {
             ("too many references", json!({"allOf": vec![json!({"$ref": "#/$defs/a"}); SCHEMA_MAX_REFS + 1], "$defs": {"a": {}}}).to_string(), "schema-refs"),
             ("long pattern", json!({"pattern": "a".repeat(SCHEMA_MAX_PATTERN_BYTES + 1)}).to_string(), "schema-pattern"),
             ("long patternProperties key", json!({"patternProperties": {"b".repeat(SCHEMA_MAX_PATTERN_BYTES + 1): true}}).to_string(), "schema-pattern"),
+            ("too many patterns", json!({"properties": (0..=SCHEMA_MAX_PATTERNS).map(|i| (format!("p{i}"), json!({"pattern": format!("^{i}$")}))).collect::<serde_json::Map<_, _>>()}).to_string(), "schema-pattern"),
             ("pattern compiling past the size limit", json!({"pattern": "([a-z]{1000}){1000}"}).to_string(), "schema-pattern"),
             ("back-reference", json!({"properties": {"x": {"pattern": "^(a+)\\1$"}}}).to_string(), "schema-pattern"),
             ("look-ahead", json!({"patternProperties": {"^(?=a)(a+)+$": true}}).to_string(), "schema-pattern"),

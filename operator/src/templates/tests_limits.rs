@@ -8,7 +8,7 @@ use std::sync::OnceLock;
 
 use serde_json::{Value, json};
 
-use super::bindings::capped::{Capped, CappedList, Issue, tests::lifted};
+use super::bindings::capped::{Capped, CappedList, Issue, lift_counter};
 use super::*;
 use crate::render::{self, Facts};
 
@@ -63,9 +63,9 @@ fn input() -> DomainInput {
 /// Runs `f` and returns its result with the plugin bytes it copied into host strings on
 /// this thread (lifts run on the calling thread).
 fn counting<T>(f: impl FnOnce() -> T) -> (T, usize) {
-    let before = lifted();
+    let before = lift_counter::total();
     let out = f();
-    (out, lifted() - before)
+    (out, lift_counter::total() - before)
 }
 
 #[test]
