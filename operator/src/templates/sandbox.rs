@@ -59,7 +59,7 @@ pub const MAX_RESOURCES: usize = 256;
 pub const MAX_COMPONENT_HANDLES: usize = 2 * MAX_RESOURCES;
 /// Most bytes wasmtime copies from a plugin into host memory in one lift: the arguments of
 /// one WASI call (a `write` carries at most 4 KiB by the WASI contract), or one call's
-/// result (which [`super::bindings::capped`] keeps within the output caps before copying).
+/// result (which the host keeps within the output caps before copying, see `bindings`).
 /// wasmtime's default is 128 MiB; this must stay above the largest accepted output
 /// ([`super::check::VENDOR_DATA_MAX`]) and schema ([`super::schema::SCHEMA_MAX_BYTES`]).
 pub const HOSTCALL_FUEL: usize = 1024 * 1024;
