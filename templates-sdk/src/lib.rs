@@ -32,6 +32,22 @@
 //! same checks run again on libvirt's own reading of the defined domain before it starts.
 //! Vendor-data must be `#cloud-config` YAML (a mapping) or a MIME multipart document.
 //!
+//! # Limits a plugin lives within
+//!
+//! - Output: domain XML at most 256 KiB, vendor-data at most 512 KiB, a refusal message
+//!   at most 4 KiB; the operator reads the declared length first and copies nothing
+//!   longer.
+//! - `validate-settings`: the first 16 issues are read, each pointer and message at most
+//!   4 KiB; reports keep 256 bytes of a message and 128 of a pointer.
+//! - `settings-schema`: at most 256 KiB and 32 levels deep; only local references
+//!   (`#/...`) that exist, no cycles, at most 256 of them and 2,000 nodes with every
+//!   reference expanded; at most 64 `pattern`s of at most 1 KiB, each compiled by a
+//!   linear-time engine, so no look-around or back-references. A schema outside these is
+//!   refused when the plugin loads. A schema derived with `schemars` from a plain settings
+//!   type is far inside them.
+//! - Per call: fuel, the configured deadline and memory cap, at most 256 WASI resource
+//!   handles and 512 component handles alive, 16 KiB of stdout/stderr.
+//!
 //! # Determinism and the sandbox
 //!
 //! Plugins are built for `wasm32-wasip2`, whose standard library imports a few WASI

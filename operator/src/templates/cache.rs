@@ -196,7 +196,8 @@ fn current_uid() -> Option<u32> {
 
 /// Loads precompiled machine code.
 ///
-/// This is the one `unsafe` in the operator. wasmtime cannot check that serialized code
+/// One of the few `unsafe` blocks in the operator (the others are the capped lifts in
+/// `templates/bindings.rs`). wasmtime cannot check that serialized code
 /// is what it produced, so the caller must guarantee it. We do: the bytes are verified
 /// against the sha256 we wrote next to them when *we* serialized them with an engine of
 /// the same compatibility hash (wasmtime also checks its own header and refuses another
