@@ -20,12 +20,12 @@ use virt::storage_vol::StorageVol;
 use virt::stream::Stream;
 
 use super::addresses::{AddressSource, NicAddrs};
-use crate::provider::kvm2::hosts::{HostError, Hosts};
-use crate::provider::kvm2::libvirt::LibvirtError;
 use super::metadata;
 use super::state::instance_state;
 use crate::error::{Classified, ErrorClass};
 use crate::instance::MetadataMark;
+use crate::provider::kvm2::hosts::{HostError, Hosts};
+use crate::provider::kvm2::libvirt::LibvirtError;
 use crate::provider::{BoxFuture, InstanceState};
 use crate::render::Facts;
 
