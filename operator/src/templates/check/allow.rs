@@ -55,7 +55,8 @@ pub enum Value {
     Enum(&'static [&'static str]),
     /// Decimal digits, no sign or space (what `virStrToLong_ui` and friends accept).
     Uint,
-    /// A PCI/drive address component: decimal or `0x` hexadecimal.
+    /// A PCI/drive address component: decimal without a leading zero (libvirt would read
+    /// it as octal) or `0x` hexadecimal.
     HexOrUint,
     /// A name: letters, digits, `_ . + -`, up to 64.
     Ident,
@@ -828,7 +829,8 @@ pub fn value_ok(v: Value, value: &str) -> bool {
             Some(hex) => {
                 !hex.is_empty() && hex.len() <= 8 && hex.bytes().all(|b| b.is_ascii_hexdigit())
             }
-            None => uint(value).is_some(),
+            // libvirt parses addresses with base 0, where a leading zero means octal.
+            None => uint(value).is_some() && (value == "0" || !value.starts_with('0')),
         },
         Value::Ident => ident(value, 64),
         Value::CpuSet => {

@@ -418,6 +418,15 @@ fn text_is_read_whole_as_libvirt_does() {
                 "<vcpu placement=\"static\">2 </vcpu>",
             ),
         ),
+        // Numbers as libvirt parses them: a leading zero in an address is octal there.
+        (
+            "value",
+            "/domain/devices/disk/address/@slot",
+            with(
+                "<target dev=\"vda\" bus=\"virtio\"/>",
+                "<target dev=\"vda\" bus=\"virtio\"/><address type=\"pci\" domain=\"0\" bus=\"0\" slot=\"010\" function=\"0\"/>",
+            ),
+        ),
     ]);
 }
 
