@@ -26,13 +26,10 @@ use egress_operator::api::proxy::{self, ProxySpec};
 use egress_operator::config::{self, ValidConfig};
 use egress_operator::error::ErrorClass;
 use egress_operator::instance::{InstanceIdentity, image_marker_name, image_volume_name};
-use egress_operator::provider::kvm2::addresses::{AddressSource, NicAddrs};
 use egress_operator::provider::kvm2::backend::{Kvm2Error, Kvm2Options, Kvm2Provider};
-use egress_operator::provider::kvm2::fake::FakeOps;
+use egress_operator::provider::kvm2::fake::{FakeOps, Hooked, OpHook};
 use egress_operator::provider::kvm2::image::{ImageCacheOptions, ImageMetrics};
-use egress_operator::provider::kvm2::ops::{
-    Created, DefinedDomain, DomainRecord, HostOps, OpsError, PoolSpace, UploadChunks, VolumeInfo,
-};
+use egress_operator::provider::kvm2::ops::{HostOps, OpsError};
 use egress_operator::provider::{
     BoxFuture, CreateRequest, InstanceState, Provider, ProviderError, ProxyRef, UserData,
 };
@@ -514,8 +511,8 @@ fn create_undefines_a_domain_whose_libvirt_reading_is_refused() {
             .unwrap_err();
         let detail = assert_refused_on_libvirts_reading(&e, "just defined by this Create");
         assert!(names_passthrough(&detail), "{detail}");
-        assert_eq!(ops.defines.load(Ordering::SeqCst), 1);
-        assert_eq!(ops.starts.load(Ordering::SeqCst), 0, "never started");
+        assert_eq!(ops.hook().defines.load(Ordering::SeqCst), 1);
+        assert_eq!(ops.hook().starts.load(Ordering::SeqCst), 0, "never started");
         rig.hosts.close().await;
     });
     assert!(rig.domains().is_empty(), "{:?}", rig.domains());
@@ -579,141 +576,39 @@ fn passthrough(xml: &str) -> String {
 /// Real host operations, except that a define hands libvirt `rewrite(xml)`; counts
 /// defines and starts.
 struct Rewrite {
-    inner: Arc<dyn HostOps>,
     rewrite: fn(&str) -> String,
     defines: AtomicUsize,
     starts: AtomicUsize,
 }
 
 impl Rewrite {
-    fn new(inner: Arc<dyn HostOps>, rewrite: fn(&str) -> String) -> Self {
-        Self {
+    fn new(inner: Arc<dyn HostOps>, rewrite: fn(&str) -> String) -> Hooked<Self> {
+        Hooked::wrap(
             inner,
-            rewrite,
-            defines: AtomicUsize::new(0),
-            starts: AtomicUsize::new(0),
-        }
+            Self {
+                rewrite,
+                defines: AtomicUsize::new(0),
+                starts: AtomicUsize::new(0),
+            },
+        )
     }
 }
 
-impl HostOps for Rewrite {
-    fn hosts(&self) -> Vec<String> {
-        self.inner.hosts()
-    }
-    fn facts<'a>(&'a self, host: &'a str) -> BoxFuture<'a, Result<Facts, OpsError>> {
-        self.inner.facts(host)
-    }
-    fn pool_space<'a>(
+impl OpHook for Rewrite {
+    fn before<'a>(
         &'a self,
-        host: &'a str,
-        pool: &'a str,
-    ) -> BoxFuture<'a, Result<PoolSpace, OpsError>> {
-        self.inner.pool_space(host, pool)
-    }
-    fn volume<'a>(
-        &'a self,
-        host: &'a str,
-        pool: &'a str,
-        name: &'a str,
-    ) -> BoxFuture<'a, Result<Option<VolumeInfo>, OpsError>> {
-        self.inner.volume(host, pool, name)
-    }
-    fn create_volume<'a>(
-        &'a self,
-        host: &'a str,
-        pool: &'a str,
-        name: &'a str,
-        xml: String,
-    ) -> BoxFuture<'a, Result<Created, OpsError>> {
-        self.inner.create_volume(host, pool, name, xml)
-    }
-    fn resize_volume<'a>(
-        &'a self,
-        host: &'a str,
-        pool: &'a str,
-        name: &'a str,
-        capacity: u64,
+        op: &'static str,
+        _host: &'a str,
+        _target: Option<&'a str>,
     ) -> BoxFuture<'a, Result<(), OpsError>> {
-        self.inner.resize_volume(host, pool, name, capacity)
+        match op {
+            "domain-define" => self.defines.fetch_add(1, Ordering::SeqCst),
+            "domain-start" => self.starts.fetch_add(1, Ordering::SeqCst),
+            _ => 0,
+        };
+        Box::pin(std::future::ready(Ok(())))
     }
-    fn delete_volume<'a>(
-        &'a self,
-        host: &'a str,
-        pool: &'a str,
-        name: &'a str,
-    ) -> BoxFuture<'a, Result<bool, OpsError>> {
-        self.inner.delete_volume(host, pool, name)
-    }
-    fn upload<'a>(
-        &'a self,
-        host: &'a str,
-        pool: &'a str,
-        name: &'a str,
-        length: u64,
-        chunks: UploadChunks,
-        deadline: Duration,
-    ) -> BoxFuture<'a, Result<(), OpsError>> {
-        self.inner
-            .upload(host, pool, name, length, chunks, deadline)
-    }
-    fn domain<'a>(
-        &'a self,
-        host: &'a str,
-        name: &'a str,
-    ) -> BoxFuture<'a, Result<Option<DomainRecord>, OpsError>> {
-        self.inner.domain(host, name)
-    }
-    fn domain_xml<'a>(
-        &'a self,
-        host: &'a str,
-        name: &'a str,
-    ) -> BoxFuture<'a, Result<Option<String>, OpsError>> {
-        self.inner.domain_xml(host, name)
-    }
-    fn inactive_xml<'a>(
-        &'a self,
-        host: &'a str,
-        name: &'a str,
-    ) -> BoxFuture<'a, Result<Option<String>, OpsError>> {
-        self.inner.inactive_xml(host, name)
-    }
-    fn define<'a>(
-        &'a self,
-        host: &'a str,
-        xml: String,
-    ) -> BoxFuture<'a, Result<DefinedDomain, OpsError>> {
-        self.defines.fetch_add(1, Ordering::SeqCst);
-        self.inner.define(host, (self.rewrite)(&xml))
-    }
-    fn start<'a>(&'a self, host: &'a str, name: &'a str) -> BoxFuture<'a, Result<(), OpsError>> {
-        self.starts.fetch_add(1, Ordering::SeqCst);
-        self.inner.start(host, name)
-    }
-    fn shutdown<'a>(&'a self, host: &'a str, name: &'a str) -> BoxFuture<'a, Result<(), OpsError>> {
-        self.inner.shutdown(host, name)
-    }
-    fn destroy<'a>(&'a self, host: &'a str, name: &'a str) -> BoxFuture<'a, Result<(), OpsError>> {
-        self.inner.destroy(host, name)
-    }
-    fn undefine<'a>(
-        &'a self,
-        host: &'a str,
-        name: &'a str,
-    ) -> BoxFuture<'a, Result<bool, OpsError>> {
-        self.inner.undefine(host, name)
-    }
-    fn addresses<'a>(
-        &'a self,
-        host: &'a str,
-        name: &'a str,
-        source: AddressSource,
-    ) -> BoxFuture<'a, Result<Vec<NicAddrs>, OpsError>> {
-        self.inner.addresses(host, name, source)
-    }
-    fn list_domains<'a>(
-        &'a self,
-        host: &'a str,
-    ) -> BoxFuture<'a, Result<Vec<DomainRecord>, OpsError>> {
-        self.inner.list_domains(host)
+    fn define_xml(&self, xml: String) -> String {
+        (self.rewrite)(&xml)
     }
 }

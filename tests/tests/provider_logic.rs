@@ -21,18 +21,14 @@ use egress_operator::instance::{
     InstanceIdentity, MetadataMark, image_marker_name, image_volume_name,
 };
 use egress_operator::provider::health::HealthBoard;
-use egress_operator::provider::kvm2::addresses::{AddressSource, NicAddrs};
 use egress_operator::provider::kvm2::backend::{Kvm2Options, Kvm2Provider};
-use egress_operator::provider::kvm2::fake::{FAULT_POINTS, FakeOps, FaultyOps};
+use egress_operator::provider::kvm2::fake::{FAULT_POINTS, FakeOps, FaultyOps, Hooked, OpHook};
 use egress_operator::provider::kvm2::image::{ImageCacheOptions, ImageMetrics};
-use egress_operator::provider::kvm2::ops::{
-    Created, DefinedDomain, DomainRecord, HostOps, OpsError, PoolSpace, UploadChunks, VolumeInfo,
-};
+use egress_operator::provider::kvm2::ops::{Created, HostOps, OpsError, UploadChunks};
 use egress_operator::provider::{
     BoxFuture, CreateRequest, InstanceId, InstanceState, Provider, ProviderError, ProxyRef,
     UserData,
 };
-use egress_operator::render::Facts;
 use egress_operator::templates::{TemplateEngine, TemplateSet};
 use integration_tests::http::{HttpServer, Route};
 use integration_tests::{plugin_path, sha256_hex};
@@ -1258,87 +1254,53 @@ struct ReplicaView {
     image: (String, String, Arc<Vec<u8>>),
 }
 
-impl HostOps for ReplicaView {
-    fn hosts(&self) -> Vec<String> {
-        self.inner.hosts()
+impl ReplicaView {
+    /// The fake hosts as this replica sees them.
+    fn ops(self) -> Arc<Hooked<Self>> {
+        Arc::new(Hooked::wrap(self.inner.clone(), self))
     }
-    fn facts<'a>(&'a self, host: &'a str) -> BoxFuture<'a, Result<Facts, OpsError>> {
-        self.inner.facts(host)
-    }
-    fn pool_space<'a>(
+}
+
+impl OpHook for ReplicaView {
+    fn before<'a>(
         &'a self,
-        host: &'a str,
-        pool: &'a str,
-    ) -> BoxFuture<'a, Result<PoolSpace, OpsError>> {
-        self.inner.pool_space(host, pool)
-    }
-    fn volume<'a>(
-        &'a self,
-        host: &'a str,
-        pool: &'a str,
-        name: &'a str,
-    ) -> BoxFuture<'a, Result<Option<VolumeInfo>, OpsError>> {
-        self.inner.volume(host, pool, name)
-    }
-    fn create_volume<'a>(
-        &'a self,
-        host: &'a str,
-        pool: &'a str,
-        name: &'a str,
-        xml: String,
-    ) -> BoxFuture<'a, Result<Created, OpsError>> {
+        op: &'static str,
+        _host: &'a str,
+        target: Option<&'a str>,
+    ) -> BoxFuture<'a, Result<(), OpsError>> {
         Box::pin(async move {
-            let created = self.inner.create_volume(host, pool, name, xml).await?;
-            if created == Created::Created {
-                *self
-                    .side
-                    .generations
+            if let ("volume-delete", Some(name)) = (op, target) {
+                Pause::maybe(&self.pause_delete, name).await;
+            }
+            Ok(())
+        })
+    }
+    fn after_create_volume(&self, host: &str, name: &str, created: Created) {
+        if created == Created::Created {
+            *self
+                .side
+                .generations
+                .lock()
+                .unwrap()
+                .entry(name.into())
+                .or_default() += 1;
+            let (marker, data, bytes) = &self.image;
+            if name == marker {
+                let held = self.inner.volume_data(host, data);
+                self.side
+                    .commits
                     .lock()
                     .unwrap()
-                    .entry(name.into())
-                    .or_default() += 1;
-                let (marker, data, bytes) = &self.image;
-                if name == marker {
-                    let held = self.inner.volume_data(host, data);
-                    self.side
-                        .commits
-                        .lock()
-                        .unwrap()
-                        .push(held.as_deref() == Some(bytes.as_slice()));
-                }
+                    .push(held.as_deref() == Some(bytes.as_slice()));
             }
-            Ok(created)
-        })
+        }
     }
-    fn resize_volume<'a>(
+    fn upload_chunks<'a>(
         &'a self,
-        host: &'a str,
-        pool: &'a str,
+        _host: &'a str,
         name: &'a str,
-        capacity: u64,
-    ) -> BoxFuture<'a, Result<(), OpsError>> {
-        self.inner.resize_volume(host, pool, name, capacity)
-    }
-    fn delete_volume<'a>(
-        &'a self,
-        host: &'a str,
-        pool: &'a str,
-        name: &'a str,
-    ) -> BoxFuture<'a, Result<bool, OpsError>> {
-        Box::pin(async move {
-            Pause::maybe(&self.pause_delete, name).await;
-            self.inner.delete_volume(host, pool, name).await
-        })
-    }
-    fn upload<'a>(
-        &'a self,
-        host: &'a str,
-        pool: &'a str,
-        name: &'a str,
-        length: u64,
         mut chunks: UploadChunks,
-        deadline: Duration,
-    ) -> BoxFuture<'a, Result<(), OpsError>> {
+    ) -> BoxFuture<'a, Option<UploadChunks>> {
         Box::pin(async move {
             let opened = self.side.generation(name);
             let mut all = Vec::new();
@@ -1348,75 +1310,14 @@ impl HostOps for ReplicaView {
             Pause::maybe(&self.pause_upload, name).await;
             if self.side.generation(name) != opened {
                 // The opened volume was deleted: the bytes went to an unlinked file.
-                return Ok(());
+                return None;
             }
             let (tx, rx) = tokio::sync::mpsc::channel(all.len().max(1));
             for c in all {
                 tx.try_send(c).unwrap();
             }
-            drop(tx);
-            self.inner
-                .upload(host, pool, name, length, rx, deadline)
-                .await
+            Some(rx)
         })
-    }
-    fn domain<'a>(
-        &'a self,
-        host: &'a str,
-        name: &'a str,
-    ) -> BoxFuture<'a, Result<Option<DomainRecord>, OpsError>> {
-        self.inner.domain(host, name)
-    }
-    fn domain_xml<'a>(
-        &'a self,
-        host: &'a str,
-        name: &'a str,
-    ) -> BoxFuture<'a, Result<Option<String>, OpsError>> {
-        self.inner.domain_xml(host, name)
-    }
-    fn inactive_xml<'a>(
-        &'a self,
-        host: &'a str,
-        name: &'a str,
-    ) -> BoxFuture<'a, Result<Option<String>, OpsError>> {
-        self.inner.inactive_xml(host, name)
-    }
-    fn define<'a>(
-        &'a self,
-        host: &'a str,
-        xml: String,
-    ) -> BoxFuture<'a, Result<DefinedDomain, OpsError>> {
-        self.inner.define(host, xml)
-    }
-    fn start<'a>(&'a self, host: &'a str, name: &'a str) -> BoxFuture<'a, Result<(), OpsError>> {
-        self.inner.start(host, name)
-    }
-    fn shutdown<'a>(&'a self, host: &'a str, name: &'a str) -> BoxFuture<'a, Result<(), OpsError>> {
-        self.inner.shutdown(host, name)
-    }
-    fn destroy<'a>(&'a self, host: &'a str, name: &'a str) -> BoxFuture<'a, Result<(), OpsError>> {
-        self.inner.destroy(host, name)
-    }
-    fn undefine<'a>(
-        &'a self,
-        host: &'a str,
-        name: &'a str,
-    ) -> BoxFuture<'a, Result<bool, OpsError>> {
-        self.inner.undefine(host, name)
-    }
-    fn addresses<'a>(
-        &'a self,
-        host: &'a str,
-        name: &'a str,
-        source: AddressSource,
-    ) -> BoxFuture<'a, Result<Vec<NicAddrs>, OpsError>> {
-        self.inner.addresses(host, name, source)
-    }
-    fn list_domains<'a>(
-        &'a self,
-        host: &'a str,
-    ) -> BoxFuture<'a, Result<Vec<DomainRecord>, OpsError>> {
-        self.inner.list_domains(host)
     }
 }
 
@@ -1439,7 +1340,7 @@ fn replica_view_commits_verified_content_without_a_race() {
             ),
         };
         let u = uid(0xd0);
-        provider(&env.config, Arc::new(view))
+        provider(&env.config, view.ops())
             .create(&request(&u, "a", Some("h1")))
             .await
             .unwrap();
@@ -1479,13 +1380,10 @@ fn racing_takeovers_never_commit_an_unwritten_image() {
             pause_upload,
             image: (marker.clone(), data.clone(), env.bytes.clone()),
         };
-        let p1 = Arc::new(provider(
-            &env.config,
-            Arc::new(view(None, Some(pause_upload1))),
-        ));
+        let p1 = Arc::new(provider(&env.config, view(None, Some(pause_upload1)).ops()));
         let p2 = Arc::new(provider(
             &env.config,
-            Arc::new(view(Some(pause_delete2), Some(pause_upload2))),
+            view(Some(pause_delete2), Some(pause_upload2)).ops(),
         ));
         let (a, b) = (uid(0xd1), uid(0xd2));
         let t2 = tokio::spawn({
@@ -1533,155 +1431,42 @@ fn mark_unhealthy(board: &HealthBoard, hosts: &[&str]) {
 /// The fake hosts, except that calls to the `dead` hosts that read domains never answer
 /// (as a host behind a dead link would, until its deadline), and are counted.
 struct DeadHosts {
-    inner: Arc<FakeOps>,
     dead: BTreeSet<String>,
     listings: Mutex<Vec<String>>,
 }
 
 impl DeadHosts {
-    fn new(inner: Arc<FakeOps>, dead: &[&str]) -> Self {
-        Self {
+    fn new(inner: Arc<FakeOps>, dead: &[&str]) -> Hooked<Self> {
+        Hooked::wrap(
             inner,
-            dead: names(dead.iter().copied()),
-            listings: Mutex::default(),
-        }
+            Self {
+                dead: names(dead.iter().copied()),
+                listings: Mutex::default(),
+            },
+        )
     }
 
     /// Hosts whose domains were listed, in order.
     fn listings(&self) -> Vec<String> {
         self.listings.lock().unwrap().clone()
     }
-
-    async fn maybe_hang(&self, host: &str) {
-        if self.dead.contains(host) {
-            std::future::pending::<()>().await;
-        }
-    }
 }
 
-impl HostOps for DeadHosts {
-    fn hosts(&self) -> Vec<String> {
-        self.inner.hosts()
-    }
-    fn facts<'a>(&'a self, host: &'a str) -> BoxFuture<'a, Result<Facts, OpsError>> {
-        self.inner.facts(host)
-    }
-    fn pool_space<'a>(
+impl OpHook for DeadHosts {
+    fn before<'a>(
         &'a self,
+        op: &'static str,
         host: &'a str,
-        pool: &'a str,
-    ) -> BoxFuture<'a, Result<PoolSpace, OpsError>> {
-        self.inner.pool_space(host, pool)
-    }
-    fn volume<'a>(
-        &'a self,
-        host: &'a str,
-        pool: &'a str,
-        name: &'a str,
-    ) -> BoxFuture<'a, Result<Option<VolumeInfo>, OpsError>> {
-        self.inner.volume(host, pool, name)
-    }
-    fn create_volume<'a>(
-        &'a self,
-        host: &'a str,
-        pool: &'a str,
-        name: &'a str,
-        xml: String,
-    ) -> BoxFuture<'a, Result<Created, OpsError>> {
-        self.inner.create_volume(host, pool, name, xml)
-    }
-    fn resize_volume<'a>(
-        &'a self,
-        host: &'a str,
-        pool: &'a str,
-        name: &'a str,
-        capacity: u64,
+        _target: Option<&'a str>,
     ) -> BoxFuture<'a, Result<(), OpsError>> {
-        self.inner.resize_volume(host, pool, name, capacity)
-    }
-    fn delete_volume<'a>(
-        &'a self,
-        host: &'a str,
-        pool: &'a str,
-        name: &'a str,
-    ) -> BoxFuture<'a, Result<bool, OpsError>> {
-        self.inner.delete_volume(host, pool, name)
-    }
-    fn upload<'a>(
-        &'a self,
-        host: &'a str,
-        pool: &'a str,
-        name: &'a str,
-        length: u64,
-        chunks: UploadChunks,
-        deadline: Duration,
-    ) -> BoxFuture<'a, Result<(), OpsError>> {
-        self.inner
-            .upload(host, pool, name, length, chunks, deadline)
-    }
-    fn domain<'a>(
-        &'a self,
-        host: &'a str,
-        name: &'a str,
-    ) -> BoxFuture<'a, Result<Option<DomainRecord>, OpsError>> {
         Box::pin(async move {
-            self.maybe_hang(host).await;
-            self.inner.domain(host, name).await
-        })
-    }
-    fn domain_xml<'a>(
-        &'a self,
-        host: &'a str,
-        name: &'a str,
-    ) -> BoxFuture<'a, Result<Option<String>, OpsError>> {
-        self.inner.domain_xml(host, name)
-    }
-    fn inactive_xml<'a>(
-        &'a self,
-        host: &'a str,
-        name: &'a str,
-    ) -> BoxFuture<'a, Result<Option<String>, OpsError>> {
-        self.inner.inactive_xml(host, name)
-    }
-    fn define<'a>(
-        &'a self,
-        host: &'a str,
-        xml: String,
-    ) -> BoxFuture<'a, Result<DefinedDomain, OpsError>> {
-        self.inner.define(host, xml)
-    }
-    fn start<'a>(&'a self, host: &'a str, name: &'a str) -> BoxFuture<'a, Result<(), OpsError>> {
-        self.inner.start(host, name)
-    }
-    fn shutdown<'a>(&'a self, host: &'a str, name: &'a str) -> BoxFuture<'a, Result<(), OpsError>> {
-        self.inner.shutdown(host, name)
-    }
-    fn destroy<'a>(&'a self, host: &'a str, name: &'a str) -> BoxFuture<'a, Result<(), OpsError>> {
-        self.inner.destroy(host, name)
-    }
-    fn undefine<'a>(
-        &'a self,
-        host: &'a str,
-        name: &'a str,
-    ) -> BoxFuture<'a, Result<bool, OpsError>> {
-        self.inner.undefine(host, name)
-    }
-    fn addresses<'a>(
-        &'a self,
-        host: &'a str,
-        name: &'a str,
-        source: AddressSource,
-    ) -> BoxFuture<'a, Result<Vec<NicAddrs>, OpsError>> {
-        self.inner.addresses(host, name, source)
-    }
-    fn list_domains<'a>(
-        &'a self,
-        host: &'a str,
-    ) -> BoxFuture<'a, Result<Vec<DomainRecord>, OpsError>> {
-        Box::pin(async move {
-            self.listings.lock().unwrap().push(host.to_string());
-            self.maybe_hang(host).await;
-            self.inner.list_domains(host).await
+            if op == "domain-list" {
+                self.listings.lock().unwrap().push(host.to_string());
+            }
+            if matches!(op, "domain-list" | "domain-lookup") && self.dead.contains(host) {
+                std::future::pending::<()>().await;
+            }
+            Ok(())
         })
     }
 }
@@ -1701,9 +1486,9 @@ fn an_unhealthy_host_is_skipped_without_waiting_on_it() {
         assert_eq!(inst.id.host, "h2");
         // h2 is listed for placement and again for its room check; h1 never.
         assert!(
-            ops.listings().iter().all(|h| h == "h2"),
+            ops.hook().listings().iter().all(|h| h == "h2"),
             "{:?}",
-            ops.listings()
+            ops.hook().listings()
         );
         assert!(env.domains("h1").is_empty() && env.volumes("h1").is_empty());
         assert_eq!(env.domains("h2"), names([dom(&a)]));
@@ -1755,7 +1540,11 @@ fn every_host_unhealthy_is_a_transient_error_naming_them() {
         for host in ["h1: unhealthy (connect)", "h2: unhealthy (connect)"] {
             assert!(text.contains(host), "{text}");
         }
-        assert!(ops.listings().is_empty(), "{:?}", ops.listings());
+        assert!(
+            ops.hook().listings().is_empty(),
+            "{:?}",
+            ops.hook().listings()
+        );
         for h in ["h1", "h2"] {
             assert!(env.domains(h).is_empty() && env.volumes(h).is_empty());
         }
@@ -1814,7 +1603,11 @@ fn our_domain_on_a_host_marked_unhealthy_is_adopted_not_duplicated() {
         let inst = p.create(&request(&u, "a", None)).await.unwrap();
         assert_eq!(inst.id.host, "h1");
         assert_eq!(inst.id.name, id.domain_name);
-        assert_eq!(ops.listings(), vec!["h2".to_string()], "h1 is not listed");
+        assert_eq!(
+            ops.hook().listings(),
+            vec!["h2".to_string()],
+            "h1 is not listed"
+        );
         assert!(env.domains("h2").is_empty() && env.volumes("h2").is_empty());
         assert_eq!(env.domains("h1"), names([id.domain_name.clone()]));
         assert_eq!(env.hits(), 0, "adopted: nothing downloaded");

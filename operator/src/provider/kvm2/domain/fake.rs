@@ -1,6 +1,7 @@
 //! Test doubles for [`HostOps`]: an in-memory host ([`FakeOps`]) for unit tests of the
-//! provider's own logic, and a fault injector ([`FaultyOps`]) that wraps any `HostOps`,
-//! the real one included, so integration tests can fail a chosen step on real libvirt.
+//! provider's own logic, and one forwarding wrapper ([`Hooked`]) that runs test hooks
+//! around any `HostOps`, the real one included: the fault injector ([`FaultyOps`]) is one
+//! such hook, so integration tests can fail a chosen step on real libvirt.
 
 use std::collections::{BTreeMap, BTreeSet};
 use std::sync::Arc;
@@ -513,6 +514,304 @@ impl HostOps for FakeOps {
     }
 }
 
+/// Something a [`Hooked`] does around the operations it forwards.
+///
+/// Every method has a no-op default, so a test double says only what it changes and the
+/// forwarding of the whole [`HostOps`] surface lives in one place.
+pub trait OpHook: Send + Sync {
+    /// Runs before operation `op` (`domain-define`, `volume-create`, ... as [`FakeOps`]
+    /// counts them) on `host`, about `target` (the volume or domain named in the call,
+    /// if any). An error is returned in place of the operation, which then never reaches
+    /// the inner host; a future that never ends models a host that never answers.
+    fn before<'a>(
+        &'a self,
+        op: &'static str,
+        host: &'a str,
+        target: Option<&'a str>,
+    ) -> BoxFuture<'a, Result<(), OpsError>> {
+        let _ = (op, host, target);
+        Box::pin(std::future::ready(Ok(())))
+    }
+
+    /// The XML a define hands on, after [`OpHook::before`]: lets a test make "libvirt"
+    /// see another document than the provider sent.
+    fn define_xml(&self, xml: String) -> String {
+        xml
+    }
+
+    /// Told of every volume create the inner host answered, with its answer.
+    fn after_create_volume(&self, host: &str, name: &str, created: Created) {
+        let _ = (host, name, created);
+    }
+
+    /// The chunks an upload hands on, after [`OpHook::before`]. `None` ends the upload
+    /// with success without reaching the inner host (bytes written to a volume that is
+    /// no longer there).
+    fn upload_chunks<'a>(
+        &'a self,
+        host: &'a str,
+        name: &'a str,
+        chunks: UploadChunks,
+    ) -> BoxFuture<'a, Option<UploadChunks>> {
+        let _ = (host, name);
+        Box::pin(std::future::ready(Some(chunks)))
+    }
+}
+
+/// A [`HostOps`] that forwards every operation to `inner` through the hooks of `H`.
+pub struct Hooked<H> {
+    inner: Arc<dyn HostOps>,
+    hook: H,
+}
+
+impl<H: std::fmt::Debug> std::fmt::Debug for Hooked<H> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Hooked")
+            .field("hook", &self.hook)
+            .finish_non_exhaustive()
+    }
+}
+
+impl<H: OpHook> Hooked<H> {
+    /// `inner`'s operations, with `hook` around them.
+    pub fn wrap(inner: Arc<dyn HostOps>, hook: H) -> Self {
+        Self { inner, hook }
+    }
+
+    /// The hook, for what it recorded.
+    pub fn hook(&self) -> &H {
+        &self.hook
+    }
+}
+
+/// Forwards one operation after its `before` hook.
+macro_rules! hooked {
+    ($self:ident, $op:literal, $host:expr, $target:expr, $call:expr) => {
+        Box::pin(async move {
+            $self.hook.before($op, $host, $target).await?;
+            $call.await
+        })
+    };
+}
+
+impl<H: OpHook> HostOps for Hooked<H> {
+    fn hosts(&self) -> Vec<String> {
+        self.inner.hosts()
+    }
+    fn facts<'a>(&'a self, host: &'a str) -> BoxFuture<'a, Result<Facts, OpsError>> {
+        hooked!(self, "host-facts", host, None, self.inner.facts(host))
+    }
+    fn pool_space<'a>(
+        &'a self,
+        host: &'a str,
+        pool: &'a str,
+    ) -> BoxFuture<'a, Result<PoolSpace, OpsError>> {
+        hooked!(
+            self,
+            "pool-info",
+            host,
+            None,
+            self.inner.pool_space(host, pool)
+        )
+    }
+    fn volume<'a>(
+        &'a self,
+        host: &'a str,
+        pool: &'a str,
+        name: &'a str,
+    ) -> BoxFuture<'a, Result<Option<VolumeInfo>, OpsError>> {
+        hooked!(
+            self,
+            "volume-info",
+            host,
+            Some(name),
+            self.inner.volume(host, pool, name)
+        )
+    }
+    fn create_volume<'a>(
+        &'a self,
+        host: &'a str,
+        pool: &'a str,
+        name: &'a str,
+        xml: String,
+    ) -> BoxFuture<'a, Result<Created, OpsError>> {
+        Box::pin(async move {
+            self.hook.before("volume-create", host, Some(name)).await?;
+            let created = self.inner.create_volume(host, pool, name, xml).await?;
+            self.hook.after_create_volume(host, name, created);
+            Ok(created)
+        })
+    }
+    fn resize_volume<'a>(
+        &'a self,
+        host: &'a str,
+        pool: &'a str,
+        name: &'a str,
+        capacity: u64,
+    ) -> BoxFuture<'a, Result<(), OpsError>> {
+        hooked!(
+            self,
+            "volume-resize",
+            host,
+            Some(name),
+            self.inner.resize_volume(host, pool, name, capacity)
+        )
+    }
+    fn delete_volume<'a>(
+        &'a self,
+        host: &'a str,
+        pool: &'a str,
+        name: &'a str,
+    ) -> BoxFuture<'a, Result<bool, OpsError>> {
+        hooked!(
+            self,
+            "volume-delete",
+            host,
+            Some(name),
+            self.inner.delete_volume(host, pool, name)
+        )
+    }
+    fn upload<'a>(
+        &'a self,
+        host: &'a str,
+        pool: &'a str,
+        name: &'a str,
+        length: u64,
+        chunks: UploadChunks,
+        deadline: Duration,
+    ) -> BoxFuture<'a, Result<(), OpsError>> {
+        Box::pin(async move {
+            self.hook.before("volume-upload", host, Some(name)).await?;
+            match self.hook.upload_chunks(host, name, chunks).await {
+                Some(chunks) => {
+                    self.inner
+                        .upload(host, pool, name, length, chunks, deadline)
+                        .await
+                }
+                None => Ok(()),
+            }
+        })
+    }
+    fn domain<'a>(
+        &'a self,
+        host: &'a str,
+        name: &'a str,
+    ) -> BoxFuture<'a, Result<Option<DomainRecord>, OpsError>> {
+        hooked!(
+            self,
+            "domain-lookup",
+            host,
+            Some(name),
+            self.inner.domain(host, name)
+        )
+    }
+    fn domain_xml<'a>(
+        &'a self,
+        host: &'a str,
+        name: &'a str,
+    ) -> BoxFuture<'a, Result<Option<String>, OpsError>> {
+        hooked!(
+            self,
+            "domain-xml",
+            host,
+            Some(name),
+            self.inner.domain_xml(host, name)
+        )
+    }
+    fn inactive_xml<'a>(
+        &'a self,
+        host: &'a str,
+        name: &'a str,
+    ) -> BoxFuture<'a, Result<Option<String>, OpsError>> {
+        hooked!(
+            self,
+            "domain-inactive-xml",
+            host,
+            Some(name),
+            self.inner.inactive_xml(host, name)
+        )
+    }
+    fn define<'a>(
+        &'a self,
+        host: &'a str,
+        xml: String,
+    ) -> BoxFuture<'a, Result<DefinedDomain, OpsError>> {
+        hooked!(
+            self,
+            "domain-define",
+            host,
+            None,
+            self.inner.define(host, self.hook.define_xml(xml))
+        )
+    }
+    fn start<'a>(&'a self, host: &'a str, name: &'a str) -> BoxFuture<'a, Result<(), OpsError>> {
+        hooked!(
+            self,
+            "domain-start",
+            host,
+            Some(name),
+            self.inner.start(host, name)
+        )
+    }
+    fn shutdown<'a>(&'a self, host: &'a str, name: &'a str) -> BoxFuture<'a, Result<(), OpsError>> {
+        hooked!(
+            self,
+            "domain-shutdown",
+            host,
+            Some(name),
+            self.inner.shutdown(host, name)
+        )
+    }
+    fn destroy<'a>(&'a self, host: &'a str, name: &'a str) -> BoxFuture<'a, Result<(), OpsError>> {
+        hooked!(
+            self,
+            "domain-destroy",
+            host,
+            Some(name),
+            self.inner.destroy(host, name)
+        )
+    }
+    fn undefine<'a>(
+        &'a self,
+        host: &'a str,
+        name: &'a str,
+    ) -> BoxFuture<'a, Result<bool, OpsError>> {
+        hooked!(
+            self,
+            "domain-undefine",
+            host,
+            Some(name),
+            self.inner.undefine(host, name)
+        )
+    }
+    fn addresses<'a>(
+        &'a self,
+        host: &'a str,
+        name: &'a str,
+        source: AddressSource,
+    ) -> BoxFuture<'a, Result<Vec<NicAddrs>, OpsError>> {
+        hooked!(
+            self,
+            "domain-addresses",
+            host,
+            Some(name),
+            self.inner.addresses(host, name, source)
+        )
+    }
+    fn list_domains<'a>(
+        &'a self,
+        host: &'a str,
+    ) -> BoxFuture<'a, Result<Vec<DomainRecord>, OpsError>> {
+        hooked!(
+            self,
+            "domain-list",
+            host,
+            None,
+            self.inner.list_domains(host)
+        )
+    }
+}
+
 /// The operations [`FaultyOps`] can fail, by name.
 pub const FAULT_POINTS: [&str; 7] = [
     "volume-create",
@@ -528,8 +827,11 @@ pub const FAULT_POINTS: [&str; 7] = [
 ///
 /// With `crash`, every call after the fault fails too, as if the process had died there:
 /// no cleanup runs, and the next provider must converge from what is left.
-pub struct FaultyOps {
-    inner: Arc<dyn HostOps>,
+pub type FaultyOps = Hooked<Fault>;
+
+/// The hook of [`FaultyOps`]: which call to fail, and whether it has.
+#[derive(Debug)]
+pub struct Fault {
     op: &'static str,
     nth: usize,
     crash: bool,
@@ -537,21 +839,10 @@ pub struct FaultyOps {
     tripped: AtomicBool,
 }
 
-impl std::fmt::Debug for FaultyOps {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("FaultyOps")
-            .field("op", &self.op)
-            .field("nth", &self.nth)
-            .field("crash", &self.crash)
-            .finish_non_exhaustive()
-    }
-}
-
-impl FaultyOps {
+impl Fault {
     /// Fails the `nth` call of `op` (one of [`FAULT_POINTS`]).
-    pub fn new(inner: Arc<dyn HostOps>, op: &'static str, nth: usize, crash: bool) -> Self {
+    pub fn new(op: &'static str, nth: usize, crash: bool) -> Self {
         Self {
-            inner,
             op,
             nth,
             crash,
@@ -577,176 +868,25 @@ impl FaultyOps {
     }
 }
 
-macro_rules! gated {
-    ($self:ident, $op:literal, $host:expr, $call:expr) => {
-        Box::pin(async move {
-            $self.gate($op, $host)?;
-            $call.await
-        })
-    };
+impl OpHook for Fault {
+    fn before<'a>(
+        &'a self,
+        op: &'static str,
+        host: &'a str,
+        _target: Option<&'a str>,
+    ) -> BoxFuture<'a, Result<(), OpsError>> {
+        Box::pin(std::future::ready(self.gate(op, host)))
+    }
 }
 
-impl HostOps for FaultyOps {
-    fn hosts(&self) -> Vec<String> {
-        self.inner.hosts()
+impl Hooked<Fault> {
+    /// `inner`, failing the `nth` call of `op` (one of [`FAULT_POINTS`]).
+    pub fn new(inner: Arc<dyn HostOps>, op: &'static str, nth: usize, crash: bool) -> Self {
+        Self::wrap(inner, Fault::new(op, nth, crash))
     }
-    fn facts<'a>(&'a self, host: &'a str) -> BoxFuture<'a, Result<Facts, OpsError>> {
-        gated!(self, "host-facts", host, self.inner.facts(host))
-    }
-    fn pool_space<'a>(
-        &'a self,
-        host: &'a str,
-        pool: &'a str,
-    ) -> BoxFuture<'a, Result<PoolSpace, OpsError>> {
-        gated!(self, "pool-info", host, self.inner.pool_space(host, pool))
-    }
-    fn volume<'a>(
-        &'a self,
-        host: &'a str,
-        pool: &'a str,
-        name: &'a str,
-    ) -> BoxFuture<'a, Result<Option<VolumeInfo>, OpsError>> {
-        gated!(
-            self,
-            "volume-info",
-            host,
-            self.inner.volume(host, pool, name)
-        )
-    }
-    fn create_volume<'a>(
-        &'a self,
-        host: &'a str,
-        pool: &'a str,
-        name: &'a str,
-        xml: String,
-    ) -> BoxFuture<'a, Result<Created, OpsError>> {
-        gated!(
-            self,
-            "volume-create",
-            host,
-            self.inner.create_volume(host, pool, name, xml)
-        )
-    }
-    fn resize_volume<'a>(
-        &'a self,
-        host: &'a str,
-        pool: &'a str,
-        name: &'a str,
-        capacity: u64,
-    ) -> BoxFuture<'a, Result<(), OpsError>> {
-        gated!(
-            self,
-            "volume-resize",
-            host,
-            self.inner.resize_volume(host, pool, name, capacity)
-        )
-    }
-    fn delete_volume<'a>(
-        &'a self,
-        host: &'a str,
-        pool: &'a str,
-        name: &'a str,
-    ) -> BoxFuture<'a, Result<bool, OpsError>> {
-        gated!(
-            self,
-            "volume-delete",
-            host,
-            self.inner.delete_volume(host, pool, name)
-        )
-    }
-    fn upload<'a>(
-        &'a self,
-        host: &'a str,
-        pool: &'a str,
-        name: &'a str,
-        length: u64,
-        chunks: UploadChunks,
-        deadline: Duration,
-    ) -> BoxFuture<'a, Result<(), OpsError>> {
-        gated!(
-            self,
-            "volume-upload",
-            host,
-            self.inner
-                .upload(host, pool, name, length, chunks, deadline)
-        )
-    }
-    fn domain<'a>(
-        &'a self,
-        host: &'a str,
-        name: &'a str,
-    ) -> BoxFuture<'a, Result<Option<DomainRecord>, OpsError>> {
-        gated!(self, "domain-lookup", host, self.inner.domain(host, name))
-    }
-    fn domain_xml<'a>(
-        &'a self,
-        host: &'a str,
-        name: &'a str,
-    ) -> BoxFuture<'a, Result<Option<String>, OpsError>> {
-        gated!(self, "domain-xml", host, self.inner.domain_xml(host, name))
-    }
-    fn inactive_xml<'a>(
-        &'a self,
-        host: &'a str,
-        name: &'a str,
-    ) -> BoxFuture<'a, Result<Option<String>, OpsError>> {
-        gated!(
-            self,
-            "domain-inactive-xml",
-            host,
-            self.inner.inactive_xml(host, name)
-        )
-    }
-    fn define<'a>(
-        &'a self,
-        host: &'a str,
-        xml: String,
-    ) -> BoxFuture<'a, Result<DefinedDomain, OpsError>> {
-        gated!(self, "domain-define", host, self.inner.define(host, xml))
-    }
-    fn start<'a>(&'a self, host: &'a str, name: &'a str) -> BoxFuture<'a, Result<(), OpsError>> {
-        gated!(self, "domain-start", host, self.inner.start(host, name))
-    }
-    fn shutdown<'a>(&'a self, host: &'a str, name: &'a str) -> BoxFuture<'a, Result<(), OpsError>> {
-        gated!(
-            self,
-            "domain-shutdown",
-            host,
-            self.inner.shutdown(host, name)
-        )
-    }
-    fn destroy<'a>(&'a self, host: &'a str, name: &'a str) -> BoxFuture<'a, Result<(), OpsError>> {
-        gated!(self, "domain-destroy", host, self.inner.destroy(host, name))
-    }
-    fn undefine<'a>(
-        &'a self,
-        host: &'a str,
-        name: &'a str,
-    ) -> BoxFuture<'a, Result<bool, OpsError>> {
-        gated!(
-            self,
-            "domain-undefine",
-            host,
-            self.inner.undefine(host, name)
-        )
-    }
-    fn addresses<'a>(
-        &'a self,
-        host: &'a str,
-        name: &'a str,
-        source: AddressSource,
-    ) -> BoxFuture<'a, Result<Vec<NicAddrs>, OpsError>> {
-        gated!(
-            self,
-            "domain-addresses",
-            host,
-            self.inner.addresses(host, name, source)
-        )
-    }
-    fn list_domains<'a>(
-        &'a self,
-        host: &'a str,
-    ) -> BoxFuture<'a, Result<Vec<DomainRecord>, OpsError>> {
-        gated!(self, "domain-list", host, self.inner.list_domains(host))
+
+    /// Whether the fault fired.
+    pub fn tripped(&self) -> bool {
+        self.hook.tripped()
     }
 }
