@@ -53,6 +53,8 @@ pub enum Content {
 pub enum Value {
     /// Exactly one of these strings.
     Enum(&'static [&'static str]),
+    /// A unit of [`MEMORY_UNITS`].
+    MemoryUnit,
     /// Decimal digits, no sign or space (what `virStrToLong_ui` and friends accept).
     Uint,
     /// A PCI/drive address component: decimal without a leading zero (libvirt would read
@@ -103,9 +105,6 @@ pub const MEMORY_UNITS: &[(&str, u64)] = &[
     ("GB", 1_000_000_000),
     ("G", 1 << 30),
     ("GiB", 1 << 30),
-];
-const UNIT_NAMES: &[&str] = &[
-    "b", "bytes", "KB", "k", "K", "KiB", "MB", "M", "MiB", "GB", "G", "GiB",
 ];
 const ON_OFF: Value = Value::Enum(&["on", "off"]);
 const YES_NO: Value = Value::Enum(&["yes", "no"]);
@@ -165,17 +164,11 @@ const RULES: &[(&str, Rule)] = &[
     ("domain/metadata", one(&[], Content::Metadata)),
     (
         "domain/memory",
-        one(
-            &[("unit", Value::Enum(UNIT_NAMES))],
-            Content::Text(Value::Uint),
-        ),
+        one(&[("unit", Value::MemoryUnit)], Content::Text(Value::Uint)),
     ),
     (
         "domain/currentMemory",
-        one(
-            &[("unit", Value::Enum(UNIT_NAMES))],
-            Content::Text(Value::Uint),
-        ),
+        one(&[("unit", Value::MemoryUnit)], Content::Text(Value::Uint)),
     ),
     (
         "domain/vcpu",
@@ -824,6 +817,7 @@ pub fn value_ok(v: Value, value: &str) -> bool {
     };
     match v {
         Value::Enum(options) => options.contains(&value),
+        Value::MemoryUnit => MEMORY_UNITS.iter().any(|(u, _)| *u == value),
         Value::Uint => uint(value).is_some(),
         Value::HexOrUint => match value.strip_prefix("0x") {
             Some(hex) => {
@@ -941,6 +935,11 @@ fn describe(v: Value) -> String {
         Value::Enum(o) => o
             .iter()
             .map(|s| format!("`{s}`"))
+            .collect::<Vec<_>>()
+            .join(" \\| "),
+        Value::MemoryUnit => MEMORY_UNITS
+            .iter()
+            .map(|(u, _)| format!("`{u}`"))
             .collect::<Vec<_>>()
             .join(" \\| "),
         Value::Uint => "number".into(),

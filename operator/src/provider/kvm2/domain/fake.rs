@@ -115,6 +115,16 @@ impl FakeOps {
         }
     }
 
+    /// The XML stored for domain `name` (libvirt's reading at define), counted as `op`.
+    fn stored_xml<'a>(
+        &'a self,
+        host: &'a str,
+        name: &'a str,
+        op: &'static str,
+    ) -> BoxFuture<'a, Result<Option<String>, OpsError>> {
+        Box::pin(async move { self.with(host, op, |h| h.domains.get(name).map(|d| d.xml.clone())) })
+    }
+
     fn with<T>(
         &self,
         host: &str,
@@ -391,11 +401,7 @@ impl HostOps for FakeOps {
         host: &'a str,
         name: &'a str,
     ) -> BoxFuture<'a, Result<Option<String>, OpsError>> {
-        Box::pin(async move {
-            self.with(host, "domain-xml", |h| {
-                h.domains.get(name).map(|d| d.xml.clone())
-            })
-        })
+        self.stored_xml(host, name, "domain-xml")
     }
 
     fn inactive_xml<'a>(
@@ -403,11 +409,8 @@ impl HostOps for FakeOps {
         host: &'a str,
         name: &'a str,
     ) -> BoxFuture<'a, Result<Option<String>, OpsError>> {
-        Box::pin(async move {
-            self.with(host, "domain-inactive-xml", |h| {
-                h.domains.get(name).map(|d| d.xml.clone())
-            })
-        })
+        // The fake stores libvirt's reading at define: live and inactive XML are the same.
+        self.stored_xml(host, name, "domain-inactive-xml")
     }
 
     fn define<'a>(

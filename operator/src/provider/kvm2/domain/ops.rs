@@ -255,6 +255,31 @@ pub struct LibvirtOps {
 }
 
 impl LibvirtOps {
+    /// The domain's XML as `virDomainGetXMLDesc(flags)` gives it, or `None` when there is
+    /// no such domain.
+    fn xml_desc<'a>(
+        &'a self,
+        host: &'a str,
+        name: &'a str,
+        op: &'static str,
+        flags: virt::sys::virDomainCreateFlags,
+    ) -> BoxFuture<'a, Result<Option<String>, OpsError>> {
+        let name = name.to_string();
+        Box::pin(async move {
+            Ok(self
+                .hosts
+                .call(host, op, move |c| {
+                    or_absent(
+                        Domain::lookup_by_name(c, &name)
+                            .and_then(|d| d.get_xml_desc(flags))
+                            .map(Some),
+                        None,
+                    )
+                })
+                .await?)
+        })
+    }
+
     /// Operations over `hosts`.
     pub fn new(hosts: Arc<Hosts>) -> Self {
         Self { hosts }
@@ -573,19 +598,7 @@ impl HostOps for LibvirtOps {
         host: &'a str,
         name: &'a str,
     ) -> BoxFuture<'a, Result<Option<String>, OpsError>> {
-        let name = name.to_string();
-        Box::pin(async move {
-            Ok(self
-                .hosts
-                .call(host, "domain-xml", move |c| {
-                    match Domain::lookup_by_name(c, &name).and_then(|d| d.get_xml_desc(0)) {
-                        Ok(x) => Ok(Some(x)),
-                        Err(e) if absent(&e) => Ok(None),
-                        Err(e) => Err(e),
-                    }
-                })
-                .await?)
-        })
+        self.xml_desc(host, name, "domain-xml", 0)
     }
 
     fn inactive_xml<'a>(
@@ -593,23 +606,12 @@ impl HostOps for LibvirtOps {
         host: &'a str,
         name: &'a str,
     ) -> BoxFuture<'a, Result<Option<String>, OpsError>> {
-        let name = name.to_string();
-        Box::pin(async move {
-            Ok(self
-                .hosts
-                .call(
-                    host,
-                    "domain-inactive-xml",
-                    move |c| match Domain::lookup_by_name(c, &name)
-                        .and_then(|d| d.get_xml_desc(virt::sys::VIR_DOMAIN_XML_INACTIVE))
-                    {
-                        Ok(x) => Ok(Some(x)),
-                        Err(e) if absent(&e) => Ok(None),
-                        Err(e) => Err(e),
-                    },
-                )
-                .await?)
-        })
+        self.xml_desc(
+            host,
+            name,
+            "domain-inactive-xml",
+            virt::sys::VIR_DOMAIN_XML_INACTIVE,
+        )
     }
 
     fn define<'a>(
