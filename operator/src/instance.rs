@@ -88,6 +88,88 @@ pub fn image_takeover_name(sha256: &str) -> String {
     format!("{NAME_PREFIX}imgtk-{}", short_digest(sha256))
 }
 
+/// The small volume in which the current uploader of an image writes its heartbeat
+/// (its token and a beat count): waiters judge a staging image volume dead by this
+/// record going unchanged, which works on every pool backend (allocation growth does not:
+/// LVM and RBD volumes show none).
+pub fn image_heartbeat_name(sha256: &str) -> String {
+    format!("{NAME_PREFIX}imghb-{}", short_digest(sha256))
+}
+
+/// One of our volume names, read back: the collector touches a volume only when its name
+/// parses here, i.e. it is exactly one of the names this module makes.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum VolumeName {
+    /// `egress-<uid>-root`: an instance's root overlay.
+    Root {
+        /// The Proxy UID in the name.
+        uid: String,
+    },
+    /// `egress-<uid>-seed`: an instance's seed ISO.
+    Seed {
+        /// The Proxy UID in the name.
+        uid: String,
+    },
+    /// `egress-image-<48 hex>`: a base image's data volume (staging until its marker).
+    ImageData {
+        /// The 48 hex digits of the image's sha256 in the name.
+        digest: String,
+    },
+    /// `egress-imgok-<48 hex>`: the marker that says the data volume was verified.
+    ImageMarker {
+        /// The digest in the name.
+        digest: String,
+    },
+    /// `egress-imgtk-<48 hex>`: a takeover claim on a staging data volume.
+    ImageClaim {
+        /// The digest in the name.
+        digest: String,
+    },
+    /// `egress-imghb-<48 hex>`: an uploader's heartbeat record.
+    ImageHeartbeat {
+        /// The digest in the name.
+        digest: String,
+    },
+}
+
+impl VolumeName {
+    /// Reads a volume name; `None` for anything that is not exactly one of ours.
+    pub fn parse(name: &str) -> Option<Self> {
+        let rest = name.strip_prefix(NAME_PREFIX)?;
+        let digest = |s: &str| {
+            (s.len() == 48
+                && s.bytes()
+                    .all(|b| b.is_ascii_digit() || (b'a'..=b'f').contains(&b)))
+            .then(|| s.to_string())
+        };
+        if let Some(d) = rest.strip_prefix("image-") {
+            return digest(d).map(|digest| VolumeName::ImageData { digest });
+        }
+        if let Some(d) = rest.strip_prefix("imgok-") {
+            return digest(d).map(|digest| VolumeName::ImageMarker { digest });
+        }
+        if let Some(d) = rest.strip_prefix("imgtk-") {
+            return digest(d).map(|digest| VolumeName::ImageClaim { digest });
+        }
+        if let Some(d) = rest.strip_prefix("imghb-") {
+            return digest(d).map(|digest| VolumeName::ImageHeartbeat { digest });
+        }
+        let uid = |u: &str| check_uid(u).is_ok().then(|| u.to_string());
+        if let Some(u) = rest.strip_suffix("-root") {
+            return uid(u).map(|uid| VolumeName::Root { uid });
+        }
+        if let Some(u) = rest.strip_suffix("-seed") {
+            return uid(u).map(|uid| VolumeName::Seed { uid });
+        }
+        None
+    }
+}
+
+/// The digest part of the image volume names for an image with this sha256.
+pub fn image_digest(sha256: &str) -> String {
+    short_digest(sha256)
+}
+
 fn short_digest(sha256: &str) -> String {
     sha256
         .chars()
@@ -182,6 +264,58 @@ mod tests {
         let m = image_marker_name(&"AB".repeat(32));
         assert_eq!(m, format!("egress-imgok-{}", "ab".repeat(24)));
         assert!(rules::dns1123_label(&m).is_ok());
+    }
+
+    #[test]
+    fn volume_names_read_back_exactly() {
+        let id = InstanceIdentity::for_uid("0b7c3c1e-9a43-4f5e-a1d2-3c4b5a697887").unwrap();
+        let uid = id.uid.clone();
+        assert_eq!(
+            VolumeName::parse(&id.root_volume),
+            Some(VolumeName::Root { uid: uid.clone() })
+        );
+        assert_eq!(
+            VolumeName::parse(&id.seed_volume),
+            Some(VolumeName::Seed { uid: uid.clone() })
+        );
+        let sha = "AB".repeat(32);
+        let digest = image_digest(&sha);
+        assert_eq!(
+            VolumeName::parse(&image_volume_name(&sha)),
+            Some(VolumeName::ImageData {
+                digest: digest.clone()
+            })
+        );
+        assert_eq!(
+            VolumeName::parse(&image_marker_name(&sha)),
+            Some(VolumeName::ImageMarker {
+                digest: digest.clone()
+            })
+        );
+        assert_eq!(
+            VolumeName::parse(&image_takeover_name(&sha)),
+            Some(VolumeName::ImageClaim {
+                digest: digest.clone()
+            })
+        );
+        assert_eq!(
+            VolumeName::parse(&image_heartbeat_name(&sha)),
+            Some(VolumeName::ImageHeartbeat { digest })
+        );
+        // Not exactly ours: never read as ours.
+        for other in [
+            "egress-0b7c3c1e-9a43-4f5e-a1d2-3c4b5a697887",
+            "egress-0b7c3c1e-9a43-4f5e-a1d2-3c4b5a697887-root.bak",
+            "egress-0B7C3C1E-9A43-4F5E-A1D2-3C4B5A697887-root",
+            "egress-web-root",
+            "egress-image-abc",
+            &format!("egress-image-{}", "AB".repeat(24)),
+            &format!("egress-imgxx-{}", "ab".repeat(24)),
+            &format!("other-image-{}", "ab".repeat(24)),
+            "vm1-root",
+        ] {
+            assert_eq!(VolumeName::parse(other), None, "{other}");
+        }
     }
 
     #[test]

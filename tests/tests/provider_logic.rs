@@ -243,6 +243,7 @@ fn provider_with_health(
         shutdown_timeout: Duration::from_secs(1),
         poll_every: Duration::from_millis(10),
         health,
+        ..Kvm2Options::default()
     };
     Kvm2Provider::new(
         config.clone(),
@@ -1643,6 +1644,7 @@ fn provider_with_overridable_port(env: &Env) -> Kvm2Provider {
         shutdown_timeout: Duration::from_secs(1),
         poll_every: Duration::from_millis(10),
         health: HealthBoard::default(),
+        ..Kvm2Options::default()
     };
     Kvm2Provider::new(
         config,

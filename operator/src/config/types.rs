@@ -286,6 +286,9 @@ pub struct GcConfig {
     #[serde(default = "defaults::gc_grace_period_seconds")]
     #[schemars(range(min = limits::GC_GRACE_PERIOD_SECONDS.0, max = limits::GC_GRACE_PERIOD_SECONDS.1))]
     pub grace_period_seconds: u32,
+    /// What happens to the cached base images of images no longer in `kvm2.images`.
+    #[serde(default)]
+    pub retired_images: RetiredImagesPolicy,
 }
 
 impl Default for GcConfig {
@@ -293,6 +296,36 @@ impl Default for GcConfig {
         Self {
             period_seconds: defaults::gc_period_seconds(),
             grace_period_seconds: defaults::gc_grace_period_seconds(),
+            retired_images: RetiredImagesPolicy::default(),
+        }
+    }
+}
+
+/// Collection of base images whose image was removed from the config. Per host, the
+/// retired images no volume uses any more are ordered by when the collector first saw
+/// them unused, most recent first: the first `keepUnused` are kept whatever their age
+/// (switching back to the previous image needs no download); every other one is deleted
+/// once it has been unused for `unusedForSeconds` (and at least the grace period). Images
+/// still in the config, and retired images an overlay still uses, are never collected.
+/// "Unused for" is as seen by the running operator: a restart starts counting again.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize, JsonSchema)]
+#[serde(rename_all = "camelCase", deny_unknown_fields)]
+pub struct RetiredImagesPolicy {
+    /// How many unused retired images to keep per host regardless of age.
+    #[serde(default = "defaults::retired_images_keep_unused")]
+    #[schemars(range(min = limits::RETIRED_IMAGES_KEEP_UNUSED.0, max = limits::RETIRED_IMAGES_KEEP_UNUSED.1))]
+    pub keep_unused: u32,
+    /// How long a retired image beyond those must have been unused before it is deleted.
+    #[serde(default = "defaults::retired_images_unused_for_seconds")]
+    #[schemars(range(min = limits::RETIRED_IMAGES_UNUSED_FOR_SECONDS.0, max = limits::RETIRED_IMAGES_UNUSED_FOR_SECONDS.1))]
+    pub unused_for_seconds: u32,
+}
+
+impl Default for RetiredImagesPolicy {
+    fn default() -> Self {
+        Self {
+            keep_unused: defaults::retired_images_keep_unused(),
+            unused_for_seconds: defaults::retired_images_unused_for_seconds(),
         }
     }
 }
@@ -365,6 +398,14 @@ pub mod defaults {
     /// Ten minutes: longer than a slow Create including an image download.
     pub fn gc_grace_period_seconds() -> u32 {
         600
+    }
+    /// One unused retired image per host stays: a rollback needs no download.
+    pub fn retired_images_keep_unused() -> u32 {
+        1
+    }
+    /// A day unused before a retired image is deleted.
+    pub fn retired_images_unused_for_seconds() -> u32 {
+        86_400
     }
     /// Check hosts every minute.
     pub fn health_period_seconds() -> u32 {

@@ -38,6 +38,10 @@ pub mod limits {
     pub const GC_PERIOD_SECONDS: (u32, u32) = (10, 86_400);
     /// GC grace period: up to a week. Zero is allowed for tests of the collector.
     pub const GC_GRACE_PERIOD_SECONDS: (u32, u32) = (0, 7 * 86_400);
+    /// Unused retired images kept per host: up to 100.
+    pub const RETIRED_IMAGES_KEEP_UNUSED: (u32, u32) = (0, 100);
+    /// How long a retired image stays unused before it goes: up to 90 days.
+    pub const RETIRED_IMAGES_UNUSED_FOR_SECONDS: (u32, u32) = (0, 90 * 86_400);
     /// Health check period: 5 s to an hour.
     pub const HEALTH_PERIOD_SECONDS: (u32, u32) = (5, 3_600);
     /// Health check timeout: 1 s to 5 min, and below the period.
@@ -109,6 +113,22 @@ pub fn validate(config: &ProvidersConfig) -> Problems {
         range(
             gc.grace_period_seconds,
             limits::GC_GRACE_PERIOD_SECONDS,
+            "s",
+        ),
+    );
+    p.check(
+        "gc.retiredImages.keepUnused",
+        range(
+            gc.retired_images.keep_unused,
+            limits::RETIRED_IMAGES_KEEP_UNUSED,
+            "",
+        ),
+    );
+    p.check(
+        "gc.retiredImages.unusedForSeconds",
+        range(
+            gc.retired_images.unused_for_seconds,
+            limits::RETIRED_IMAGES_UNUSED_FOR_SECONDS,
             "s",
         ),
     );

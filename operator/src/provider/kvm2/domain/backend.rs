@@ -15,7 +15,7 @@
 //! undefined with the volumes this Create made and never started; an adopted domain that
 //! is not running yet is checked the same way before it is started.
 
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, BTreeSet};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
@@ -24,12 +24,13 @@ use futures_util::stream::{FuturesUnordered, StreamExt as _};
 use tokio::sync::Semaphore;
 
 use super::addresses::{self, AddressSource};
-use super::ops::{Created, DomainRecord, HostOps, OpsError};
+use super::ops::{Created, DomainRecord, HostOps, OpsError, VolumeEntry};
 use super::seed::{self, SeedError, SeedFiles};
 use super::volume;
 use crate::config::{HostConfig, ValidConfig};
 use crate::error::{Classified, ErrorClass};
-use crate::instance::{InstanceIdentity, MetadataMark};
+use crate::gc::{VolumeCandidate, VolumeCollector, VolumeDeleteOutcome, VolumeKind, VolumeListing};
+use crate::instance::{InstanceIdentity, MetadataMark, VolumeName};
 use crate::provider::health::HealthBoard;
 use crate::provider::kvm2::image::{ImageCache, ImageCacheOptions, ImageError, ImageMetrics};
 use crate::provider::kvm2::locks::KeyedLocks;
@@ -204,6 +205,37 @@ pub struct Kvm2Options {
     /// What the health monitor last saw of each host: placement skips unhealthy hosts
     /// instead of waiting on their timeouts. Empty (all healthy) unless a monitor writes it.
     pub health: HealthBoard,
+    /// Where the mark's `createdAt` comes from (the system clock; tests move it).
+    pub clock: StampClock,
+}
+
+/// The wall clock that stamps a domain's mark at define time; replaceable so a test can
+/// model a download that takes longer than the GC's grace period without waiting for it.
+#[derive(Clone)]
+pub struct StampClock(Arc<dyn Fn() -> std::time::SystemTime + Send + Sync>);
+
+impl StampClock {
+    /// A clock that reads `now`.
+    pub fn new(now: impl Fn() -> std::time::SystemTime + Send + Sync + 'static) -> Self {
+        Self(Arc::new(now))
+    }
+
+    /// Now, as RFC 3339 in whole seconds (what the mark carries).
+    pub fn rfc3339(&self) -> String {
+        humantime::format_rfc3339_seconds((self.0)()).to_string()
+    }
+}
+
+impl Default for StampClock {
+    fn default() -> Self {
+        Self::new(std::time::SystemTime::now)
+    }
+}
+
+impl std::fmt::Debug for StampClock {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("StampClock")
+    }
 }
 
 impl Default for Kvm2Options {
@@ -214,6 +246,7 @@ impl Default for Kvm2Options {
             shutdown_timeout: Duration::from_secs(30),
             poll_every: Duration::from_millis(250),
             health: HealthBoard::default(),
+            clock: StampClock::default(),
         }
     }
 }
@@ -516,12 +549,34 @@ impl Kvm2Provider {
                         if rec.state != InstanceState::Running {
                             self.check_adopted(req, &host, &identity, &m).await?;
                         }
-                        tracing::info!(host = h, domain = %identity.domain_name, "adopting our existing domain");
-                        return self.finish_start(&host, &identity, rec, m).await;
+                        tracing::info!(host = h, domain = %identity.domain_name, state = %rec.state, "adopting our existing domain");
+                        match self.finish_start(&host, &identity, rec, m).await {
+                            // Adoption rule: a domain that stays paused or suspended
+                            // through a resume or wake and the whole start timeout (a
+                            // guest paused on an I/O error pauses again at once) is
+                            // replaced, disk and seed included, since the proxy keeps no
+                            // state worth the wait; anything else is reported as is.
+                            Err(Kvm2Error::StartTimeout {
+                                state: state @ (InstanceState::Paused | InstanceState::Suspended),
+                                ..
+                            }) => {
+                                tracing::warn!(host = h, domain = %identity.domain_name, %state,
+                                    "adopted domain did not resume; replacing it");
+                                self.remove_domain(h, &identity.domain_name).await?;
+                                for name in [&identity.seed_volume, &identity.root_volume] {
+                                    self.ops
+                                        .delete_volume(h, pool, name)
+                                        .await
+                                        .map_err(step("volume delete"))?;
+                                }
+                            }
+                            other => return other,
+                        }
+                    } else {
+                        tracing::warn!(host = h, domain = %identity.domain_name,
+                            "our domain lost its volumes; replacing it");
+                        self.remove_domain(h, &identity.domain_name).await?;
                     }
-                    tracing::warn!(host = h, domain = %identity.domain_name,
-                        "our domain lost its volumes; replacing it");
-                    self.remove_domain(h, &identity.domain_name).await?;
                 }
                 other => {
                     return Err(Kvm2Error::Foreign {
@@ -689,8 +744,8 @@ impl Kvm2Provider {
         let (h, pool) = (host.name.as_str(), host.storage_pool.as_str());
         let mut facts = self.ops.facts(h).await.map_err(step("host facts"))?;
         facts.kvm &= !host.disable_kvm;
-        let created_at =
-            humantime::format_rfc3339_seconds(std::time::SystemTime::now()).to_string();
+        // Provisional: the mark that is defined is stamped again right before the define.
+        let created_at = self.options.clock.rfc3339();
         let inputs = crate::render::inputs_for(
             &self.config,
             &req.proxy,
@@ -756,7 +811,19 @@ impl Kvm2Provider {
 
         // Domain: render, define (libvirt validates against its schema), then check
         // libvirt's own reading of what it defined before anything starts it.
-        let domain_input = inputs.domain.clone();
+        // The mark's createdAt is stamped here, right before the define, not when the
+        // Create began: the GC's grace period counts from it, and the image download
+        // before this point may take longer than the whole grace period.
+        let mut stamped = inputs.domain.clone();
+        stamped.metadata_mark = MetadataMark {
+            cluster_id: self.config.cluster_id.clone(),
+            namespace: req.proxy.namespace.clone(),
+            name: req.proxy.name.clone(),
+            uid: req.proxy.uid.clone(),
+            created_at: self.options.clock.rfc3339(),
+        }
+        .to_xml();
+        let domain_input = stamped.clone();
         let domain_overrides = inputs.overrides.domain.clone();
         let xml = self
             .render_blocking(move |t| {
@@ -783,7 +850,7 @@ impl Kvm2Provider {
             h,
             &identity.domain_name,
             defined.inactive_xml,
-            inputs.domain.clone(),
+            stamped,
             JUST_DEFINED,
         )
         .await?;
@@ -806,7 +873,16 @@ impl Kvm2Provider {
         self.finish_start(host, identity, rec, mark).await
     }
 
-    /// Starts the domain if needed, waits until it runs, and reports it.
+    /// Brings the domain to running, waits (bounded by the start timeout) and reports it.
+    ///
+    /// The rule, by the state seen at each look:
+    /// - running, or blocked (running, its vCPUs waiting on a resource): done;
+    /// - paused: resumed; suspended (guest power management): woken;
+    /// - shut off or crashed: started;
+    /// - being shut down, or no state: waited for (then started once it is off).
+    ///
+    /// One that is not running when the time is up is [`Kvm2Error::StartTimeout`] with
+    /// the state last seen; an adopting Create replaces a paused or suspended one.
     async fn finish_start(
         &self,
         host: &HostConfig,
@@ -815,15 +891,34 @@ impl Kvm2Provider {
         mark: MetadataMark,
     ) -> Result<Instance, Kvm2Error> {
         let h = host.name.as_str();
-        if rec.state != InstanceState::Running {
-            self.ops
-                .start(h, &identity.domain_name)
-                .await
-                .map_err(step("domain start"))?;
-        }
         let started = Instant::now();
-        let mut last;
+        let mut last = rec.state;
+        let mut acted_on: Option<InstanceState> = None;
         loop {
+            // One action per state entered: a resume that does not take is not repeated
+            // every poll, but a domain that is paused again later is resumed again.
+            if acted_on != Some(last) {
+                match last {
+                    InstanceState::Paused | InstanceState::Suspended => {
+                        tracing::info!(host = h, domain = %identity.domain_name, state = %last, "waking the domain");
+                        self.ops
+                            .wake(h, &identity.domain_name)
+                            .await
+                            .map_err(step("domain wake"))?;
+                    }
+                    InstanceState::ShutOff | InstanceState::Crashed => {
+                        self.ops
+                            .start(h, &identity.domain_name)
+                            .await
+                            .map_err(step("domain start"))?;
+                    }
+                    InstanceState::Running
+                    | InstanceState::Blocked
+                    | InstanceState::Dying
+                    | InstanceState::NoState => {}
+                }
+                acted_on = Some(last);
+            }
             let now = self
                 .ops
                 .domain(h, &identity.domain_name)
@@ -836,7 +931,7 @@ impl Kvm2Provider {
                     })
                 })?;
             last = now.state;
-            if last == InstanceState::Running {
+            if matches!(last, InstanceState::Running | InstanceState::Blocked) {
                 let mut inst = self.instance(h, &now, &mark);
                 inst.addresses = self
                     .addresses(h, &identity.domain_name, Some(&identity.mac))
@@ -1118,5 +1213,238 @@ fn reason_code(e: &OpsError) -> String {
         OpsError::UploadAborted { .. } => "upload".into(),
         OpsError::Unsendable { .. } => "unsendable".into(),
         OpsError::Injected { .. } => "injected".into(),
+    }
+}
+
+// ---- Leftover volumes: what the garbage collector may delete ------------------------
+
+impl Kvm2Provider {
+    /// Digests (as in volume names) of the images the config has: their volumes belong to
+    /// the image cache's protocol and are never offered for collection.
+    fn configured_digests(&self) -> BTreeSet<String> {
+        self.config
+            .kvm2
+            .images
+            .iter()
+            .map(|i| crate::instance::image_digest(&i.sha256))
+            .collect()
+    }
+
+    /// One host's leftover candidates; an error when either listing fails (a partial
+    /// picture would make used volumes look unused).
+    async fn volume_candidates_on(
+        &self,
+        host: &HostConfig,
+    ) -> Result<Vec<VolumeCandidate>, Kvm2Error> {
+        let (h, pool) = (host.name.as_str(), host.storage_pool.as_str());
+        let domains = self
+            .ops
+            .list_domains(h)
+            .await
+            .map_err(step("domain list"))?;
+        let volumes = self
+            .ops
+            .list_volumes(h, pool)
+            .await
+            .map_err(step("volume list"))?;
+        Ok(leftover_volumes(
+            &self.configured_digests(),
+            &domains,
+            &volumes,
+        ))
+    }
+
+    async fn delete_leftover(
+        &self,
+        target: &str,
+        candidate: &VolumeCandidate,
+    ) -> Result<VolumeDeleteOutcome, Kvm2Error> {
+        let host = self.host(target)?.clone();
+        let (h, pool) = (host.name.as_str(), host.storage_pool.as_str());
+        let volumes: Vec<String> = match candidate.kind {
+            VolumeKind::Instance => {
+                let uid = candidate.owner_uid.as_deref().unwrap_or_default();
+                let identity = InstanceIdentity::for_uid(uid).map_err(Kvm2Error::InvalidRequest)?;
+                // Under the domain's name lock, so a Create of this instance in this
+                // process is either done (its domain exists) or not started.
+                let _name_lock = self.names.lock(&identity.domain_name).await;
+                if self
+                    .ops
+                    .domain(h, &identity.domain_name)
+                    .await
+                    .map_err(step("domain lookup"))?
+                    .is_some()
+                {
+                    return Ok(VolumeDeleteOutcome::Changed(format!(
+                        "domain {} exists again",
+                        identity.domain_name
+                    )));
+                }
+                // Only this instance's own names, whatever the candidate listed.
+                for name in [&identity.seed_volume, &identity.root_volume] {
+                    self.ops
+                        .delete_volume(h, pool, name)
+                        .await
+                        .map_err(step("volume delete"))?;
+                }
+                return Ok(VolumeDeleteOutcome::Deleted);
+            }
+            VolumeKind::Staging | VolumeKind::UnusedImage => {
+                // Judge again on a fresh listing: an overlay made since over this base
+                // (by a replica whose config still has the image) keeps it.
+                let fresh = self.volume_candidates_on(&host).await?;
+                match fresh
+                    .into_iter()
+                    .find(|c| c.key == candidate.key && c.kind == candidate.kind)
+                {
+                    Some(c) => c.volumes,
+                    None => {
+                        return Ok(VolumeDeleteOutcome::Changed(format!(
+                            "{} is no longer an unused {} leftover",
+                            candidate.key,
+                            candidate.kind.as_str()
+                        )));
+                    }
+                }
+            }
+        };
+        for name in &volumes {
+            self.ops
+                .delete_volume(h, pool, name)
+                .await
+                .map_err(step("volume delete"))?;
+        }
+        Ok(VolumeDeleteOutcome::Deleted)
+    }
+}
+
+/// The parts of one image's volumes found in a pool.
+#[derive(Default)]
+struct ImageParts<'a> {
+    data: Option<&'a VolumeEntry>,
+    marker: Option<&'a str>,
+    claim: Option<&'a str>,
+    heartbeat: Option<&'a str>,
+}
+
+/// Classifies a pool's volumes (names we make, read back by [`VolumeName::parse`]) into
+/// leftover candidates, given the host's domains (any domain of an instance's name, ours
+/// or not, keeps its volumes) and the images still configured (never candidates).
+///
+/// - Instance: root and/or seed of a UID with no domain of that name.
+/// - Unused image: a verified (marker present) data volume of a retired image that no
+///   volume uses as its backing store; deleted marker first, so it is never a verified
+///   base without its data.
+/// - Staging: any other volumes of a retired image (data without marker, a marker, claim
+///   or heartbeat alone), unless something uses its data volume.
+fn leftover_volumes(
+    configured: &BTreeSet<String>,
+    domains: &[DomainRecord],
+    volumes: &[VolumeEntry],
+) -> Vec<VolumeCandidate> {
+    let mut instances: BTreeMap<String, (Option<&str>, Option<&str>)> = BTreeMap::new();
+    let mut images: BTreeMap<String, ImageParts<'_>> = BTreeMap::new();
+    for v in volumes {
+        match VolumeName::parse(&v.name) {
+            Some(VolumeName::Seed { uid }) => instances.entry(uid).or_default().0 = Some(&v.name),
+            Some(VolumeName::Root { uid }) => instances.entry(uid).or_default().1 = Some(&v.name),
+            Some(VolumeName::ImageData { digest }) => {
+                images.entry(digest).or_default().data = Some(v)
+            }
+            Some(VolumeName::ImageMarker { digest }) => {
+                images.entry(digest).or_default().marker = Some(&v.name);
+            }
+            Some(VolumeName::ImageClaim { digest }) => {
+                images.entry(digest).or_default().claim = Some(&v.name);
+            }
+            Some(VolumeName::ImageHeartbeat { digest }) => {
+                images.entry(digest).or_default().heartbeat = Some(&v.name);
+            }
+            None => {}
+        }
+    }
+    let mut out = Vec::new();
+    for (uid, (seed, root)) in instances {
+        let domain = format!("{}{uid}", crate::instance::NAME_PREFIX);
+        if domains.iter().any(|d| d.name == domain) {
+            continue;
+        }
+        out.push(VolumeCandidate {
+            key: domain,
+            kind: VolumeKind::Instance,
+            owner_uid: Some(uid),
+            volumes: [seed, root]
+                .into_iter()
+                .flatten()
+                .map(str::to_string)
+                .collect(),
+        });
+    }
+    for (digest, parts) in images {
+        if configured.contains(&digest) {
+            continue;
+        }
+        if let Some(data) = parts.data
+            && volumes
+                .iter()
+                .any(|v| v.backing.as_deref() == Some(data.path.as_str()))
+        {
+            continue;
+        }
+        let kind = if parts.data.is_some() && parts.marker.is_some() {
+            VolumeKind::UnusedImage
+        } else {
+            VolumeKind::Staging
+        };
+        let volumes = [
+            parts.marker,
+            parts.data.map(|d| d.name.as_str()),
+            parts.claim,
+            parts.heartbeat,
+        ]
+        .into_iter()
+        .flatten()
+        .map(str::to_string)
+        .collect();
+        out.push(VolumeCandidate {
+            key: format!("{}image-{digest}", crate::instance::NAME_PREFIX),
+            kind,
+            owner_uid: None,
+            volumes,
+        });
+    }
+    out
+}
+
+impl VolumeCollector for Kvm2Provider {
+    fn name(&self) -> &str {
+        PROVIDER_NAME
+    }
+
+    fn volume_candidates(&self) -> BoxFuture<'_, Vec<VolumeListing>> {
+        Box::pin(async move {
+            let futures = self.config.kvm2.hosts.iter().map(|host| async move {
+                VolumeListing {
+                    target: host.name.clone(),
+                    result: self
+                        .volume_candidates_on(host)
+                        .await
+                        .map_err(ProviderError::new),
+                }
+            });
+            futures_util::future::join_all(futures).await
+        })
+    }
+
+    fn delete_volumes<'a>(
+        &'a self,
+        target: &'a str,
+        candidate: &'a VolumeCandidate,
+    ) -> BoxFuture<'a, Result<VolumeDeleteOutcome, ProviderError>> {
+        Box::pin(async move {
+            self.delete_leftover(target, candidate)
+                .await
+                .map_err(ProviderError::new)
+        })
     }
 }

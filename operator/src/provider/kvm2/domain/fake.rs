@@ -12,7 +12,8 @@ use std::time::Duration;
 use super::addresses::{AddressSource, NicAddrs};
 use super::metadata;
 use super::ops::{
-    Created, DefinedDomain, DomainRecord, HostOps, OpsError, PoolSpace, UploadChunks, VolumeInfo,
+    Created, DefinedDomain, DomainRecord, HostOps, OpsError, PoolSpace, UploadChunks, VolumeEntry,
+    VolumeInfo, backing_path,
 };
 use crate::error::ErrorClass;
 use crate::provider::{BoxFuture, InstanceState};
@@ -22,6 +23,8 @@ use crate::render::Facts;
 struct FakeVolume {
     capacity: u64,
     data: Vec<u8>,
+    /// The backing store path its XML named (an overlay's base).
+    backing: Option<String>,
 }
 
 #[derive(Debug, Clone)]
@@ -36,6 +39,8 @@ struct FakeHost {
     domains: BTreeMap<String, FakeDomain>,
     free: u64,
     down: bool,
+    /// Domains a wake does not change (paused again at once, as on an I/O error).
+    stuck: BTreeSet<String>,
 }
 
 /// How the fake "libvirt" reads a domain XML it is asked to define: the document it
@@ -205,6 +210,7 @@ impl FakeOps {
                 FakeVolume {
                     capacity: data.len() as u64,
                     data: data.to_vec(),
+                    backing: None,
                 },
             );
         }
@@ -214,6 +220,56 @@ impl FakeOps {
     pub fn uploads(&self) -> usize {
         self.uploads.load(Ordering::SeqCst)
     }
+
+    /// Creates a volume directly, as an overlay over the volume `base` of the same pool.
+    pub fn put_overlay(&self, host: &str, pool: &str, name: &str, base: &str) {
+        if let Ok(mut hosts) = self.hosts.lock()
+            && let Some(h) = hosts.get_mut(host)
+        {
+            h.volumes.insert(
+                name.into(),
+                FakeVolume {
+                    capacity: 1 << 30,
+                    data: Vec::new(),
+                    backing: Some(fake_path(pool, base)),
+                },
+            );
+        }
+    }
+
+    /// The state of domain `name`, if it exists.
+    pub fn domain_state(&self, host: &str, name: &str) -> Option<InstanceState> {
+        self.hosts
+            .lock()
+            .ok()?
+            .get(host)?
+            .domains
+            .get(name)
+            .map(|d| d.state)
+    }
+
+    /// Sets the state of domain `name` (paused, suspended, blocked, ... behind our back).
+    pub fn set_state(&self, host: &str, name: &str, state: InstanceState) {
+        if let Ok(mut hosts) = self.hosts.lock()
+            && let Some(d) = hosts.get_mut(host).and_then(|h| h.domains.get_mut(name))
+        {
+            d.state = state;
+        }
+    }
+
+    /// Makes a wake of domain `name` leave it as it is (a guest paused again at once).
+    pub fn set_stuck(&self, host: &str, name: &str) {
+        if let Ok(mut hosts) = self.hosts.lock()
+            && let Some(h) = hosts.get_mut(host)
+        {
+            h.stuck.insert(name.into());
+        }
+    }
+}
+
+/// The path the fake reports for volume `name` of `pool`.
+fn fake_path(pool: &str, name: &str) -> String {
+    format!("/fake/{pool}/{name}")
 }
 
 fn injected(op: &'static str, host: &str, class: ErrorClass) -> OpsError {
@@ -283,7 +339,7 @@ impl HostOps for FakeOps {
                 h.volumes.get(name).map(|v| VolumeInfo {
                     capacity: v.capacity,
                     allocation: v.data.len() as u64,
-                    path: format!("/fake/{pool}/{name}"),
+                    path: fake_path(pool, name),
                 })
             })
         })
@@ -306,6 +362,7 @@ impl HostOps for FakeOps {
                         FakeVolume {
                             capacity: capacity(&xml),
                             data: Vec::new(),
+                            backing: backing_path(&xml),
                         },
                     );
                     Created::Created
@@ -381,6 +438,41 @@ impl HostOps for FakeOps {
             .ok_or_else(|| injected("volume-upload", host, ErrorClass::NotFound))?;
             self.uploads.fetch_add(1, Ordering::SeqCst);
             Ok(())
+        })
+    }
+
+    fn read_volume<'a>(
+        &'a self,
+        host: &'a str,
+        _pool: &'a str,
+        name: &'a str,
+        max_len: usize,
+    ) -> BoxFuture<'a, Result<Option<Vec<u8>>, OpsError>> {
+        Box::pin(async move {
+            self.with(host, "volume-read", |h| {
+                h.volumes
+                    .get(name)
+                    .map(|v| v.data[..v.data.len().min(max_len)].to_vec())
+            })
+        })
+    }
+
+    fn write_volume<'a>(
+        &'a self,
+        host: &'a str,
+        _pool: &'a str,
+        name: &'a str,
+        data: Vec<u8>,
+    ) -> BoxFuture<'a, Result<(), OpsError>> {
+        Box::pin(async move {
+            self.with(host, "volume-write", |h| {
+                h.volumes.get_mut(name).map(|v| {
+                    let end = data.len().max(v.data.len());
+                    v.data.resize(end, 0);
+                    v.data[..data.len()].copy_from_slice(&data);
+                })
+            })?
+            .ok_or_else(|| injected("volume-write", host, ErrorClass::NotFound))
         })
     }
 
@@ -511,6 +603,41 @@ impl HostOps for FakeOps {
                     .iter()
                     .filter(|(n, _)| n.starts_with(crate::instance::NAME_PREFIX))
                     .map(|(n, d)| record(n, d))
+                    .collect()
+            })
+        })
+    }
+
+    fn wake<'a>(&'a self, host: &'a str, name: &'a str) -> BoxFuture<'a, Result<(), OpsError>> {
+        Box::pin(async move {
+            self.with(host, "domain-wake", |h| {
+                let stuck = h.stuck.contains(name);
+                if let Some(d) = h.domains.get_mut(name)
+                    && !stuck
+                    && matches!(d.state, InstanceState::Paused | InstanceState::Suspended)
+                {
+                    d.state = InstanceState::Running;
+                }
+            })
+        })
+    }
+
+    fn list_volumes<'a>(
+        &'a self,
+        host: &'a str,
+        pool: &'a str,
+    ) -> BoxFuture<'a, Result<Vec<VolumeEntry>, OpsError>> {
+        Box::pin(async move {
+            self.with(host, "volume-list", |h| {
+                h.volumes
+                    .iter()
+                    .filter(|(n, _)| n.starts_with(crate::instance::NAME_PREFIX))
+                    .map(|(n, v)| VolumeEntry {
+                        name: n.clone(),
+                        capacity: v.capacity,
+                        path: fake_path(pool, n),
+                        backing: v.backing.clone(),
+                    })
                     .collect()
             })
         })
@@ -695,6 +822,36 @@ impl<H: OpHook> HostOps for Hooked<H> {
             }
         })
     }
+    fn read_volume<'a>(
+        &'a self,
+        host: &'a str,
+        pool: &'a str,
+        name: &'a str,
+        max_len: usize,
+    ) -> BoxFuture<'a, Result<Option<Vec<u8>>, OpsError>> {
+        hooked!(
+            self,
+            "volume-read",
+            host,
+            Some(name),
+            self.inner.read_volume(host, pool, name, max_len)
+        )
+    }
+    fn write_volume<'a>(
+        &'a self,
+        host: &'a str,
+        pool: &'a str,
+        name: &'a str,
+        data: Vec<u8>,
+    ) -> BoxFuture<'a, Result<(), OpsError>> {
+        hooked!(
+            self,
+            "volume-write",
+            host,
+            Some(name),
+            self.inner.write_volume(host, pool, name, data)
+        )
+    }
     fn domain<'a>(
         &'a self,
         host: &'a str,
@@ -811,6 +968,28 @@ impl<H: OpHook> HostOps for Hooked<H> {
             host,
             None,
             self.inner.list_domains(host)
+        )
+    }
+    fn wake<'a>(&'a self, host: &'a str, name: &'a str) -> BoxFuture<'a, Result<(), OpsError>> {
+        hooked!(
+            self,
+            "domain-wake",
+            host,
+            Some(name),
+            self.inner.wake(host, name)
+        )
+    }
+    fn list_volumes<'a>(
+        &'a self,
+        host: &'a str,
+        pool: &'a str,
+    ) -> BoxFuture<'a, Result<Vec<VolumeEntry>, OpsError>> {
+        hooked!(
+            self,
+            "volume-list",
+            host,
+            None,
+            self.inner.list_volumes(host, pool)
         )
     }
 }

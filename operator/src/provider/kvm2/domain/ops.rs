@@ -49,6 +49,19 @@ pub struct VolumeInfo {
     pub path: String,
 }
 
+/// One of our volumes in a pool listing (name with our prefix).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct VolumeEntry {
+    /// Volume name.
+    pub name: String,
+    /// Logical size.
+    pub capacity: u64,
+    /// Path on the host.
+    pub path: String,
+    /// Path of its backing store (an overlay's base), if it has one.
+    pub backing: Option<String>,
+}
+
 /// A domain as the provider needs to see it.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct DomainRecord {
@@ -192,6 +205,24 @@ pub trait HostOps: Send + Sync {
         chunks: UploadChunks,
         deadline: Duration,
     ) -> BoxFuture<'a, Result<(), OpsError>>;
+    /// Reads up to `max_len` bytes from the start of a volume, or `None` when it is
+    /// absent. For small records only (the image cache's heartbeat): one ordinary call.
+    fn read_volume<'a>(
+        &'a self,
+        host: &'a str,
+        pool: &'a str,
+        name: &'a str,
+        max_len: usize,
+    ) -> BoxFuture<'a, Result<Option<Vec<u8>>, OpsError>>;
+    /// Overwrites the start of an existing volume with `data`. For small records only (the
+    /// image cache's heartbeat): one ordinary call, never queued behind image uploads.
+    fn write_volume<'a>(
+        &'a self,
+        host: &'a str,
+        pool: &'a str,
+        name: &'a str,
+        data: Vec<u8>,
+    ) -> BoxFuture<'a, Result<(), OpsError>>;
     /// The domain, or `None` when absent.
     fn domain<'a>(
         &'a self,
@@ -246,6 +277,20 @@ pub trait HostOps: Send + Sync {
         &'a self,
         host: &'a str,
     ) -> BoxFuture<'a, Result<Vec<DomainRecord>, OpsError>>;
+
+    // Lifecycle and collection additions (issue 12): adoption wakes a paused or
+    // suspended domain, the collector lists a pool's volumes.
+
+    /// Resumes a paused domain or wakes a suspended (PM) one; a domain in any other state
+    /// is left as it is. Absent is not an error (the caller looks again).
+    fn wake<'a>(&'a self, host: &'a str, name: &'a str) -> BoxFuture<'a, Result<(), OpsError>>;
+    /// Every volume of the pool whose name has our prefix, with its backing store. The
+    /// pool is refreshed first, so volumes made behind libvirt's back are seen.
+    fn list_volumes<'a>(
+        &'a self,
+        host: &'a str,
+        pool: &'a str,
+    ) -> BoxFuture<'a, Result<Vec<VolumeEntry>, OpsError>>;
 }
 
 /// [`HostOps`] on real hosts, through the hosts table (one SSH link per host).
@@ -348,6 +393,78 @@ fn record(dom: &Domain, name: String) -> Result<DomainRecord, virt::error::Error
         state: instance_state(state),
         mark,
     })
+}
+
+impl LibvirtOps {
+    fn wake_domain<'a>(
+        &'a self,
+        host: &'a str,
+        name: &'a str,
+    ) -> BoxFuture<'a, Result<(), OpsError>> {
+        let name = name.to_string();
+        Box::pin(async move {
+            self.hosts
+                .call(host, "domain-wake", move |c| {
+                    let d = match Domain::lookup_by_name(c, &name) {
+                        Ok(d) => d,
+                        Err(e) if absent(&e) => return Ok(()),
+                        Err(e) => return Err(e),
+                    };
+                    let woke = match d.get_state()?.0 {
+                        virt::sys::VIR_DOMAIN_PAUSED => d.resume().map(drop),
+                        virt::sys::VIR_DOMAIN_PMSUSPENDED => d.pm_wakeup(0).map(drop),
+                        _ => Ok(()),
+                    };
+                    match woke {
+                        // It changed state between the two calls: the caller looks again.
+                        Err(e) if absent(&e) || is(&e, ErrorNumber::OperationInvalid) => Ok(()),
+                        other => other,
+                    }
+                })
+                .await?;
+            Ok(())
+        })
+    }
+
+    fn pool_volumes<'a>(
+        &'a self,
+        host: &'a str,
+        pool: &'a str,
+    ) -> BoxFuture<'a, Result<Vec<VolumeEntry>, OpsError>> {
+        let pool = pool.to_string();
+        Box::pin(async move {
+            Ok(self
+                .hosts
+                .call(host, "volume-list", move |c| {
+                    let p = StoragePool::lookup_by_name(c, &pool)?;
+                    p.refresh(0)?;
+                    let mut out = Vec::new();
+                    for v in p.list_all_volumes(0)? {
+                        let read = v.get_name().and_then(|name| {
+                            if !name.starts_with(crate::instance::NAME_PREFIX) {
+                                return Ok(None);
+                            }
+                            let info = v.get_info()?;
+                            Ok(Some(VolumeEntry {
+                                capacity: info.capacity,
+                                path: v.get_path()?,
+                                backing: backing_path(&v.get_xml_desc(0)?),
+                                name,
+                            }))
+                        });
+                        match read {
+                            Ok(Some(entry)) => out.push(entry),
+                            Ok(None) => {}
+                            // Deleted while we listed: not there.
+                            Err(e) if absent(&e) => {}
+                            Err(e) => return Err(e),
+                        }
+                    }
+                    Ok(out)
+                })
+                .await?)
+        })
+    }
 }
 
 impl HostOps for LibvirtOps {
@@ -567,6 +684,79 @@ impl HostOps for LibvirtOps {
         })
     }
 
+    fn read_volume<'a>(
+        &'a self,
+        host: &'a str,
+        pool: &'a str,
+        name: &'a str,
+        max_len: usize,
+    ) -> BoxFuture<'a, Result<Option<Vec<u8>>, OpsError>> {
+        let (pool, name) = (pool.to_string(), name.to_string());
+        Box::pin(async move {
+            Ok(self
+                .hosts
+                .call(host, "volume-read", move |c| {
+                    let p = StoragePool::lookup_by_name(c, &pool)?;
+                    let v = match StorageVol::lookup_by_name(&p, &name) {
+                        Ok(v) => v,
+                        Err(e) if absent(&e) => return Ok(None),
+                        Err(e) => return Err(e),
+                    };
+                    let stream = Stream::new(c, 0)?;
+                    v.download(&stream, 0, max_len as u64, 0)?;
+                    let mut out = vec![0u8; max_len];
+                    let mut got = 0;
+                    while got < max_len {
+                        match stream.recv(&mut out[got..]) {
+                            Ok(0) => break,
+                            Ok(n) => got += n.min(max_len - got),
+                            Err(e) => {
+                                let _ = stream.abort();
+                                return Err(e);
+                            }
+                        }
+                    }
+                    out.truncate(got);
+                    stream.finish()?;
+                    Ok(Some(out))
+                })
+                .await?)
+        })
+    }
+
+    fn write_volume<'a>(
+        &'a self,
+        host: &'a str,
+        pool: &'a str,
+        name: &'a str,
+        data: Vec<u8>,
+    ) -> BoxFuture<'a, Result<(), OpsError>> {
+        let (pool, name) = (pool.to_string(), name.to_string());
+        Box::pin(async move {
+            self.hosts
+                .call(host, "volume-write", move |c| {
+                    let p = StoragePool::lookup_by_name(c, &pool)?;
+                    let v = StorageVol::lookup_by_name(&p, &name)?;
+                    let stream = Stream::new(c, 0)?;
+                    v.upload(&stream, 0, data.len() as u64, 0)?;
+                    let mut rest: &[u8] = &data;
+                    while !rest.is_empty() {
+                        match stream.send(rest) {
+                            Ok(n) if n > 0 => rest = &rest[n.min(rest.len())..],
+                            Ok(_) => {}
+                            Err(e) => {
+                                let _ = stream.abort();
+                                return Err(e);
+                            }
+                        }
+                    }
+                    stream.finish()
+                })
+                .await?;
+            Ok(())
+        })
+    }
+
     fn domain<'a>(
         &'a self,
         host: &'a str,
@@ -777,6 +967,28 @@ impl HostOps for LibvirtOps {
                 .await?)
         })
     }
+
+    fn wake<'a>(&'a self, host: &'a str, name: &'a str) -> BoxFuture<'a, Result<(), OpsError>> {
+        self.wake_domain(host, name)
+    }
+
+    fn list_volumes<'a>(
+        &'a self,
+        host: &'a str,
+        pool: &'a str,
+    ) -> BoxFuture<'a, Result<Vec<VolumeEntry>, OpsError>> {
+        self.pool_volumes(host, pool)
+    }
+}
+
+/// The `<backingStore><path>` of a volume's XML, unescaped.
+pub fn backing_path(volume_xml: &str) -> Option<String> {
+    let store = &volume_xml[volume_xml.find("<backingStore>")?..];
+    let start = store.find("<path>")? + "<path>".len();
+    let end = store[start..].find("</path>")? + start;
+    let raw = store[start..end].trim();
+    let path = quick_xml::escape::unescape(raw).ok()?.into_owned();
+    (!path.is_empty()).then_some(path)
 }
 
 fn is_transport(e: &virt::error::Error) -> bool {
@@ -809,6 +1021,18 @@ pub fn libvirt_error(host: &str, source: LibvirtError) -> OpsError {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn backing_path_from_volume_xml() {
+        let xml = "<volume><name>r</name><target><path>/p/r</path></target>\
+                   <backingStore><path>/p/it&apos;s</path><format type='qcow2'/></backingStore></volume>";
+        assert_eq!(backing_path(xml).as_deref(), Some("/p/it's"));
+        assert_eq!(
+            backing_path("<volume><target><path>/p/r</path></target></volume>"),
+            None
+        );
+        assert_eq!(backing_path("<volume><backingStore/></volume>"), None);
+    }
 
     #[test]
     fn arch_from_capabilities() {
