@@ -196,6 +196,7 @@ async fn create(
         proxy: owner.clone(),
         spec: manifest.spec.clone(),
         user_data,
+        fence: crate::provider::Fence::unfenced(),
     };
     let started = Instant::now();
     let mut instance = provider.create(&req).await.map_err(|e| {

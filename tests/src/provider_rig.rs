@@ -201,6 +201,7 @@ pub fn request(uid: &str, name: &str) -> CreateRequest {
         user_data: Some(UserData::new(
             b"#cloud-config\npassword: not-in-any-log\n".to_vec(),
         )),
+        fence: egress_operator::provider::Fence::unfenced(),
     }
 }
 

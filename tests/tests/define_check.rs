@@ -227,6 +227,7 @@ fn fake_request(uid: &str) -> CreateRequest {
             template_settings: None,
         },
         user_data: Some(UserData::new(b"#cloud-config\n".to_vec())),
+        fence: egress_operator::provider::Fence::unfenced(),
     }
 }
 

@@ -296,6 +296,7 @@ fn request(uid: &str, name: &str, host: Option<&str>) -> CreateRequest {
         user_data: Some(UserData::new(
             format!("#cloud-config\npassword: {SECRET}\n").into_bytes(),
         )),
+        fence: egress_operator::provider::Fence::unfenced(),
     }
 }
 

@@ -22,6 +22,7 @@ pub struct ControllerMetrics {
     reconciles: Family<Outcome, Counter>,
     duration: Family<Outcome, Histogram, fn() -> Histogram>,
     instances: Family<Action, Counter>,
+    deferred: Counter,
 }
 
 fn histogram() -> Histogram {
@@ -35,6 +36,7 @@ impl Default for ControllerMetrics {
             reconciles: Family::default(),
             duration: Family::new_with_constructor(histogram as fn() -> Histogram),
             instances: Family::default(),
+            deferred: Counter::default(),
         }
     }
 }
@@ -58,6 +60,12 @@ impl ControllerMetrics {
             "instances created, replaced and deleted by the controller",
             m.instances.clone(),
         );
+        registry.register(
+            "egress_controller_deferred_triggers",
+            "watch triggers (our own status writes among them) that changed nothing a reconcile \
+             depends on and came before the requested delay, so only rescheduled the Proxy",
+            m.deferred.clone(),
+        );
         m
     }
 
@@ -67,6 +75,15 @@ impl ControllerMetrics {
         };
         self.reconciles.get_or_create(&l).inc();
         self.duration.get_or_create(&l).observe(seconds);
+    }
+
+    pub(super) fn deferred(&self) {
+        self.deferred.inc();
+    }
+
+    /// Triggers deferred to the requested delay (for tests).
+    pub fn deferred_triggers(&self) -> u64 {
+        self.deferred.get()
     }
 
     pub(super) fn instance(&self, action: &str) {

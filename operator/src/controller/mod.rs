@@ -12,9 +12,17 @@
 //! - **cleanup** (the finalizer): delete the instance status names and any other instance
 //!   a listing finds with this Proxy's UID; safe when nothing was ever created.
 //!
-//! Status is written whole with server-side apply; events mark state changes; the error
-//! class alone decides the requeue ([`requeue`]). The user-data Secret is read at create
-//! time into [`UserData`], which cannot be printed, and no error names its content.
+//! Status is written whole with server-side apply; events mark state changes (a failure
+//! reason once per failure streak, not once per retry); the error class and the Proxy's
+//! failure count alone decide the requeue ([`requeue`]). The controller's own status
+//! writes come back as watch events; [`requeue::Attempts`] defers those to the requested
+//! delay, so a failing Proxy backs off whatever its status says. The user-data Secret is
+//! read at create time into [`UserData`], which cannot be printed, and no error names its
+//! content.
+//!
+//! A replica that lost the leader lease ([`Context::fence`]) starts no reconcile, writes
+//! no status or event for a reconcile the loss cut short, and does not let a Proxy go
+//! (the finalizer stays for the new leader).
 
 pub mod metrics;
 pub mod requeue;
@@ -37,7 +45,8 @@ use crate::config::ValidConfig;
 use crate::error::{Classified, ErrorClass};
 use crate::provider::registry::Registry;
 use crate::provider::{
-    CreateRequest, Instance, InstanceId, ProviderError, ProxyRef, SharedProvider, UserData,
+    CreateRequest, Fence, Instance, InstanceId, LeaseLost, ProviderError, ProxyRef, SharedProvider,
+    UserData,
 };
 use crate::validation::Problems;
 
@@ -84,6 +93,9 @@ pub enum ControllerError {
     /// The Kubernetes API failed.
     #[error("kubernetes API: {0}")]
     Kube(#[from] kube::Error),
+    /// This replica lost the leader lease; the new leader reconciles the Proxy.
+    #[error(transparent)]
+    LeaseLost(#[from] LeaseLost),
 }
 
 impl Classified for ControllerError {
@@ -95,6 +107,7 @@ impl Classified for ControllerError {
             ControllerError::UserData { class, .. } => *class,
             ControllerError::Provider(e) => e.class(),
             ControllerError::Kube(e) => kube_class(e),
+            ControllerError::LeaseLost(e) => e.class(),
         }
     }
 }
@@ -112,6 +125,17 @@ impl ControllerError {
                 _ => "ProviderError",
             },
             ControllerError::Kube(_) => "KubernetesAPIError",
+            ControllerError::LeaseLost(_) => "LeaseLost",
+        }
+    }
+
+    /// Whether the reconcile was cut short because this replica lost the lease: nothing
+    /// was learnt about the Proxy, so nothing is written or announced for it.
+    pub fn is_lease_lost(&self) -> bool {
+        match self {
+            ControllerError::LeaseLost(_) => true,
+            ControllerError::Provider(e) => e.is_lease_lost(),
+            _ => false,
         }
     }
 }
@@ -133,10 +157,12 @@ pub struct Context {
     pub metrics: ControllerMetrics,
     /// Requeue policy.
     pub policy: RequeuePolicy,
-    /// Consecutive failures per Proxy.
+    /// Per Proxy: failures, announced warnings, when the next reconcile is due.
     pub attempts: requeue::Attempts,
     /// Jitter source, replaceable in tests.
     pub jitter: fn() -> f64,
+    /// Held while this replica leads; unfenced without leader election.
+    pub fence: Fence,
 }
 
 impl std::fmt::Debug for Context {
@@ -173,7 +199,14 @@ impl Context {
             policy: RequeuePolicy::default(),
             attempts: requeue::Attempts::default(),
             jitter: requeue::random_unit,
+            fence: Fence::unfenced(),
         }
+    }
+
+    /// The same context, acting only while `fence` is held.
+    pub fn with_fence(mut self, fence: Fence) -> Self {
+        self.fence = fence;
+        self
     }
 }
 
@@ -199,7 +232,20 @@ where
 }
 
 /// One reconcile of one Proxy.
+///
+/// A trigger that changed nothing [`requeue::trigger_of`] looks at (our own status write,
+/// a re-list) before the Proxy's requested delay ran out only reschedules it.
 pub async fn reconcile(proxy: Arc<Proxy>, ctx: Arc<Context>) -> Result<Action, ControllerError> {
+    ctx.fence.check("a reconcile")?;
+    if let Some(uid) = proxy.uid()
+        && let Some(wait) = ctx
+            .attempts
+            .early(&uid, requeue::trigger_of(&proxy.metadata))
+    {
+        ctx.metrics.deferred();
+        tracing::trace!(proxy = %proxy.name_any(), retry_in = ?wait, "trigger before the requested delay; deferred");
+        return Ok(Action::requeue(wait));
+    }
     let started = Instant::now();
     let ns = proxy
         .namespace()
@@ -233,12 +279,20 @@ pub async fn reconcile(proxy: Arc<Proxy>, ctx: Arc<Context>) -> Result<Action, C
     result
 }
 
-/// Requeue by error class, with backoff and jitter.
+/// Requeue by error class and the Proxy's failure count, with jitter; the delay is also
+/// remembered, so no watch event of ours runs the Proxy before it.
 pub fn error_policy(proxy: Arc<Proxy>, error: &ControllerError, ctx: Arc<Context>) -> Action {
+    if error.is_lease_lost() {
+        // The controller is stopping; the new leader takes the Proxy from here.
+        tracing::debug!(proxy = %proxy.name_any(), error = %error, "reconcile cut short: not the leader");
+        return Action::await_change();
+    }
     let uid = proxy.uid().unwrap_or_default();
-    let attempt = ctx.attempts.fail(&uid);
+    let attempt = ctx.attempts.fail(&uid, proxy.metadata.generation);
     let class = error.class();
     let delay = ctx.policy.after_error(class, attempt, (ctx.jitter)());
+    ctx.attempts
+        .schedule(&uid, requeue::trigger_of(&proxy.metadata), Some(delay));
     tracing::warn!(
         proxy = %format!("{}/{}", proxy.namespace().unwrap_or_default(), proxy.name_any()),
         class = %class,
@@ -311,13 +365,20 @@ async fn apply(proxy: &Proxy, ctx: &Context) -> Result<Action, ControllerError> 
                 let note = format!("ready at {}", new.address.as_deref().unwrap_or("-"));
                 event(ctx, proxy, EventType::Normal, "Ready", "Refresh", note).await;
             }
-            ctx.attempts.reset(&target.owner.uid);
-            Ok(Action::requeue(if ready {
+            let delay = if ready {
                 ctx.policy.ready_refresh
             } else {
                 ctx.policy.not_ready_refresh
-            }))
+            };
+            ctx.attempts.succeeded(&target.owner.uid);
+            ctx.attempts.schedule(
+                &target.owner.uid,
+                requeue::trigger_of(&proxy.metadata),
+                Some(delay),
+            );
+            Ok(Action::requeue(delay))
         }
+        Err(e) if e.is_lease_lost() => Err(e),
         Err(e) => {
             let now = jiff::Timestamp::now();
             let class = e.class();
@@ -333,9 +394,7 @@ async fn apply(proxy: &Proxy, ctx: &Context) -> Result<Action, ControllerError> 
             if let Err(w) = write_status(ctx, proxy, &new).await {
                 tracing::warn!(error = %w, "could not record the error in status");
             }
-            let changed = status::condition(&target.prev, status::READY)
-                .is_none_or(|c| c.reason != e.reason() || c.message != new_message(&new));
-            if changed {
+            if announce(ctx, &target.owner.uid, target.generation, e.reason()) {
                 event(
                     ctx,
                     proxy,
@@ -351,10 +410,17 @@ async fn apply(proxy: &Proxy, ctx: &Context) -> Result<Action, ControllerError> 
     }
 }
 
-fn new_message(s: &ProxyStatus) -> String {
-    status::condition(s, status::READY)
-        .map(|c| c.message.clone())
-        .unwrap_or_default()
+/// Whether a warning with this reason is news for this Proxy's failure streak.
+fn announce(ctx: &Context, uid: &str, generation: Option<i64>, reason: &str) -> bool {
+    ctx.attempts.announce(uid, generation, reason)
+}
+
+/// The status no longer names an instance known to be gone (deleted, or not found): a
+/// retry then goes straight to the Create, without another look-up of the old one.
+fn forget_instance(current: &mut ProxyStatus) {
+    current.instance_id = None;
+    current.host = None;
+    current.instance_state = None;
 }
 
 /// Brings the instance to "exists and is not failed"; returns it and what changed.
@@ -385,30 +451,36 @@ async fn converge(
                 Ok(instance) => {
                     let note = format!("instance {id} is {}; replacing it", instance.state);
                     mark_provisioning(ctx, t, current, "Replacing", &note).await?;
-                    event(
-                        ctx,
-                        t.proxy,
-                        EventType::Warning,
-                        "InstanceFailed",
-                        "Replace",
-                        note,
-                    )
-                    .await;
+                    if announce(ctx, &t.owner.uid, t.generation, "InstanceFailed") {
+                        event(
+                            ctx,
+                            t.proxy,
+                            EventType::Warning,
+                            "InstanceFailed",
+                            "Replace",
+                            note,
+                        )
+                        .await;
+                    }
                     provider.delete(&id).await?;
+                    forget_instance(current);
                     change = Change::ReplacedFailed;
                 }
                 Err(e) if e.is_not_found() => {
                     let note = format!("instance {id} is gone; creating a new one");
+                    forget_instance(current);
                     mark_provisioning(ctx, t, current, "Replacing", &note).await?;
-                    event(
-                        ctx,
-                        t.proxy,
-                        EventType::Warning,
-                        "InstanceLost",
-                        "Replace",
-                        note,
-                    )
-                    .await;
+                    if announce(ctx, &t.owner.uid, t.generation, "InstanceLost") {
+                        event(
+                            ctx,
+                            t.proxy,
+                            EventType::Warning,
+                            "InstanceLost",
+                            "Replace",
+                            note,
+                        )
+                        .await;
+                    }
                     change = Change::ReplacedLost;
                 }
                 Err(e) => return Err(e.into()),
@@ -426,6 +498,7 @@ async fn converge(
         proxy: t.owner.clone(),
         spec: spec.clone(),
         user_data,
+        fence: ctx.fence.clone(),
     };
     let instance = provider.create(&req).await?;
     tracing::info!(
@@ -470,7 +543,7 @@ async fn cleanup(proxy: &Proxy, ctx: &Context) -> Result<Action, ControllerError
         Err(e) => {
             let note = format!("nothing to delete: {e}");
             event(ctx, proxy, EventType::Warning, "NotDeleted", "Delete", note).await;
-            ctx.attempts.reset(&owner.uid);
+            ctx.attempts.forget(&owner.uid);
             return Ok(Action::await_change());
         }
     };
@@ -496,6 +569,8 @@ async fn cleanup(proxy: &Proxy, ctx: &Context) -> Result<Action, ControllerError
                     }
                 }
             }
+            // Not the leader: the finalizer must stay for the one that is.
+            Err(e) if e.is_lease_lost() => return Err(e.into()),
             Err(e) => tracing::warn!(
                 target_host = %listing.target,
                 error = %e,
@@ -503,6 +578,7 @@ async fn cleanup(proxy: &Proxy, ctx: &Context) -> Result<Action, ControllerError
             ),
         }
     }
+    ctx.fence.check("removing the finalizer")?;
     let note = if deleted.is_empty() {
         "no instance existed".to_string()
     } else {
@@ -516,7 +592,7 @@ async fn cleanup(proxy: &Proxy, ctx: &Context) -> Result<Action, ControllerError
         )
     };
     event(ctx, proxy, EventType::Normal, "Deleted", "Delete", note).await;
-    ctx.attempts.reset(&owner.uid);
+    ctx.attempts.forget(&owner.uid);
     Ok(Action::await_change())
 }
 

@@ -510,7 +510,18 @@ impl World {
         }
     }
 
+    /// Reconciles as the Controller does when the Proxy's requeue delay has run out (the
+    /// tests here reconcile one Proxy several times without waiting for it).
     async fn reconcile(&self, proxy: &Proxy) -> Result<Action, ControllerError> {
+        if let Some(uid) = proxy.uid() {
+            self.ctx.attempts.expire(&uid);
+        }
+        self.trigger(proxy).await
+    }
+
+    /// Reconciles as the Controller does on a watch event: before the requeue delay ran
+    /// out, unless the event changed something that justifies it.
+    async fn trigger(&self, proxy: &Proxy) -> Result<Action, ControllerError> {
         guard(reconcile(Arc::new(proxy.clone()), self.ctx.clone())).await
     }
 
@@ -1732,6 +1743,347 @@ async fn a_refused_final_status_write_fails_the_reconcile_and_the_retry_adopts()
     assert_eq!(w.timeline.last_status()["phase"], "Running");
 }
 
+// ---- 9. Backoff that our own status writes cannot defeat ----------------------------------
+
+/// The Proxy as the watch delivers it after our last status write: the same metadata but
+/// a new resourceVersion, and the status we wrote.
+fn after_our_write(p: &Proxy, w: &World) -> Proxy {
+    let mut next = with_status(
+        p.clone(),
+        serde_json::from_value(w.timeline.last_status()).unwrap(),
+    );
+    let rv: u64 = p
+        .metadata
+        .resource_version
+        .as_deref()
+        .unwrap()
+        .parse()
+        .unwrap();
+    next.metadata.resource_version = Some((rv + 1).to_string());
+    next
+}
+
+#[tokio::test(start_paused = true)]
+async fn our_own_status_write_does_not_rerun_a_failing_proxy_before_its_delay() {
+    let p = proxy();
+    let w = World::new(&p);
+    w.fake.fail_always("create", Some(ErrorClass::Transient));
+
+    let (_, action) = w.reconcile_err(&p).await;
+    assert_eq!(action, requeue(5));
+
+    // The status write comes back as a watch event: it only reschedules the Proxy.
+    let echoed = after_our_write(&p, &w);
+    w.timeline.clear();
+    tokio::time::advance(Duration::from_secs(2)).await;
+    let action = w.trigger(&echoed).await.unwrap();
+    assert_eq!(action, requeue(3), "what is left of the 5 s");
+    assert!(w.labels().is_empty(), "{:?}", w.labels());
+    assert_eq!(w.fake.calls(), vec!["create"]);
+    assert_eq!(w.ctx.metrics.deferred_triggers(), 1);
+    assert_eq!(
+        w.ctx.metrics.reconciles("transient"),
+        1,
+        "a deferral is no reconcile"
+    );
+
+    // An annotation someone set to ask for a reconcile runs it at once.
+    let mut kicked = echoed.clone();
+    kicked.metadata.annotations = Some([("kick".to_string(), "1".to_string())].into());
+    let e = w.trigger(&kicked).await.expect_err("ran and failed");
+    let action = error_policy(Arc::new(kicked), &e, w.ctx.clone());
+    assert_eq!(w.fake.calls(), vec!["create", "create"]);
+    assert_eq!(action, requeue(10), "the count went on: 5, then 10");
+}
+
+#[tokio::test]
+async fn a_spec_change_or_a_deletion_runs_at_once_and_a_new_spec_starts_a_new_streak() {
+    let p = proxy();
+    let w = World::new(&p);
+    w.fake.fail_always("create", Some(ErrorClass::Transient));
+    for expected in [5, 10, 20] {
+        let (_, action) = w.reconcile_err(&p).await;
+        assert_eq!(action, requeue(expected));
+    }
+
+    // A new generation is not deferred, and its failures count from the start.
+    let mut edited = after_our_write(&p, &w);
+    edited.metadata.generation = Some(GENERATION + 1);
+    let e = w.trigger(&edited).await.expect_err("ran and failed");
+    let action = error_policy(Arc::new(edited.clone()), &e, w.ctx.clone());
+    assert_eq!(action, requeue(5));
+    assert_eq!(w.fake.calls().len(), 4);
+
+    // Deletion is not deferred either: the finalizer's cleanup runs and lets it go.
+    let gone = deleting(after_our_write(&edited, &w));
+    w.timeline.clear();
+    let action = w.trigger(&gone).await.unwrap();
+    assert_eq!(action, Action::await_change());
+    assert_eq!(w.timeline.finalizer_patches().len(), 1);
+}
+
+#[tokio::test]
+async fn the_backoff_grows_with_failures_whatever_the_error_text_and_warns_once() {
+    let p = proxy();
+    let w = World::new(&p);
+    // Every failure has a different message (the fake counts the calls).
+    w.fake.fail_always("create", Some(ErrorClass::Transient));
+    let mut p = p;
+    let mut delays = Vec::new();
+    let mut messages = Vec::new();
+    for _ in 0..10 {
+        let (_, action) = w.reconcile_err(&p).await;
+        delays.push(action);
+        messages.push(condition(&w.timeline.last_status(), "Ready")["message"].clone());
+        p = after_our_write(&p, &w);
+    }
+    let expected: Vec<Action> = [5, 10, 20, 40, 80, 160, 320, 640, 900, 900]
+        .into_iter()
+        .map(requeue)
+        .collect();
+    assert_eq!(delays, expected);
+    let distinct: std::collections::BTreeSet<String> =
+        messages.iter().map(ToString::to_string).collect();
+    assert_eq!(distinct.len(), 10, "the messages did change: {messages:?}");
+    let warnings: Vec<_> = w
+        .timeline
+        .event_summary()
+        .into_iter()
+        .filter(|(t, _, _)| t == "Warning")
+        .collect();
+    assert_eq!(
+        warnings.len(),
+        1,
+        "one warning per failure streak: {warnings:?}"
+    );
+
+    // A different reason is news; after a success the same reason is news again.
+    w.fake.fail_always("create", Some(ErrorClass::Quota));
+    w.reconcile_err(&p).await;
+    w.fake.fail_always("create", None);
+    w.reconcile(&p).await.unwrap();
+    let reasons: Vec<String> = w
+        .timeline
+        .event_summary()
+        .into_iter()
+        .map(|e| e.1)
+        .collect();
+    assert_eq!(
+        reasons,
+        labels(&["ProviderError", "CapacityExceeded", "Created", "Ready"])
+    );
+}
+
+#[tokio::test]
+async fn a_replacement_that_keeps_failing_forgets_the_old_instance_and_warns_once() {
+    let crashed = instance(id("h2", &our_name()), UID, InstanceState::Crashed, None);
+    let p = with_status(proxy(), status_seeing(&crashed));
+    let w = World::new(&p);
+    w.fake.insert(crashed);
+    w.fake.fail_always("create", Some(ErrorClass::Transient));
+
+    w.reconcile_err(&p).await;
+    assert_eq!(w.fake.calls(), vec!["get", "delete", "create"]);
+    let s = w.timeline.last_status();
+    assert!(
+        s.get("instanceId").is_none(),
+        "the deleted instance is still named: {s:#}"
+    );
+    assert_eq!(condition(&s, "Provisioned")["status"], "False");
+
+    // Each retry is one Create: no look-up of the deleted instance, no new warning.
+    let mut p = after_our_write(&p, &w);
+    for _ in 0..5 {
+        w.reconcile_err(&p).await;
+        p = after_our_write(&p, &w);
+    }
+    assert_eq!(w.fake.calls().len(), 3 + 5);
+    assert!(w.fake.calls()[3..].iter().all(|c| *c == "create"));
+    let reasons: Vec<String> = w
+        .timeline
+        .event_summary()
+        .into_iter()
+        .map(|e| e.1)
+        .collect();
+    assert_eq!(reasons, labels(&["InstanceFailed", "ProviderError"]));
+}
+
+// ---- 10. Leader fencing ------------------------------------------------------------------
+
+/// Loses the lease as soon as a call of `op` returned, as a replica would whose lease ran
+/// out while it worked.
+struct LosesLeaseAfter {
+    inner: Logged,
+    op: &'static str,
+    lease: tokio::sync::watch::Sender<bool>,
+}
+
+impl LosesLeaseAfter {
+    fn after<T>(&self, op: &'static str, r: T) -> T {
+        if op == self.op {
+            self.lease.send_replace(false);
+        }
+        r
+    }
+}
+
+impl Provider for LosesLeaseAfter {
+    fn name(&self) -> &str {
+        self.inner.name()
+    }
+    fn create<'a>(
+        &'a self,
+        req: &'a CreateRequest,
+    ) -> BoxFuture<'a, Result<Instance, ProviderError>> {
+        Box::pin(async move { self.after("create", self.inner.create(req).await) })
+    }
+    fn get<'a>(&'a self, id: &'a InstanceId) -> BoxFuture<'a, Result<Instance, ProviderError>> {
+        Box::pin(async move { self.after("get", self.inner.get(id).await) })
+    }
+    fn delete<'a>(&'a self, id: &'a InstanceId) -> BoxFuture<'a, Result<(), ProviderError>> {
+        Box::pin(async move { self.after("delete", self.inner.delete(id).await) })
+    }
+    fn list(&self) -> BoxFuture<'_, Vec<TargetListing>> {
+        Box::pin(async move { self.after("list", self.inner.list().await) })
+    }
+}
+
+impl World {
+    /// A world whose provider sits behind the fence, as in run mode, and whose lease is
+    /// lost right after the first call of `op` (`None`: lost when the test says so).
+    fn fenced(proxy: &Proxy, op: Option<&'static str>) -> (Self, tokio::sync::watch::Sender<bool>) {
+        let (lease, rx) = tokio::sync::watch::channel(true);
+        let fence = Fence::new(rx);
+        let mut w = Self::new(proxy);
+        let logged = Logged {
+            inner: w.fake.clone(),
+            timeline: w.timeline.clone(),
+        };
+        let inner = LosesLeaseAfter {
+            inner: logged,
+            op: op.unwrap_or("-"),
+            lease: lease.clone(),
+        };
+        let mut registry = Registry::new();
+        registry.insert(Arc::new(crate::provider::decorate::Fenced::new(
+            Arc::new(inner),
+            fence.clone(),
+            Duration::from_secs(5),
+        )));
+        let mut ctx = Context::new(
+            w.ctx.client.clone(),
+            config(),
+            Arc::new(registry),
+            ControllerMetrics::default(),
+            Some("egress-operator-0".into()),
+        )
+        .with_fence(fence);
+        ctx.jitter = || 0.5;
+        w.ctx = Arc::new(ctx);
+        (w, lease)
+    }
+}
+
+#[tokio::test]
+async fn a_replica_without_the_lease_starts_no_reconcile() {
+    let p = proxy();
+    let (w, lease) = World::fenced(&p, None);
+    lease.send_replace(false);
+
+    let (e, action) = w.reconcile_err(&p).await;
+
+    assert!(e.is_lease_lost(), "{e}");
+    assert_eq!(e.class(), ErrorClass::Transient);
+    assert_eq!(action, Action::await_change());
+    assert!(w.labels().is_empty(), "{:?}", w.labels());
+    assert!(w.fake.calls().is_empty());
+    assert_eq!(
+        w.ctx.attempts.failures(UID, Some(GENERATION)),
+        0,
+        "not a failure"
+    );
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_create_cut_short_by_the_lost_lease_defines_nothing_and_reports_nothing() {
+    let p = proxy();
+    let (w, lease) = World::fenced(&p, None);
+    // The Create waits on a slow step (an image download); the lease goes meanwhile, and
+    // the step ends within the grace: the Create's own check before define refuses.
+    w.fake.set_create_delay(Duration::from_secs(2));
+    let (r, ()) = tokio::join!(w.trigger(&p), async {
+        tokio::time::sleep(Duration::from_secs(1)).await;
+        lease.send_replace(false);
+    });
+
+    let e = r.expect_err("the Create was refused");
+    assert!(e.is_lease_lost(), "{e}");
+    assert!(
+        matches!(
+            e.to_string().as_str(),
+            s if s.contains("did not start domain define")
+        ),
+        "{e}"
+    );
+    assert!(w.fake.instances().is_empty(), "nothing was defined");
+    // Provisioning was written while leading; after the loss nothing was.
+    assert_eq!(
+        w.labels(),
+        labels(&["status:Provisioning", "provider:create"])
+    );
+    assert!(w.timeline.events().is_empty());
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_create_in_flight_is_cancelled_a_grace_period_after_the_lease_is_lost() {
+    let p = proxy();
+    let (w, lease) = World::fenced(&p, None);
+    // A step far longer than the 5 s grace.
+    w.fake.set_create_delay(Duration::from_secs(600));
+    let started = tokio::time::Instant::now();
+    let (r, ()) = tokio::join!(w.trigger(&p), async {
+        tokio::time::sleep(Duration::from_secs(1)).await;
+        lease.send_replace(false);
+    });
+
+    let e = r.expect_err("cancelled");
+    assert!(e.is_lease_lost(), "{e}");
+    assert!(e.to_string().contains("cancelled"), "{e}");
+    let took = started.elapsed();
+    assert!(
+        took >= Duration::from_secs(6) && took < Duration::from_secs(7),
+        "cancelled {took:?} after the start, not 1 s + the 5 s grace"
+    );
+    assert!(w.fake.instances().is_empty());
+    assert!(w.timeline.events().is_empty());
+}
+
+#[tokio::test]
+async fn a_deletion_cut_short_by_the_lost_lease_keeps_the_finalizer() {
+    let running = instance(
+        id("h1", &our_name()),
+        UID,
+        InstanceState::Running,
+        Some(FAKE_ADDRESS),
+    );
+    let p = deleting(with_status(proxy(), status_seeing(&running)));
+    // The instance status names is deleted; the lease goes before the listing that looks
+    // for instances status does not name.
+    let (w, _lease) = World::fenced(&p, Some("delete"));
+    w.fake.insert(running);
+
+    let (e, action) = w.reconcile_err(&p).await;
+
+    assert!(e.is_lease_lost(), "{e}");
+    assert_eq!(action, Action::await_change());
+    assert_eq!(
+        w.labels(),
+        labels(&["status:Deleting", "provider:delete"]),
+        "no listing, no Deleted event, and the finalizer stays"
+    );
+    assert!(w.timeline.finalizer_patches().is_empty());
+}
+
 // ---- Graceful shutdown of the whole controller loop ----------------------------------------
 
 /// A provider whose Create waits until the test lets it finish, so a shutdown can be
@@ -1861,3 +2213,5 @@ async fn shutdown_waits_for_a_create_in_flight_and_its_status() {
         "the status names the instance before run returns"
     );
 }
+
+mod churn;

@@ -1,6 +1,7 @@
-//! Decorators that observe any [`Provider`]: a tracing span and a log line per call
-//! ([`Traced`]) and Prometheus metrics ([`Metered`]). Both pass the optional health-check
-//! capability through, so wrapping never hides what the inner provider can do.
+//! Decorators around any [`Provider`]: a tracing span and a log line per call
+//! ([`Traced`]), Prometheus metrics ([`Metered`]), and leader fencing ([`Fenced`]). All
+//! pass the optional health-check capability through, so wrapping never hides what the
+//! inner provider can do.
 
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -13,8 +14,8 @@ use prometheus_client::registry::Registry;
 use tracing::Instrument;
 
 use super::{
-    BoxFuture, CreateRequest, HealthCheck, Instance, InstanceId, Provider, ProviderError,
-    TargetListing,
+    BoxFuture, CreateRequest, Fence, HealthCheck, Instance, InstanceId, LeaseLost, Provider,
+    ProviderError, TargetListing,
 };
 use crate::error::Classified;
 
@@ -260,6 +261,123 @@ impl<P: Provider + ?Sized> Provider for Metered<P> {
         self.inner.health()
     }
 }
+
+/// Stops a replica that lost the leader lease from acting through a provider.
+///
+/// - A call made while the lease is not held is refused at once ([`LeaseLost::Refused`])
+///   and never reaches the inner provider; a listing reports one failed target, so nobody
+///   reads it as "nothing there".
+/// - A call in flight when the lease is lost may go on for `grace`, then it is dropped and
+///   fails with [`LeaseLost::Cancelled`]. The grace lets a libvirt call finish rather than
+///   be abandoned half-way; it is shorter than the time the new leader must wait for the
+///   old lease to expire, so the two replicas' calls do not overlap.
+/// - A Create carries this fence in its request, so the provider checks the lease again
+///   right before define and before start, and cleans up after itself when it is lost.
+///
+/// Health checks pass through unfenced: they only read.
+pub struct Fenced<P: ?Sized> {
+    inner: Arc<P>,
+    fence: Fence,
+    grace: Duration,
+}
+
+impl<P: Provider + ?Sized> std::fmt::Debug for Fenced<P> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Fenced")
+            .field("provider", &self.inner.name())
+            .field("held", &self.fence.is_held())
+            .field("grace", &self.grace)
+            .finish()
+    }
+}
+
+impl<P: Provider + ?Sized> Fenced<P> {
+    /// Wraps `inner`: calls need `fence` held, and stop `grace` after it is lost.
+    pub fn new(inner: Arc<P>, fence: Fence, grace: Duration) -> Self {
+        Self {
+            inner,
+            fence,
+            grace,
+        }
+    }
+
+    async fn bounded<T>(
+        &self,
+        op: &'static str,
+        fut: impl std::future::Future<Output = Result<T, ProviderError>>,
+    ) -> Result<T, ProviderError> {
+        self.fence
+            .check(op)
+            .map_err(|e| refused(self.inner.name(), e))?;
+        let deposed = async {
+            self.fence.lost().await;
+            tokio::time::sleep(self.grace).await;
+        };
+        tokio::select! {
+            r = fut => r,
+            () = deposed => {
+                tracing::warn!(provider = self.inner.name(), op, grace = ?self.grace,
+                    "lost the leader lease: cancelled a provider call still in flight");
+                Err(ProviderError::new(LeaseLost::Cancelled { op, grace: self.grace }))
+            }
+        }
+    }
+}
+
+fn refused(provider: &str, e: LeaseLost) -> ProviderError {
+    tracing::debug!(provider, error = %e, "provider call refused: not the leader");
+    ProviderError::new(e)
+}
+
+impl<P: Provider + ?Sized> Provider for Fenced<P> {
+    fn name(&self) -> &str {
+        self.inner.name()
+    }
+    fn create<'a>(
+        &'a self,
+        req: &'a CreateRequest,
+    ) -> BoxFuture<'a, Result<Instance, ProviderError>> {
+        Box::pin(async move {
+            let fenced = CreateRequest {
+                fence: self.fence.clone(),
+                ..req.clone()
+            };
+            self.bounded("create", self.inner.create(&fenced)).await
+        })
+    }
+    fn get<'a>(&'a self, id: &'a InstanceId) -> BoxFuture<'a, Result<Instance, ProviderError>> {
+        Box::pin(self.bounded("get", self.inner.get(id)))
+    }
+    fn delete<'a>(&'a self, id: &'a InstanceId) -> BoxFuture<'a, Result<(), ProviderError>> {
+        Box::pin(self.bounded("delete", self.inner.delete(id)))
+    }
+    fn list(&self) -> BoxFuture<'_, Vec<TargetListing>> {
+        Box::pin(async move {
+            let failed = |e: ProviderError| {
+                vec![TargetListing {
+                    target: ALL_TARGETS.to_string(),
+                    result: Err(e),
+                }]
+            };
+            if let Err(e) = self.fence.check("list") {
+                return failed(refused(self.inner.name(), e));
+            }
+            match self
+                .bounded("list", async { Ok(self.inner.list().await) })
+                .await
+            {
+                Ok(listing) => listing,
+                Err(e) => failed(e),
+            }
+        })
+    }
+    fn health(&self) -> Option<&dyn HealthCheck> {
+        self.inner.health()
+    }
+}
+
+/// The target a fenced listing names when it lists nothing: every target of the provider.
+pub const ALL_TARGETS: &str = "(all targets)";
 
 #[cfg(test)]
 mod tests {

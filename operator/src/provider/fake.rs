@@ -1,6 +1,9 @@
 //! An in-memory [`Provider`] for tests of code that uses providers (controller, GC,
-//! health monitor): instances live in a map, targets can be taken down, and the next
-//! call of an operation can be made to fail with a chosen class.
+//! health monitor): instances live in a map, targets can be taken down, the next call of
+//! an operation (or every call) can be made to fail with a chosen class, and a Create can
+//! be made slow. A Create checks its request's fence right before it "defines" and right
+//! before it "starts" the instance, as kvm2 does, and removes what it made when the fence
+//! is lost.
 
 use std::collections::{BTreeMap, BTreeSet};
 use std::sync::Mutex;
@@ -17,6 +20,8 @@ struct State {
     instances: BTreeMap<InstanceId, Instance>,
     down: BTreeSet<String>,
     fail_next: BTreeMap<&'static str, ErrorClass>,
+    fail_always: BTreeMap<&'static str, ErrorClass>,
+    create_delay: Duration,
     calls: Vec<&'static str>,
     create_requests: Vec<CreateRequest>,
 }
@@ -55,6 +60,23 @@ impl FakeProvider {
     /// Makes the next call of `op` (`create`, `get`, `delete`, `list`) fail with `class`.
     pub fn fail_next(&self, op: &'static str, class: ErrorClass) {
         self.state().fail_next.insert(op, class);
+    }
+
+    /// Makes every call of `op` fail with `class` (`None`: stop failing). Each failure's
+    /// message differs (it counts the calls), as real errors with elapsed times or byte
+    /// counts do, so a test sees whether anything keys on the text.
+    pub fn fail_always(&self, op: &'static str, class: Option<ErrorClass>) {
+        let mut s = self.state();
+        match class {
+            Some(c) => s.fail_always.insert(op, c),
+            None => s.fail_always.remove(op),
+        };
+    }
+
+    /// Makes every Create wait this long (tokio time) before it defines the instance, as a
+    /// Create waits on an image download.
+    pub fn set_create_delay(&self, delay: Duration) {
+        self.state().create_delay = delay;
     }
 
     /// Takes a target down or brings it back.
@@ -98,8 +120,17 @@ impl FakeProvider {
     fn enter(&self, op: &'static str) -> Result<(), ProviderError> {
         let mut s = self.state();
         s.calls.push(op);
-        match s.fail_next.remove(op) {
-            Some(class) => Err(ProviderError::msg(class, format!("injected {op} failure"))),
+        if let Some(class) = s.fail_next.remove(op) {
+            return Err(ProviderError::msg(class, format!("injected {op} failure")));
+        }
+        match s.fail_always.get(op) {
+            Some(class) => {
+                let n = s.calls.iter().filter(|c| **c == op).count();
+                Err(ProviderError::msg(
+                    *class,
+                    format!("injected {op} failure (call {n}, after {} ms)", n * 1375),
+                ))
+            }
             None => Ok(()),
         }
     }
@@ -117,6 +148,10 @@ impl Provider for FakeProvider {
         Box::pin(async move {
             self.state().create_requests.push(req.clone());
             self.enter("create")?;
+            let delay = self.state().create_delay;
+            if !delay.is_zero() {
+                tokio::time::sleep(delay).await;
+            }
             let mut s = self.state();
             let name = format!("{}{}", crate::instance::NAME_PREFIX, req.proxy.uid);
             if let Some(existing) = s.instances.values().find(|i| i.id.name == name) {
@@ -139,14 +174,24 @@ impl Provider for FakeProvider {
                     format!("target {host} is down"),
                 ));
             }
-            let instance = Instance {
+            req.fence
+                .check("domain define")
+                .map_err(ProviderError::new)?;
+            let mut instance = Instance {
                 id: InstanceId { host, name },
                 proxy: req.proxy.clone(),
-                state: InstanceState::Running,
+                state: InstanceState::ShutOff,
                 addresses: vec![std::net::IpAddr::V4(std::net::Ipv4Addr::new(192, 0, 2, 10))],
                 created_at: humantime::format_rfc3339_seconds(std::time::SystemTime::now())
                     .to_string(),
             };
+            s.instances.insert(instance.id.clone(), instance.clone());
+            if let Err(e) = req.fence.check("domain start") {
+                // Removes what this Create made, as kvm2's failure cleanup does.
+                s.instances.remove(&instance.id);
+                return Err(ProviderError::new(e));
+            }
+            instance.state = InstanceState::Running;
             s.instances.insert(instance.id.clone(), instance.clone());
             Ok(instance)
         })

@@ -20,6 +20,9 @@ pub mod registry;
 use std::fmt;
 use std::net::IpAddr;
 use std::sync::Arc;
+use std::time::Duration;
+
+use tokio::sync::watch;
 
 use crate::api::proxy::ProxySpec;
 use crate::error::{Classified, ErrorClass};
@@ -67,6 +70,97 @@ pub struct CreateRequest {
     pub spec: ProxySpec,
     /// cloud-init user-data from the Proxy's Secret, if it names one.
     pub user_data: Option<UserData>,
+    /// Whether this replica may still act for the Proxy; checked right before the steps
+    /// two replicas must not both take (define, start). [`Fence::unfenced`] where only one
+    /// process can act (the CLI, tests); the [`decorate::Fenced`] decorator sets the
+    /// leader's fence on every Create that passes through it.
+    pub fence: Fence,
+}
+
+/// A cheap handle on "this replica still holds the leader lease".
+///
+/// A replica that loses the lease can have a Create in flight while the new leader starts
+/// its own Create of the same domain; if both define and start, the loser's failure cleanup
+/// can destroy the winner's VM. So a provider checks the fence right before define and
+/// right before start, and a Create that finds it lost fails with [`LeaseLost`] (transient)
+/// and removes what it made. The new leader cannot act before the old lease expires, which
+/// is seconds after the holder noticed the loss: a check that passed is still good for the
+/// one libvirt call that follows it.
+#[derive(Clone, Debug, Default)]
+pub struct Fence {
+    /// `true` while the lease is held; `None` for a fence that is always held.
+    rx: Option<watch::Receiver<bool>>,
+}
+
+impl Fence {
+    /// Always held: for the one process that may act (`provision`, a single replica run
+    /// without leader election, tests).
+    pub fn unfenced() -> Self {
+        Self { rx: None }
+    }
+
+    /// Held while `rx` reads `true` and its sender lives (an elector that was aborted
+    /// cannot publish `false`, so a dropped sender counts as lost).
+    pub fn new(rx: watch::Receiver<bool>) -> Self {
+        Self { rx: Some(rx) }
+    }
+
+    /// Whether the lease is held now.
+    pub fn is_held(&self) -> bool {
+        match &self.rx {
+            None => true,
+            Some(rx) => *rx.borrow() && rx.has_changed().is_ok(),
+        }
+    }
+
+    /// `Ok` while held; else the typed refusal naming the step that was not started.
+    pub fn check(&self, step: &'static str) -> Result<(), LeaseLost> {
+        if self.is_held() {
+            Ok(())
+        } else {
+            Err(LeaseLost::Refused { step })
+        }
+    }
+
+    /// Resolves once the lease is no longer held (at once if it is not); never for an
+    /// unfenced handle.
+    pub async fn lost(&self) {
+        let Some(rx) = &self.rx else {
+            return std::future::pending().await;
+        };
+        let mut rx = rx.clone();
+        // Err: the sender is gone, which counts as lost.
+        let _ = rx.wait_for(|held| !*held).await;
+    }
+}
+
+/// This replica lost the leader lease, so a provider step was refused or cancelled. Always
+/// transient: the new leader carries on, and this replica retries only if it leads again.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum LeaseLost {
+    /// Found lost before the step started; the step was not started.
+    #[error("this replica no longer holds the leader lease, so it did not start {step}")]
+    Refused {
+        /// The step that was not started (`domain define`, `create`, ...).
+        step: &'static str,
+    },
+    /// Lost while the call was in flight; the call was dropped after the grace period.
+    #[error(
+        "this replica lost the leader lease during {op}; the call was cancelled after a \
+         {grace:?} grace period"
+    )]
+    Cancelled {
+        /// The provider operation.
+        op: &'static str,
+        /// How long it was allowed to go on after the loss.
+        grace: Duration,
+    },
+}
+
+impl Classified for LeaseLost {
+    fn class(&self) -> ErrorClass {
+        ErrorClass::Transient
+    }
 }
 
 /// Where an instance lives: enough to find it again without listing.
@@ -200,6 +294,20 @@ impl ProviderError {
     /// Whether this is a "not found".
     pub fn is_not_found(&self) -> bool {
         self.class == ErrorClass::NotFound
+    }
+
+    /// Whether the call failed because this replica lost the leader lease (the error
+    /// itself or anywhere in its source chain), so nothing about the instance was learnt
+    /// and nothing should be reported for it.
+    pub fn is_lease_lost(&self) -> bool {
+        let mut next: Option<&(dyn std::error::Error + 'static)> = Some(self.inner());
+        while let Some(e) = next {
+            if e.downcast_ref::<LeaseLost>().is_some() {
+                return true;
+            }
+            next = e.source();
+        }
+        false
     }
 }
 

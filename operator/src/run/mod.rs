@@ -7,7 +7,11 @@
 //! are retried with backoff, and the replica is ready but degraded meanwhile), reaches the
 //! API server, and waits for the leader Lease. While leading, the Proxy controller, the
 //! garbage collector and the provider health monitor run; when the lease is lost they
-//! stop (in-flight reconciles finish) and the replica stands by again. SIGTERM stops
+//! stop and the replica stands by again. The controller and the garbage collector reach
+//! the providers only through a fence on the lease ([`Fenced`]): once it is lost no new
+//! provider call starts, a Create checks it right before define and start, and calls in
+//! flight are cancelled after [`LEASE_LOST_GRACE`], well before the new leader can take
+//! the lease over, so the two replicas never act on one VM at once. SIGTERM stops
 //! taking new work, lets reconciles in flight finish (a Create either completes, with its
 //! status written, or cleans up what it made), releases the lease so the other replica
 //! takes over at once, closes every SSH connection, and exits 0.
@@ -28,9 +32,10 @@ use crate::controller::{self, ControllerMetrics};
 use crate::error::{Classified, ErrorClass};
 use crate::gc::{GarbageCollector, GcMetrics, KubeProxyIndex};
 use crate::leader::{LeaderElector, LeaderError, LeaderOptions};
-use crate::provider::SharedProvider;
+use crate::provider::decorate::Fenced;
 use crate::provider::kvm2::backend::Kvm2Options;
 use crate::provider::registry::Registry;
+use crate::provider::{Fence, SharedProvider};
 use crate::providerhealth::{HealthMetrics, HealthMonitor, KubeSink, MonitorOptions};
 use crate::telemetry::LogFormat;
 use crate::templates::{EngineOptions, TemplateEngine, TemplateSet};
@@ -43,6 +48,15 @@ use plugins::{LoadBackoff, PluginLoader, PluginMetrics};
 const EXIT_BLOCKING_GRACE: Duration = Duration::from_secs(5);
 /// Largest `--plugin-ca-file` read: a CA bundle of a few hundred certificates.
 const MAX_CA_FILE_BYTES: u64 = 1024 * 1024;
+/// How long a provider call in flight may go on after this replica lost the lease. The
+/// elector steps down at the first renewal it cannot make, which is
+/// `renew_before_expiry` (10 s by default) before the lease expires and the other replica
+/// may take it; half of that leaves room for a slow API server.
+pub const LEASE_LOST_GRACE: Duration = Duration::from_secs(5);
+/// After the lease is lost, how long the components get to stop once their provider calls
+/// were cancelled (status writes and events of the reconciles cut short are skipped, so
+/// this is only the loops winding down); then they are aborted.
+const LEASE_LOST_STOP: Duration = Duration::from_secs(5);
 
 /// Arguments of `run`.
 #[derive(Debug, Clone, clap::Args)]
@@ -180,6 +194,15 @@ impl Parts {
             .names()
             .filter_map(|n| self.providers.get(n).cloned())
             .collect()
+    }
+
+    /// The providers behind a fence on `leading`, for one leadership term.
+    fn fenced(&self, fence: &Fence) -> Registry {
+        let mut fenced = Registry::new();
+        for p in self.provider_list() {
+            fenced.insert(Arc::new(Fenced::new(p, fence.clone(), LEASE_LOST_GRACE)));
+        }
+        fenced
     }
 }
 
@@ -414,15 +437,23 @@ async fn run_term(
             let _ = rx.wait_for(|s| *s).await;
         }
     };
-    let ctx = Arc::new(controller::Context::new(
-        client.clone(),
-        parts.config.clone(),
-        parts.providers.clone(),
-        parts.controller_metrics.clone(),
-        Some(parts.identity.clone()),
-    ));
+    let fence = Fence::new(leading.clone());
+    let fenced = Arc::new(parts.fenced(&fence));
+    let ctx = Arc::new(
+        controller::Context::new(
+            client.clone(),
+            parts.config.clone(),
+            fenced.clone(),
+            parts.controller_metrics.clone(),
+            Some(parts.identity.clone()),
+        )
+        .with_fence(fence),
+    );
     let gc = GarbageCollector::new(
-        parts.provider_list(),
+        fenced
+            .names()
+            .filter_map(|n| fenced.get(n).cloned())
+            .collect(),
         Arc::new(KubeProxyIndex::new(client.clone())),
         &parts.config.gc,
         parts.gc_metrics.clone(),
@@ -450,6 +481,19 @@ async fn run_term(
         }
     };
     let _ = stop_tx.send(true);
-    while tasks.join_next().await.is_some() {}
+    let wind_down = async { while tasks.join_next().await.is_some() {} };
+    if end == TermEnd::LeaseLost {
+        // Provider calls in flight end within the grace; nothing else may hold us longer.
+        if tokio::time::timeout(LEASE_LOST_GRACE + LEASE_LOST_STOP, wind_down)
+            .await
+            .is_err()
+        {
+            tracing::warn!("components did not stop after the lease was lost; aborting them");
+            tasks.abort_all();
+            while tasks.join_next().await.is_some() {}
+        }
+    } else {
+        wind_down.await;
+    }
     end
 }

@@ -153,6 +153,10 @@ pub enum Kvm2Error {
     /// A blocking render task failed to run.
     #[error("render task failed: {0}")]
     Runtime(String),
+    /// This replica lost the leader lease right before define or start (see
+    /// [`crate::provider::Fence`]); what this Create made is removed.
+    #[error("{0}")]
+    LeaseLost(#[from] crate::provider::LeaseLost),
 }
 
 impl Classified for Kvm2Error {
@@ -169,6 +173,7 @@ impl Classified for Kvm2Error {
             Kvm2Error::Plugin(e) => e.class(),
             Kvm2Error::Template(e) => e.class(),
             Kvm2Error::Seed(e) => e.class(),
+            Kvm2Error::LeaseLost(e) => e.class(),
             Kvm2Error::StartTimeout { .. } | Kvm2Error::Runtime(_) | Kvm2Error::Unreachable(_) => {
                 ErrorClass::Transient
             }
@@ -550,6 +555,7 @@ impl Kvm2Provider {
                             self.check_adopted(req, &host, &identity, &m).await?;
                         }
                         tracing::info!(host = h, domain = %identity.domain_name, state = %rec.state, "adopting our existing domain");
+                        req.fence.check("domain start")?;
                         match self.finish_start(&host, &identity, rec, m).await {
                             // Adoption rule: a domain that stays paused or suspended
                             // through a resume or wake and the whole start timeout (a
@@ -831,6 +837,7 @@ impl Kvm2Provider {
                     .render_with(&domain_input, domain_overrides.as_ref())?)
             })
             .await?;
+        req.fence.check("domain define")?;
         let defined = self
             .ops
             .define(h, xml)
@@ -870,6 +877,7 @@ impl Kvm2Provider {
                 "the domain plugin's XML dropped the operator's metadata mark".into(),
             )
         })?;
+        req.fence.check("domain start")?;
         self.finish_start(host, identity, rec, mark).await
     }
 
