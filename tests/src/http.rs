@@ -1,6 +1,6 @@
 //! A plain HTTP/1.1 image server on 127.0.0.1 for provider tests and the demo: fixed
 //! routes, faults on purpose (a body shorter than its Content-Length, no Content-Length,
-//! redirects), a request count per path. Bodies are streamed from memory or a file.
+//! redirects, a slow body), a request count per path. Bodies are streamed from memory or a file.
 
 use std::collections::HashMap;
 use std::io::{Read, Write};
@@ -28,6 +28,16 @@ pub enum Route {
     },
     /// 302 to this location (absolute, or a path on this server).
     Redirect(String),
+    /// 200 with this body and its Content-Length, sent `chunk` bytes at a time with
+    /// `pause` between chunks: a server that is never idle for long but slow overall.
+    Slow {
+        /// The body.
+        body: Arc<Vec<u8>>,
+        /// Bytes per write.
+        chunk: usize,
+        /// Pause after each write.
+        pause: std::time::Duration,
+    },
 }
 
 /// A running server; stops on drop.
@@ -147,6 +157,18 @@ fn serve(
                 "HTTP/1.1 200 OK\r\nContent-Length: {declared}\r\nConnection: close\r\n\r\n"
             )?;
             tcp.write_all(&body)?;
+        }
+        Some(Route::Slow { body, chunk, pause }) => {
+            write!(
+                tcp,
+                "HTTP/1.1 200 OK\r\nContent-Length: {}\r\nConnection: close\r\n\r\n",
+                body.len()
+            )?;
+            for part in body.chunks(chunk.max(1)) {
+                tcp.write_all(part)?;
+                tcp.flush()?;
+                std::thread::sleep(pause);
+            }
         }
         Some(Route::File(file)) => {
             let mut f = std::fs::File::open(&file)?;

@@ -602,3 +602,127 @@ fn upload_progress_reaches_the_image_size() {
         rig.hosts.close().await;
     });
 }
+
+// ---------------------------------------------------------------------------------------
+// Virtual size and deadlines
+
+/// The rig's config plus an image `slow` with the same content, served from `url`.
+fn with_slow_image(config: &ValidConfig, url: &str) -> Arc<ValidConfig> {
+    let mut raw: ProvidersConfig = (**config).clone();
+    let mut slow = raw.kvm2.images[0].clone();
+    slow.name = "slow".into();
+    slow.url = url.into();
+    raw.kvm2.images.push(slow);
+    let yaml = serde_yaml_ng::to_string(&raw).unwrap();
+    Arc::new(
+        egress_operator::config::parse(&yaml, "slow-config", std::path::Path::new("/")).unwrap(),
+    )
+}
+
+/// A server that sends the rig's base image in about 30 steps of 100 ms: never idle for
+/// long, about three seconds in all.
+fn slow_server(rig: &Rig) -> HttpServer {
+    let bytes = std::fs::read(rig.images_dir.path().join("base.qcow2")).unwrap();
+    let chunk = bytes.len().div_ceil(30);
+    HttpServer::start(vec![(
+        "/slow.qcow2".into(),
+        Route::Slow {
+            body: Arc::new(bytes),
+            chunk,
+            pause: Duration::from_millis(100),
+        },
+    )])
+    .unwrap()
+}
+
+/// On real libvirt: the marker's capacity is the qcow2 header's virtual size (64 MiB, the
+/// file is a few hundred KB), and it allocates nothing; the overlay is the machine type's
+/// disk (1 GiB), larger than both.
+#[test]
+fn the_marker_records_the_virtual_size_and_allocates_nothing() {
+    use std::os::unix::fs::MetadataExt as _;
+    let Some(rig) = Rig::start(vec![], Rig::base_image) else {
+        return;
+    };
+    run(async {
+        let p = rig.provider(rig.ops.clone());
+        let inst = p.create(&request(&uid(92), "sized")).await.unwrap();
+        let marker = image_marker_name(&rig.image_sha);
+        assert_eq!(capacity(&rig, &marker), 64 << 20);
+        let blocks = std::fs::metadata(rig.pool_dir.join(&marker))
+            .unwrap()
+            .blocks();
+        assert!(blocks <= 8, "the marker allocated {blocks} blocks");
+        let root = InstanceIdentity::for_uid(&uid(92)).unwrap().root_volume;
+        assert_eq!(capacity(&rig, &root), 1 << 30);
+        p.delete(&inst.id).await.unwrap();
+        let mut base = rig.base_volumes();
+        base.sort();
+        assert_eq!(rig.volumes(), base, "no heartbeat or claim left");
+        rig.hosts.close().await;
+    });
+}
+
+/// A download that takes about three seconds, within its own deadline, feeding a libvirt
+/// upload whose own deadline is one second: the upload does not time out, because waiting
+/// on the HTTP server is not counted against it. (It was: the upload call's deadline ran
+/// from the first byte, so a slow server failed it as a libvirt timeout.)
+#[test]
+fn a_slow_download_within_its_deadline_does_not_time_out_the_upload() {
+    let Some(rig) = Rig::start(vec![], Rig::base_image) else {
+        return;
+    };
+    let slow = slow_server(&rig);
+    let config = with_slow_image(&rig.config, &slow.url("/slow.qcow2"));
+    run(async {
+        let options = ImageCacheOptions {
+            min_upload_deadline: Duration::from_secs(1),
+            fetch: FetchPolicy {
+                min_download_deadline: Duration::from_secs(60),
+                ..FetchPolicy::default()
+            },
+            ..cache_options()
+        };
+        let p = provider_with(&config, rig.ops.clone(), options);
+        let inst = p.create(&request_image(93, "slow", "slow")).await.unwrap();
+        assert_eq!(inst.state, InstanceState::Running);
+        assert_eq!(slow.hits("/slow.qcow2"), 1);
+        p.delete(&inst.id).await.unwrap();
+        rig.hosts.close().await;
+    });
+}
+
+/// A download that cannot finish within its deadline fails that Create only: a typed,
+/// transient "too slow" error naming the image (not a libvirt or link error), nothing is
+/// left in the pool, and the next Create on the same host and link succeeds.
+#[test]
+fn a_download_past_its_deadline_fails_that_create_only() {
+    let Some(rig) = Rig::start(vec![], Rig::base_image) else {
+        return;
+    };
+    let slow = slow_server(&rig);
+    let config = with_slow_image(&rig.config, &slow.url("/slow.qcow2"));
+    run(async {
+        let options = ImageCacheOptions {
+            fetch: FetchPolicy {
+                min_download_deadline: Duration::from_secs(1),
+                min_bytes_per_sec: u64::MAX,
+                ..FetchPolicy::default()
+            },
+            ..cache_options()
+        };
+        let p = provider_with(&config, rig.ops.clone(), options);
+        let e = create_fails(&p, &request_image(94, "slow", "slow")).await;
+        assert_eq!(e.class(), ErrorClass::Transient, "{e}");
+        let msg = e.to_string();
+        assert!(msg.contains("kvm2.images[slow]"), "{msg}");
+        assert!(msg.contains("too slow"), "{msg}");
+        assert!(!msg.contains("libvirt"), "{msg}");
+        assert_nothing_left(&rig, "too slow");
+        // The same host, the same hosts table: the link was not torn down for it.
+        let inst = p.create(&request_image(95, "fast", "base")).await.unwrap();
+        assert_eq!(inst.state, InstanceState::Running);
+        p.delete(&inst.id).await.unwrap();
+        rig.hosts.close().await;
+    });
+}

@@ -18,12 +18,13 @@ use egress_operator::api::proxy::ProxySpec;
 use egress_operator::config::{self, ValidConfig};
 use egress_operator::error::ErrorClass;
 use egress_operator::instance::{
-    InstanceIdentity, MetadataMark, image_marker_name, image_volume_name,
+    InstanceIdentity, MetadataMark, image_heartbeat_name, image_marker_name, image_takeover_name,
+    image_volume_name,
 };
 use egress_operator::provider::health::HealthBoard;
 use egress_operator::provider::kvm2::backend::{Kvm2Options, Kvm2Provider};
 use egress_operator::provider::kvm2::fake::{FAULT_POINTS, FakeOps, FaultyOps, Hooked, OpHook};
-use egress_operator::provider::kvm2::image::{ImageCacheOptions, ImageMetrics};
+use egress_operator::provider::kvm2::image::{ImageCacheOptions, ImageMetrics, qcow2};
 use egress_operator::provider::kvm2::ops::{Created, HostOps, OpsError, UploadChunks};
 use egress_operator::provider::{
     BoxFuture, CreateRequest, InstanceId, InstanceState, Provider, ProviderError, ProxyRef,
@@ -64,9 +65,19 @@ fn run<F: Future>(f: F) -> F::Output {
     })
 }
 
-/// The image the server sends: a few KB, not all alike.
+/// Virtual size of the test image: below the machine type's 1 GiB disk.
+const VIRTUAL_SIZE: u64 = 512 << 20;
+
+/// The image the server sends: a qcow2 header of [`VIRTUAL_SIZE`], then a few KB not all
+/// alike.
 fn image_bytes() -> Arc<Vec<u8>> {
-    Arc::new((0..6000u32).map(|i| (i * 7 % 251) as u8).collect())
+    qcow2_bytes(VIRTUAL_SIZE)
+}
+
+fn qcow2_bytes(virtual_size: u64) -> Arc<Vec<u8>> {
+    let mut b = qcow2::test_header(3, virtual_size, 512);
+    b.extend((0..5500u32).map(|i| (i * 7 % 251) as u8));
+    Arc::new(b)
 }
 
 /// How a test's world is set up.
@@ -759,13 +770,16 @@ fn stale_staging_volume_is_taken_over() {
     });
 }
 
+/// Another replica's live upload on a pool that shows no growth (LVM, RBD: the volume's
+/// allocation says nothing): its heartbeat record changes faster than the stale window,
+/// so the Create waits for it and uses its commit instead of taking it over.
 #[test]
-fn growing_staging_volume_is_waited_for_not_taken_over() {
+fn a_live_upload_is_waited_for_even_when_its_volume_does_not_grow() {
     let env = Env::new();
     run(async {
         let data = image_volume_name(&env.sha);
+        let beat = image_heartbeat_name(&env.sha);
         env.fake.put_volume("h1", &data, &env.bytes[..10]);
-        // Another replica's live upload: grows faster than STALE_AFTER, then commits.
         let (fake, bytes, marker) = (
             env.fake.clone(),
             env.bytes.clone(),
@@ -774,12 +788,14 @@ fn growing_staging_volume_is_waited_for_not_taken_over() {
         let other = tokio::spawn({
             let data = data.clone();
             async move {
-                for i in 1..=15 {
+                // Four stale windows of beats; the volume never changes meanwhile.
+                for i in 1..=24 {
                     tokio::time::sleep(Duration::from_millis(50)).await;
-                    fake.put_volume("h1", &data, &bytes[..i * 100]);
+                    fake.put_volume("h1", &beat, format!("beat {i}").as_bytes());
                 }
                 fake.put_volume("h1", &data, &bytes);
                 fake.put_volume("h1", &marker, b"");
+                assert!(fake.delete_volume("h1", "default", &beat).await.unwrap());
             }
         });
         let u = uid(0x62);
@@ -1230,6 +1246,9 @@ struct HostSide {
     /// For every marker this view committed: whether the data volume then held exactly the
     /// verified image.
     commits: Mutex<Vec<bool>>,
+    /// For every heartbeat read (a waiter watching another's upload): whether the
+    /// takeover claim existed then.
+    claim_while_watching: Mutex<Vec<bool>>,
 }
 
 impl HostSide {
@@ -1252,6 +1271,10 @@ struct ReplicaView {
     side: Arc<HostSide>,
     pause_delete: Option<Arc<Pause>>,
     pause_upload: Option<Arc<Pause>>,
+    /// Pauses the first create of this volume.
+    pause_create: Option<Arc<Pause>>,
+    /// After the upload pause, fail the upload (the stream broke) instead of finishing it.
+    fail_upload: bool,
     /// (marker, data, verified bytes).
     image: (String, String, Arc<Vec<u8>>),
 }
@@ -1267,12 +1290,19 @@ impl OpHook for ReplicaView {
     fn before<'a>(
         &'a self,
         op: &'static str,
-        _host: &'a str,
+        host: &'a str,
         target: Option<&'a str>,
     ) -> BoxFuture<'a, Result<(), OpsError>> {
         Box::pin(async move {
-            if let ("volume-delete", Some(name)) = (op, target) {
-                Pause::maybe(&self.pause_delete, name).await;
+            match (op, target) {
+                ("volume-delete", Some(name)) => Pause::maybe(&self.pause_delete, name).await,
+                ("volume-create", Some(name)) => Pause::maybe(&self.pause_create, name).await,
+                ("volume-read", Some(_)) => {
+                    let claim = self.image.1.replace("-image-", "-imgtk-");
+                    let held = self.inner.volumes(host).contains(&claim);
+                    self.side.claim_while_watching.lock().unwrap().push(held);
+                }
+                _ => {}
             }
             Ok(())
         })
@@ -1310,7 +1340,9 @@ impl OpHook for ReplicaView {
                 all.push(c);
             }
             Pause::maybe(&self.pause_upload, name).await;
-            if self.side.generation(name) != opened {
+            if self.fail_upload {
+                all.push(Err("the stream broke".into()));
+            } else if self.side.generation(name) != opened {
                 // The opened volume was deleted: the bytes went to an unlinked file.
                 return None;
             }
@@ -1335,6 +1367,8 @@ fn replica_view_commits_verified_content_without_a_race() {
             side: side.clone(),
             pause_delete: None,
             pause_upload: None,
+            pause_create: None,
+            fail_upload: false,
             image: (
                 image_marker_name(&env.sha),
                 image_volume_name(&env.sha),
@@ -1359,12 +1393,15 @@ fn replica_view_commits_verified_content_without_a_race() {
 /// for replica 2's volume, which is still empty, and replica 1's VM gets an overlay over
 /// it (invariant 4: a base volume is used only after its content was verified).
 ///
-/// With the takeover claim, this interleaving needs replica 2 to stay paused between its
-/// claim and its delete for more than two stale windows, which the protocol treats as
-/// dead (see the protocol notes in operator/src/provider/kvm2/image/mod.rs). Closing that
-/// needs a fencing token kept in the claim; until then this reproduces the limit.
+/// The protocol closes this with the owner token in the heartbeat: replica 1 (the second
+/// taker) writes its token before it deletes anything, replica 2's late delete still lands
+/// (nothing can fence a call already in flight), but replica 2 then creates the volume
+/// afresh and writes its own token, so replica 1 finds another owner at commit and does not
+/// commit. Replica 2, frozen in its upload past a stale window, is taken over in turn by
+/// replica 1, whose second upload commits; replica 2 finds its upload superseded. Both
+/// Creates succeed over the one verified image. Before the heartbeat, replica 1 committed
+/// a marker over replica 2's empty volume.
 #[test]
-#[ignore = "known limit: a taker paused for over two stale windows between claim and delete (image.rs protocol notes)"]
 fn racing_takeovers_never_commit_an_unwritten_image() {
     let env = Env::new();
     run(async {
@@ -1380,6 +1417,8 @@ fn racing_takeovers_never_commit_an_unwritten_image() {
             side: side.clone(),
             pause_delete,
             pause_upload,
+            pause_create: None,
+            fail_upload: false,
             image: (marker.clone(), data.clone(), env.bytes.clone()),
         };
         let p1 = Arc::new(provider(&env.config, view(None, Some(pause_upload1)).ops()));
@@ -1410,6 +1449,257 @@ fn racing_takeovers_never_commit_an_unwritten_image() {
             "a marker was committed over a data volume that did not hold the verified image \
              (commits: {commits:?}; replica 1: {r1:?}; replica 2: {r2:?})"
         );
+        assert_eq!(commits.len(), 1, "one commit: {commits:?}");
+        assert!(
+            r1.is_ok() && r2.is_ok(),
+            "replica 1: {r1:?}; replica 2: {r2:?}"
+        );
+        assert_eq!(env.fake.volume_data("h1", &data).unwrap(), *env.bytes);
+        assert_eq!(env.volumes("h1"), env.expected(&[&a, &b]));
+    });
+}
+
+/// A replica's view for the tests below: no pauses unless set.
+fn view(env: &Env, side: &Arc<HostSide>) -> ReplicaView {
+    ReplicaView {
+        inner: env.fake.clone(),
+        side: side.clone(),
+        pause_delete: None,
+        pause_upload: None,
+        pause_create: None,
+        fail_upload: false,
+        image: (
+            image_marker_name(&env.sha),
+            image_volume_name(&env.sha),
+            env.bytes.clone(),
+        ),
+    }
+}
+
+/// Polls `cond` until it holds (a hang guard, not a timing assertion).
+async fn until(what: &str, cond: impl Fn() -> bool) {
+    for _ in 0..2500 {
+        if cond() {
+            return;
+        }
+        tokio::time::sleep(Duration::from_millis(2)).await;
+    }
+    panic!("never happened: {what}");
+}
+
+/// A taker (claim held, dead volume deleted) loses the data volume's create to a fresh
+/// uploader. It releases its claim at once and waits for the fresh upload, which commits:
+/// both Creates succeed on one download. Before, the taker kept its claim while it waited
+/// and the fresh uploader, finding the claim at commit, took itself for taken over and
+/// failed.
+#[test]
+fn a_taker_that_loses_the_data_volume_releases_its_claim() {
+    let env = Env::new();
+    run(async {
+        let (data, claim) = (image_volume_name(&env.sha), image_takeover_name(&env.sha));
+        env.fake.put_volume("h1", &data, &env.bytes[..100]);
+        let side = Arc::new(HostSide::default());
+        let (pause_create, at_create, go_create) = Pause::new(&data);
+        let taker = provider(
+            &env.config,
+            ReplicaView {
+                pause_create: Some(pause_create),
+                ..view(&env, &side)
+            }
+            .ops(),
+        );
+        let (pause_upload, at_upload, go_upload) = Pause::new(&data);
+        let fresh = provider(
+            &env.config,
+            ReplicaView {
+                pause_upload: Some(pause_upload),
+                ..view(&env, &side)
+            }
+            .ops(),
+        );
+        let (a, b) = (uid(0xe1), uid(0xe2));
+        let t_taker = tokio::spawn({
+            let a = a.clone();
+            async move { taker.create(&request(&a, "a", Some("h1"))).await }
+        });
+        at_create.notified().await; // claimed, dead volume deleted, about to create it
+        assert!(env.volumes("h1").contains(&claim));
+        assert!(!env.volumes("h1").contains(&data));
+        let t_fresh = tokio::spawn({
+            let b = b.clone();
+            async move { fresh.create(&request(&b, "b", Some("h1"))).await }
+        });
+        at_upload.notified().await; // the fresh uploader streamed, not yet finished
+        let watched_before = side.claim_while_watching.lock().unwrap().len();
+        go_create.notify_one(); // the taker's create finds the fresh volume
+        until("the taker watches the fresh upload", || {
+            side.claim_while_watching.lock().unwrap().len() > watched_before
+        })
+        .await;
+        go_upload.notify_one();
+        let (ra, rb) = (t_taker.await.unwrap(), t_fresh.await.unwrap());
+        assert!(ra.is_ok() && rb.is_ok(), "taker: {ra:?}; fresh: {rb:?}");
+        let watched = side.claim_while_watching.lock().unwrap().clone();
+        assert!(
+            !watched[watched_before..].iter().any(|held| *held),
+            "the taker kept its claim while it waited: {watched:?}"
+        );
+        assert_eq!(*side.commits.lock().unwrap(), [true]);
+        assert_eq!(env.hits(), 1, "one download");
+        assert_eq!(env.volumes("h1"), env.expected(&[&a, &b]));
+    });
+}
+
+/// An uploader stalls (its heartbeat stops), a waiter takes over and commits; then the
+/// stalled uploader's stream fails. It must not clean up: the volume it would delete is
+/// the committed image now. Before, it deleted it (the taker had released its claim, the
+/// only thing the late uploader looked at).
+#[test]
+fn a_late_failing_uploader_never_deletes_the_committed_image() {
+    let env = Env::new();
+    run(async {
+        let (data, marker) = (image_volume_name(&env.sha), image_marker_name(&env.sha));
+        let side = Arc::new(HostSide::default());
+        let (pause_upload, at_upload, go_upload) = Pause::new(&data);
+        let late = provider(
+            &env.config,
+            ReplicaView {
+                pause_upload: Some(pause_upload),
+                fail_upload: true,
+                ..view(&env, &side)
+            }
+            .ops(),
+        );
+        let (a, b) = (uid(0xe3), uid(0xe4));
+        let t_late = tokio::spawn({
+            let a = a.clone();
+            async move { late.create(&request(&a, "a", Some("h1"))).await }
+        });
+        at_upload.notified().await; // streamed, then frozen before finishing
+        // A second replica judges it dead, takes over, commits and runs its VM.
+        env.provider()
+            .create(&request(&b, "b", Some("h1")))
+            .await
+            .unwrap();
+        assert!(env.volumes("h1").contains(&marker));
+        go_upload.notify_one(); // the frozen upload wakes up and fails
+        let r = t_late.await.unwrap();
+        assert!(r.is_err(), "the broken upload reported success: {r:?}");
+        assert_eq!(
+            env.fake.volume_data("h1", &data).as_deref(),
+            Some(env.bytes.as_slice()),
+            "the committed image was deleted or changed by the late uploader"
+        );
+        assert_eq!(env.volumes("h1"), env.expected(&[&b]));
+    });
+}
+
+// Overlay size and the image's virtual size. --------------------------------------------
+
+/// The root overlay's capacity in the fake (parsed from the volume XML).
+async fn capacity_of(env: &Env, name: &str) -> u64 {
+    env.fake
+        .volume("h1", "default", name)
+        .await
+        .unwrap()
+        .unwrap_or_else(|| panic!("no volume {name}"))
+        .capacity
+}
+
+/// The marker records the qcow2 header's virtual size; the overlay is the machine type's
+/// disk (1 GiB), not the base volume's file size (a few KB).
+#[test]
+fn the_marker_records_the_virtual_size_and_the_overlay_is_the_requested_disk() {
+    let env = Env::new();
+    run(async {
+        let u = uid(0xe5);
+        env.provider()
+            .create(&request(&u, "p", Some("h1")))
+            .await
+            .unwrap();
+        assert_eq!(
+            capacity_of(&env, &image_marker_name(&env.sha)).await,
+            VIRTUAL_SIZE
+        );
+        assert_eq!(capacity_of(&env, &identity(&u).root_volume).await, 1 << 30);
+    });
+}
+
+/// An image whose virtual size (3 GiB) exceeds the machine type's disk (1 GiB): refused,
+/// permanently, naming both sizes, and no overlay is left. A second Create (a restarted
+/// operator: a fresh provider) finds the size in the marker and refuses without
+/// downloading.
+#[test]
+fn a_machine_type_smaller_than_the_image_is_refused_naming_both_sizes() {
+    let mut env = Env::new();
+    let big = qcow2_bytes(3 << 30);
+    env.http = HttpServer::start(vec![("/img".to_string(), Route::Body(big.clone()))]).unwrap();
+    env.sha = sha256_hex(&big);
+    env.config = test_config(&env.http.url("/img"), &env.sha, 32);
+    run(async {
+        for n in [0xe6, 0xe7] {
+            let r = env
+                .provider()
+                .create(&request(&uid(n), "p", Some("h1")))
+                .await;
+            assert_eq!(class_of(&r), ErrorClass::Permanent, "{r:?}");
+            let text = shown(&r.unwrap_err());
+            for part in ["\"small\"", "(1 GiB)", "3221225472", "(3 GiB)"] {
+                assert!(text.contains(part), "{part}: {text}");
+            }
+            assert_eq!(
+                env.volumes("h1"),
+                env.base(),
+                "only the cached image is left"
+            );
+            assert!(env.domains("h1").is_empty());
+        }
+        assert_eq!(
+            env.hits(),
+            1,
+            "the second Create read the size from the marker"
+        );
+    });
+}
+
+/// A marker written before the virtual size was recorded (capacity 0): the overlay falls
+/// back to the base volume's size as floor, as before, and the Create succeeds.
+#[test]
+fn a_marker_without_a_recorded_size_falls_back_to_the_base_size() {
+    let env = Env::new();
+    run(async {
+        env.fake
+            .put_volume("h1", &image_volume_name(&env.sha), &env.bytes);
+        env.fake.put_volume("h1", &image_marker_name(&env.sha), b"");
+        let u = uid(0xe8);
+        env.provider()
+            .create(&request(&u, "p", Some("h1")))
+            .await
+            .unwrap();
+        assert_eq!(env.hits(), 0);
+        assert_eq!(capacity_of(&env, &identity(&u).root_volume).await, 1 << 30);
+    });
+}
+
+/// An image configured as qcow2 whose content is something else: a permanent error that
+/// says so, and nothing is kept (not even the verified bytes: they are not a usable base).
+#[test]
+fn an_image_that_is_not_qcow2_is_refused_and_not_kept() {
+    let mut env = Env::new();
+    let raw: Arc<Vec<u8>> = Arc::new(vec![0x55; 4096]);
+    env.http = HttpServer::start(vec![("/img".to_string(), Route::Body(raw.clone()))]).unwrap();
+    env.sha = sha256_hex(&raw);
+    env.config = test_config(&env.http.url("/img"), &env.sha, 32);
+    run(async {
+        let r = env
+            .provider()
+            .create(&request(&uid(0xe9), "p", Some("h1")))
+            .await;
+        assert_eq!(class_of(&r), ErrorClass::Permanent, "{r:?}");
+        let text = shown(&r.unwrap_err());
+        assert!(text.contains("configured as qcow2"), "{text}");
+        assert!(text.contains("qcow2 magic"), "{text}");
+        assert!(env.volumes("h1").is_empty(), "{:?}", env.volumes("h1"));
     });
 }
 

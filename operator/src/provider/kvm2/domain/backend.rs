@@ -775,10 +775,18 @@ impl Kvm2Provider {
                     base.volume
                 ))
             })?;
-        let capacity = inputs.machine_type.disk_gib.saturating_mul(1 << 30);
+        // At least the image's virtual size; a machine type asking for less is refused.
+        let capacity = crate::provider::kvm2::image::overlay_capacity(
+            &inputs.image,
+            &inputs.machine_type.name,
+            &base,
+            inputs.machine_type.disk_gib.saturating_mul(1 << 30),
+            base_info.capacity,
+        )
+        .map_err(ImageError::from)?;
         let overlay = volume::overlay_volume_xml(
             &identity.root_volume,
-            capacity.max(base_info.capacity),
+            capacity,
             &base_info.path,
             base.format,
         );

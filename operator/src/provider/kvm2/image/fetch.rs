@@ -55,6 +55,13 @@ pub struct FetchPolicy {
     pub idle_timeout: Duration,
     /// Size cap when the image sets no `maxSizeMiB`.
     pub default_max_bytes: u64,
+    /// Floor of the whole download's deadline (request to last byte); large images get
+    /// more (see [`download_deadline`]). A server that trickles bytes just often enough
+    /// to beat `idle_timeout` fails this Create with [`FetchError::TooSlow`] instead of
+    /// holding it (and the upload it feeds) without bound.
+    pub min_download_deadline: Duration,
+    /// The slowest average rate a download may have once past the floor.
+    pub min_bytes_per_sec: u64,
     /// Extra trusted roots (PEM), on top of the built-in Mozilla set. For tests.
     pub extra_root_pem: Option<Vec<u8>>,
     /// Addresses accepted even without `allowPrivateAddresses`, so that a test server on
@@ -70,10 +77,19 @@ impl Default for FetchPolicy {
             connect_timeout: Duration::from_secs(30),
             idle_timeout: Duration::from_secs(60),
             default_max_bytes: 8 * 1024 * MIB,
+            min_download_deadline: Duration::from_secs(10 * 60),
+            min_bytes_per_sec: MIB,
             extra_root_pem: None,
             exempt_addresses: Vec::new(),
         }
     }
+}
+
+/// Deadline of a whole download of `size` bytes under `policy`: the floor, or `size` at
+/// the minimum rate, whichever is longer.
+pub fn download_deadline(policy: &FetchPolicy, size: u64) -> Duration {
+    let secs = size / policy.min_bytes_per_sec.max(1);
+    policy.min_download_deadline.max(Duration::from_secs(secs))
 }
 
 /// The result of a complete, verified download.
@@ -583,6 +599,25 @@ pub enum FetchError {
         /// The deadline that passed.
         after: Duration,
     },
+    /// The download kept going but not fast enough: it did not finish within its
+    /// deadline ([`download_deadline`]). Only this download fails; the host and its link
+    /// are not at fault.
+    #[error("kvm2.images[{image}]: download from {url} too slow: {received} of {} bytes \
+        after {}, the deadline for this image",
+        expected.map(|e| e.to_string()).unwrap_or_else(|| "?".into()),
+        humantime::format_duration(*after))]
+    TooSlow {
+        /// Image name.
+        image: String,
+        /// The URL, redacted.
+        url: String,
+        /// Bytes received when the deadline passed.
+        received: u64,
+        /// Content-Length, if given.
+        expected: Option<u64>,
+        /// The deadline that passed.
+        after: Duration,
+    },
     /// The body ended with an error before it was complete.
     #[error("kvm2.images[{image}]: body from {url} ended after {received} bytes{}: {detail}",
         expected.map(|e| format!(" of {e}")).unwrap_or_default())]
@@ -687,6 +722,7 @@ impl Classified for FetchError {
             },
             FetchError::Connect { .. }
             | FetchError::Timeout { .. }
+            | FetchError::TooSlow { .. }
             | FetchError::Truncated { .. }
             | FetchError::LengthMismatch { .. }
             | FetchError::Transport { .. } => ErrorClass::Transient,
@@ -745,6 +781,8 @@ pub struct ImageDownload {
     content_length: Option<u64>,
     max_bytes: u64,
     idle_timeout: Duration,
+    /// When the whole download must have ended, and how long that was from its start.
+    deadline: (tokio::time::Instant, Duration),
     ended: bool,
 }
 
@@ -853,6 +891,7 @@ fn build_client(
 /// Starts downloading `image`: checks the URL, connects, follows allowed redirects and
 /// accepts the response headers (status 200, Content-Length within the cap).
 pub async fn open(image: &ImageConfig, policy: &FetchPolicy) -> Result<ImageDownload, FetchError> {
+    let started = tokio::time::Instant::now();
     let name = image.name.clone();
     let url = Url::parse(&image.url).map_err(|e| FetchError::InvalidUrl {
         image: name.clone(),
@@ -901,7 +940,10 @@ pub async fn open(image: &ImageConfig, policy: &FetchPolicy) -> Result<ImageDown
             declared: true,
         });
     }
+    // Counted from the request: connecting and waiting for headers use it up too.
+    let allowed = download_deadline(policy, content_length.unwrap_or(max_bytes));
     Ok(ImageDownload {
+        deadline: (started + allowed, allowed),
         image: name,
         expected_sha256: image.sha256.clone(),
         url: final_url,
@@ -995,7 +1037,10 @@ impl ImageDownload {
                 Err(self.misuse("was used after it failed"))
             };
         };
-        let chunk = match tokio::time::timeout(self.idle_timeout, response.chunk()).await {
+        let (deadline, allowed) = self.deadline;
+        let left = deadline.saturating_duration_since(tokio::time::Instant::now());
+        let wait = self.idle_timeout.min(left);
+        let chunk = match tokio::time::timeout(wait, response.chunk()).await {
             Ok(Ok(Some(chunk))) => chunk,
             Ok(Ok(None)) => {
                 self.response = None;
@@ -1005,6 +1050,16 @@ impl ImageDownload {
             Ok(Err(e)) => {
                 self.response = None;
                 return Err(self.body_error(e));
+            }
+            Err(_elapsed) if left <= self.idle_timeout => {
+                self.response = None;
+                return Err(FetchError::TooSlow {
+                    image: self.image.clone(),
+                    url: self.url.clone(),
+                    received: self.received,
+                    expected: self.content_length,
+                    after: allowed,
+                });
             }
             Err(_elapsed) => {
                 self.response = None;
@@ -1288,6 +1343,15 @@ mod tests {
                 std::thread::sleep(Duration::from_secs(2));
                 Ok(())
             }),
+            // Never idle for long, never done soon: 100 bytes every 50 ms.
+            "/trickle" => ok_head(s, Some(OK_LEN as u64)).and_then(|()| {
+                for _ in 0..100 {
+                    s.write_all(&[7u8; 100])?;
+                    s.flush()?;
+                    std::thread::sleep(Duration::from_millis(50));
+                }
+                Ok(())
+            }),
             "/to-metadata" => redirect(s, "http://169.254.169.254/latest/meta-data/"),
             "/to-private" => redirect(s, "http://10.0.0.1/image.qcow2"),
             "/to-mapped-private" => redirect(s, "http://[::ffff:10.0.0.1]/image.qcow2"),
@@ -1536,6 +1600,7 @@ mod tests {
             content_length: Some(10),
             max_bytes: 100,
             idle_timeout: Duration::from_secs(1),
+            deadline: (tokio::time::Instant::now(), Duration::from_secs(1)),
             ended: true,
         };
         let err = d.finish().unwrap_err();
@@ -1758,6 +1823,50 @@ mod tests {
             );
             assert_eq!(err.class(), class, "{err}");
         }
+    }
+
+    /// A body that keeps arriving, never idle for the idle timeout, but too slowly to end
+    /// within the download's deadline: `TooSlow`, transient, naming the bytes received,
+    /// not an idle timeout.
+    #[tokio::test]
+    async fn a_trickling_body_fails_at_the_download_deadline() {
+        let srv = Server::start(None);
+        let pol = FetchPolicy {
+            idle_timeout: Duration::from_secs(5),
+            min_download_deadline: Duration::from_millis(400),
+            min_bytes_per_sec: u64::MAX,
+            ..policy()
+        };
+        let mut d = open(&image(&srv.url("/trickle")), &pol).await.unwrap();
+        let err = loop {
+            match d.next_chunk().await {
+                Ok(Some(_)) => {}
+                Ok(None) => panic!("the trickle ended before the deadline"),
+                Err(e) => break e,
+            }
+        };
+        assert!(
+            matches!(&err, FetchError::TooSlow { received, expected: Some(e), after, .. }
+                if *received > 0 && *received < *e && *after == Duration::from_millis(400)),
+            "{err:?}"
+        );
+        assert_eq!(err.class(), ErrorClass::Transient);
+        assert!(err.to_string().contains("too slow"), "{err}");
+    }
+
+    #[test]
+    fn download_deadline_grows_with_size_above_the_floor() {
+        let pol = FetchPolicy::default();
+        assert_eq!(download_deadline(&pol, 0), Duration::from_secs(600));
+        assert_eq!(
+            download_deadline(&pol, 4096 * MIB),
+            Duration::from_secs(4096)
+        );
+        let zero_rate = FetchPolicy {
+            min_bytes_per_sec: 0,
+            ..FetchPolicy::default()
+        };
+        assert_eq!(download_deadline(&zero_rate, 10), Duration::from_secs(600));
     }
 
     #[tokio::test]

@@ -1,45 +1,71 @@
 //! The base image cache: one verified volume per image per host.
 //!
-//! ## Commit protocol (rename-free, marker volume)
+//! ## Commit protocol (rename-free: exclusive creates, a heartbeat with an owner token)
 //!
 //! libvirt cannot rename a volume, but it refuses to create a volume whose name is taken.
-//! That exclusive create is the only primitive the protocol needs:
+//! That exclusive create is the only atomic primitive the protocol needs; everything else
+//! is judged from a small record the owner of an upload writes.
 //!
 //! - **Data volume** `egress-image-<48 hex of sha256>`: whoever creates it (empty, before
-//!   opening the download, so a losing replica never downloads) is the one uploader. It
-//!   sizes it from the Content-Length and streams the download into it while hashing.
-//! - **Marker volume** `egress-imgok-<48 hex>` (empty): created only after the hash of
-//!   everything written matched the config's sha256. *A data volume is used only when its
-//!   marker exists* (invariant 4), so a half-written or unverified volume is never a base.
-//! - Hash mismatch, truncated or failed download, failed upload: the uploader deletes the
-//!   data volume before returning the error.
+//!   opening the download, so a losing replica never downloads) is the uploader. It sizes
+//!   it from the Content-Length and streams the download into it while hashing.
+//! - **Heartbeat** `egress-imghb-<48 hex>`: one 512-byte record, *token + beat count*,
+//!   written by the owner of the upload: right after it created the data volume (or took
+//!   it over), then every quarter of [`ImageCacheOptions::stale_after`] while bytes move.
+//!   The token (random per Create) names the owner; the beat shows it is alive. Waiters
+//!   judge an upload dead when this record has not changed for `stale_after`, never by the
+//!   data volume's allocation (LVM and RBD pools do not show it grow).
+//! - **Marker volume** `egress-imgok-<48 hex>` (empty, sparse): created only after the
+//!   hash of everything written matched the config's sha256. *A data volume is used only
+//!   when its marker exists* (invariant 4). Its capacity records the image's virtual size
+//!   (read from the qcow2 header while downloading), so every later Create sizes its
+//!   overlay from it without reading the image; a marker from before this record (capacity
+//!   0) falls back to the data volume's size.
+//! - **Takeover claim** `egress-imgtk-<48 hex>` (empty, exclusive): a waiter that judged
+//!   the upload dead creates it first, so one taker at a time deletes the dead volume.
+//!   It writes its own token into the heartbeat *before* it deletes anything, deletes the
+//!   data volume and uploads as above; then removes the claim. A taker that loses the
+//!   data volume's create to a fresh uploader releases its claim at once and waits. A
+//!   claim whose holder's heartbeat stays unchanged for another stale window is removed.
+//!
+//! The token is the fence. Every owner re-reads the heartbeat before each beat and before
+//! it commits: another token means it was judged dead and taken over, so it stops, and
+//! neither commits nor deletes anything (the volume is the new owner's). A failing
+//! uploader deletes the data volume only while the heartbeat still carries its token and
+//! no marker exists, so a late failing uploader never deletes a committed image. Before
+//! committing, the owner also checks that the data volume is still there at its size: a
+//! late taker's delete that was already in flight when it was fenced may have removed it,
+//! and then the upload is done again instead of committing a marker over nothing.
+//!
+//! What remains assumed: no participant stays frozen *inside* one step, after its last
+//! check and before its libvirt call lands, for longer than the stale window (10 minutes
+//! by default; each step is one call with a far shorter deadline). libvirt volumes have no
+//! compare-and-swap, so a check and the act it guards cannot be one operation.
 //!
 //! Racing Creates in one process take a keyed lock per host + image first, so one
-//! uploads and the others find the marker. Racing *replicas* meet at the exclusive create:
-//! the loser sees a data volume without marker and waits, polling, until the marker
-//! appears. If the data volume stops growing for [`ImageCacheOptions::stale_after`] its
-//! uploader is taken to be dead (a live uploader never stalls that long: its own download
-//! idle timeout and upload deadline are far shorter). A waiter takes over only after it
-//! created the **takeover claim** `egress-imgtk-<48 hex>` (exclusive, so one taker), then
-//! deletes the dead volume and uploads as above, and deletes the claim when done. An
-//! uploader that did not take over and finds a claim when it is about to commit has been
-//! taken over: it neither commits nor deletes the volume (it is the taker's now). A claim
-//! whose taker also went silent for the stale window is removed. A marker whose data
-//! volume is gone is deleted and the image cached again.
+//! uploads and the others find the marker. Racing *replicas* meet at the exclusive create
+//! and the heartbeat, as above. A marker whose data volume is gone is deleted and the
+//! image cached again.
 //!
-//! The protocol assumes that no participant pauses for longer than the stale window
-//! between two of its own steps (10 minutes by default; every step is one libvirt call
-//! with a deadline far shorter). A process frozen longer than that, between taking the
-//! claim and deleting, can still delete a later taker's volume; closing that needs a
-//! fencing token stored in the claim, which libvirt volumes make costly (a stream read per
-//! check).
+//! ## Deadlines
+//!
+//! The download has its own deadline ([`fetch::download_deadline`]: a floor, or the image
+//! at a minimum rate) besides its idle timeout; a download that misses it fails this
+//! Create with a typed, transient [`fetch::FetchError::TooSlow`] and aborts the upload
+//! stream, which is not a link failure. The libvirt upload's deadline is the download's
+//! plus its own ([`upload_deadline`]), so however long the download takes within its
+//! deadline, the upload still has its own whole deadline after the last byte: waiting on
+//! the HTTP server never eats into it.
 //!
 //! Memory stays flat: chunks go from the HTTP body through a small bounded channel into a
 //! libvirt stream on a blocking thread, never into a buffer of the image's size.
 
 pub mod fetch;
+pub mod qcow2;
 
+use std::hash::{BuildHasher, Hasher};
 use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::{Duration, Instant};
 
 use prometheus_client::encoding::EncodeLabelSet;
@@ -54,13 +80,20 @@ use super::locks::KeyedLocks;
 use super::ops::{Created, HostOps, OpsError};
 use crate::config::{HostConfig, ImageConfig, ImageFormat};
 use crate::error::{Classified, ErrorClass};
-use crate::instance::{image_marker_name, image_takeover_name, image_volume_name};
+use crate::instance::{
+    image_heartbeat_name, image_marker_name, image_takeover_name, image_volume_name,
+};
 
 /// Chunks buffered between the download and the upload: with ~64 KiB chunks, about
 /// 1 MiB in flight whatever the image size.
 const CHANNEL_CHUNKS: usize = 16;
 /// Progress is logged at most this often.
 const LOG_EVERY: Duration = Duration::from_secs(5);
+
+/// Size of the heartbeat record: one sector, which every pool backend can write.
+const HEARTBEAT_LEN: usize = 512;
+/// First line of a heartbeat record.
+const HEARTBEAT_MAGIC: &str = "egress-image-heartbeat v1";
 
 /// A failure caching an image.
 #[derive(Debug, thiserror::Error)]
@@ -113,7 +146,21 @@ pub enum ImageError {
         /// Image name.
         image: String,
     },
-    /// Our upload was taken over by another replica (we stalled past the stale window).
+    /// The image is configured as qcow2 but its verified content has no usable qcow2
+    /// header: the config's `format` is wrong for this file.
+    #[error("image {image:?} is configured as qcow2, but {source}")]
+    NotQcow2 {
+        /// Image name.
+        image: String,
+        /// What is wrong with the header.
+        #[source]
+        source: qcow2::HeaderError,
+    },
+    /// The requested root disk is smaller than the disk inside the image.
+    #[error(transparent)]
+    DiskTooSmall(#[from] DiskTooSmall),
+    /// Our upload was taken over by another replica (we were silent past the stale
+    /// window). Internal to the cache: the Create goes back to waiting for the new owner.
     #[error("image {image:?} on host {host:?}: another replica took over this upload")]
     TakenOver {
         /// Host.
@@ -135,13 +182,41 @@ pub enum ImageError {
     },
 }
 
+/// The requested root disk is smaller than the disk inside the image: the guest would
+/// see a disk cut short of its own partitions. Permanent.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[error(
+    "machine type {machine_type:?} asks for a {requested}-byte root disk ({}), smaller than \
+     image {image:?}'s virtual size of {virtual_size} bytes ({}); use a machine type with \
+     diskGiB of at least {}",
+    gib(*requested), gib(*virtual_size), virtual_size.div_ceil(1 << 30)
+)]
+pub struct DiskTooSmall {
+    /// Image name.
+    pub image: String,
+    /// Machine type name.
+    pub machine_type: String,
+    /// Bytes the machine type asks for.
+    pub requested: u64,
+    /// The image's virtual size in bytes.
+    pub virtual_size: u64,
+}
+
+/// `N GiB` with up to two decimals, for messages.
+fn gib(bytes: u64) -> String {
+    let g = bytes as f64 / f64::from(1u32 << 30);
+    format!("{} GiB", (g * 100.0).round() / 100.0)
+}
+
 impl Classified for ImageError {
     fn class(&self) -> ErrorClass {
         match self {
             ImageError::Fetch { source, .. } => source.class(),
             ImageError::Ops { source, .. } => source.class(),
             ImageError::NoSpace { .. } => ErrorClass::Quota,
-            ImageError::UnknownSize { .. } => ErrorClass::Permanent,
+            ImageError::UnknownSize { .. }
+            | ImageError::NotQcow2 { .. }
+            | ImageError::DiskTooSmall { .. } => ErrorClass::Permanent,
             ImageError::WaitTimeout { .. } | ImageError::TakenOver { .. } => ErrorClass::Transient,
         }
     }
@@ -156,6 +231,32 @@ pub struct BaseVolume {
     pub format: ImageFormat,
     /// Whether this call uploaded it (false: it was cached).
     pub uploaded: bool,
+    /// The disk size the image holds (a qcow2's virtual size, a raw image's length), as
+    /// the commit marker records it; `None` for a marker written before that record.
+    pub virtual_size: Option<u64>,
+}
+
+/// The root overlay's capacity: the requested size, never less than the image's virtual
+/// size. A request smaller than the image is refused (permanent) rather than grown in
+/// silence: the machine type would promise a disk it does not give. Without a recorded
+/// virtual size, the base volume's own size (`base_capacity`) is the floor.
+pub fn overlay_capacity(
+    image: &ImageConfig,
+    machine_type: &str,
+    base: &BaseVolume,
+    requested: u64,
+    base_capacity: u64,
+) -> Result<u64, DiskTooSmall> {
+    match base.virtual_size {
+        Some(virtual_size) if requested < virtual_size => Err(DiskTooSmall {
+            image: image.name.clone(),
+            machine_type: machine_type.to_string(),
+            requested,
+            virtual_size,
+        }),
+        Some(virtual_size) => Ok(requested.max(virtual_size)),
+        None => Ok(requested.max(base_capacity)),
+    }
 }
 
 /// Progress of one upload, for log lines, metrics and the CLI's bar.
@@ -177,15 +278,17 @@ pub type ProgressFn = Arc<dyn Fn(&UploadProgress) + Send + Sync>;
 /// Tunables of the cache.
 #[derive(Clone)]
 pub struct ImageCacheOptions {
-    /// Download policy (timeouts, redirects, extra CA for tests).
+    /// Download policy (timeouts, deadline, redirects, extra CA for tests).
     pub fetch: FetchPolicy,
-    /// A data volume without marker that has not grown for this long is taken over.
+    /// An upload whose heartbeat record has not changed for this long is taken over. Its
+    /// owner beats four times per window while bytes move.
     pub stale_after: Duration,
     /// How often a waiter looks for the marker.
     pub poll_every: Duration,
     /// Longest wait for another uploader before a transient error.
     pub max_wait: Duration,
-    /// Floor of the upload deadline; large images get more (see [`upload_deadline`]).
+    /// Floor of the upload's own deadline; large images get more (see
+    /// [`upload_deadline`]). The libvirt call gets this *plus* the download's deadline.
     pub min_upload_deadline: Duration,
     /// Where progress goes besides logs and metrics.
     pub progress: Option<ProgressFn>,
@@ -214,10 +317,49 @@ impl Default for ImageCacheOptions {
     }
 }
 
-/// Upload deadline for `size` bytes: the floor, or 1 MiB/s, whichever is longer, so a
-/// stuck stream is abandoned but a large image on a slow link is not.
+/// The upload's own deadline for `size` bytes: the floor, or 1 MiB/s, whichever is
+/// longer, so a stuck stream is abandoned but a large image on a slow link is not.
 pub fn upload_deadline(floor: Duration, size: u64) -> Duration {
     floor.max(Duration::from_secs(size / (1024 * 1024)))
+}
+
+/// A token no other Create (in this process or another replica) will pick: the owner's
+/// name in the heartbeat. Hashed from the process's randomly keyed hasher, the process
+/// id, the time and a counter.
+fn new_token() -> String {
+    static COUNTER: AtomicU64 = AtomicU64::new(0);
+    let mut out = String::with_capacity(32);
+    for round in 0..2u64 {
+        let mut h = std::collections::hash_map::RandomState::new().build_hasher();
+        h.write_u64(round);
+        h.write_u64(COUNTER.fetch_add(1, Ordering::Relaxed));
+        h.write_u32(std::process::id());
+        let nanos = std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .map(|d| d.as_nanos())
+            .unwrap_or(0);
+        h.write_u128(nanos);
+        out.push_str(&format!("{:016x}", h.finish()));
+    }
+    out
+}
+
+/// The heartbeat record: magic, token and beat count, zero-padded to one sector.
+fn heartbeat_record(token: &str, beat: u64) -> Vec<u8> {
+    let mut r = format!("{HEARTBEAT_MAGIC}\ntoken {token}\nbeat {beat}\n").into_bytes();
+    r.resize(HEARTBEAT_LEN, 0);
+    r
+}
+
+/// The token of a heartbeat record; `None` for anything else (absent, torn, foreign).
+fn heartbeat_token(record: &[u8]) -> Option<&str> {
+    let text = record.split(|&b| b == 0).next()?;
+    let text = std::str::from_utf8(text).ok()?;
+    let mut lines = text.lines();
+    if lines.next()? != HEARTBEAT_MAGIC {
+        return None;
+    }
+    lines.next()?.strip_prefix("token ")
 }
 
 /// Labels of the image metrics.
@@ -305,12 +447,75 @@ impl std::fmt::Debug for ImageCache {
 }
 
 enum Seen {
-    Committed,
+    /// Marker and data: the marker's capacity is the recorded virtual size (0: none).
+    Committed {
+        recorded: u64,
+    },
     /// Marker without data: a broken cache entry.
     Orphan,
     /// Data without marker: someone uploading, or a dead uploader's leftovers.
-    Staging(u64),
+    Staging,
     Absent,
+}
+
+/// How an upload attempt ended, short of an error.
+enum Upload {
+    /// Verified and committed.
+    Done(BaseVolume),
+    /// Another uploader created the data volume first; it owns the upload.
+    Lost,
+    /// We no longer own the upload (taken over), or our volume vanished under us: look
+    /// again and wait for, or redo, the upload.
+    Superseded,
+}
+
+/// One Create's part in the protocol, for the calls it makes on the way.
+struct Attempt<'a> {
+    host: &'a HostConfig,
+    image: &'a ImageConfig,
+    labels: ImageLabels,
+    token: String,
+}
+
+impl Attempt<'_> {
+    fn h(&self) -> &str {
+        &self.host.name
+    }
+    fn pool(&self) -> &str {
+        &self.host.storage_pool
+    }
+    fn data(&self) -> String {
+        image_volume_name(&self.image.sha256)
+    }
+    fn marker(&self) -> String {
+        image_marker_name(&self.image.sha256)
+    }
+    fn heartbeat(&self) -> String {
+        image_heartbeat_name(&self.image.sha256)
+    }
+    fn claim(&self) -> String {
+        image_takeover_name(&self.image.sha256)
+    }
+    fn ops_err(&self, source: OpsError) -> ImageError {
+        ImageError::Ops {
+            host: self.host.name.clone(),
+            image: self.image.name.clone(),
+            source,
+        }
+    }
+    fn fetch_err(&self, source: FetchError) -> ImageError {
+        ImageError::Fetch {
+            host: self.host.name.clone(),
+            image: self.image.name.clone(),
+            source,
+        }
+    }
+    fn taken_over(&self) -> ImageError {
+        ImageError::TakenOver {
+            host: self.host.name.clone(),
+            image: self.image.name.clone(),
+        }
+    }
 }
 
 impl ImageCache {
@@ -329,32 +534,111 @@ impl ImageCache {
         &self.metrics
     }
 
-    fn ops_err(host: &HostConfig, image: &ImageConfig, source: OpsError) -> ImageError {
-        ImageError::Ops {
-            host: host.name.clone(),
-            image: image.name.clone(),
-            source,
+    async fn look(&self, a: &Attempt<'_>) -> Result<Seen, ImageError> {
+        let marker = self
+            .ops
+            .volume(a.h(), a.pool(), &a.marker())
+            .await
+            .map_err(|e| a.ops_err(e))?;
+        let data = self
+            .ops
+            .volume(a.h(), a.pool(), &a.data())
+            .await
+            .map_err(|e| a.ops_err(e))?;
+        Ok(match (marker, data) {
+            (Some(m), Some(_)) => Seen::Committed {
+                recorded: m.capacity,
+            },
+            (Some(_), None) => Seen::Orphan,
+            (None, Some(_)) => Seen::Staging,
+            (None, None) => Seen::Absent,
+        })
+    }
+
+    /// The heartbeat record as it is now (`None`: absent).
+    async fn read_heartbeat(&self, a: &Attempt<'_>) -> Result<Option<Vec<u8>>, ImageError> {
+        self.ops
+            .read_volume(a.h(), a.pool(), &a.heartbeat(), HEARTBEAT_LEN)
+            .await
+            .map_err(|e| a.ops_err(e))
+    }
+
+    /// Whether the heartbeat names us as the owner of the upload.
+    async fn owns(&self, a: &Attempt<'_>) -> Result<bool, ImageError> {
+        let record = self.read_heartbeat(a).await?;
+        Ok(record.as_deref().and_then(heartbeat_token) == Some(a.token.as_str()))
+    }
+
+    /// Writes our token and `beat` into the heartbeat, creating it if needed. Blind: only
+    /// right after an exclusive create (data volume or claim) made us the owner.
+    async fn write_heartbeat(&self, a: &Attempt<'_>, beat: u64) -> Result<(), ImageError> {
+        let name = a.heartbeat();
+        let xml = super::volume::raw_volume_xml(&name, HEARTBEAT_LEN as u64);
+        self.ops
+            .create_volume(a.h(), a.pool(), &name, xml)
+            .await
+            .map_err(|e| a.ops_err(e))?;
+        self.ops
+            .write_volume(a.h(), a.pool(), &name, heartbeat_record(&a.token, beat))
+            .await
+            .map_err(|e| a.ops_err(e))
+    }
+
+    /// One beat: `Ok(false)` when the heartbeat names another owner (we were taken over;
+    /// it is not overwritten).
+    async fn beat(&self, a: &Attempt<'_>, beat: u64) -> Result<bool, ImageError> {
+        if !self.owns(a).await? {
+            return Ok(false);
+        }
+        self.ops
+            .write_volume(
+                a.h(),
+                a.pool(),
+                &a.heartbeat(),
+                heartbeat_record(&a.token, beat),
+            )
+            .await
+            .map_err(|e| a.ops_err(e))?;
+        Ok(true)
+    }
+
+    /// Removes a volume, logging (not returning) a failure: cleanup that a later Create
+    /// or the GC redoes.
+    async fn remove(&self, a: &Attempt<'_>, name: &str, what: &str) {
+        if let Err(e) = self.ops.delete_volume(a.h(), a.pool(), name).await {
+            tracing::warn!(host = a.h(), image = %a.image.name, volume = name, error = %e,
+                "could not remove the {what}");
         }
     }
 
-    async fn look(&self, host: &HostConfig, image: &ImageConfig) -> Result<Seen, ImageError> {
-        let (h, pool) = (host.name.as_str(), host.storage_pool.as_str());
-        let marker = self
-            .ops
-            .volume(h, pool, &image_marker_name(&image.sha256))
-            .await
-            .map_err(|e| Self::ops_err(host, image, e))?;
-        let data = self
-            .ops
-            .volume(h, pool, &image_volume_name(&image.sha256))
-            .await
-            .map_err(|e| Self::ops_err(host, image, e))?;
-        Ok(match (marker, data) {
-            (Some(_), Some(_)) => Seen::Committed,
-            (Some(_), None) => Seen::Orphan,
-            (None, Some(v)) => Seen::Staging(v.allocation),
-            (None, None) => Seen::Absent,
-        })
+    /// Cleans up after our failed upload, only while it is still ours: the heartbeat
+    /// carries our token and no marker exists. A taken-over or committed image is never
+    /// touched by a late failing uploader.
+    async fn abandon(&self, a: &Attempt<'_>) {
+        match self.owns(a).await {
+            Ok(true) => {}
+            Ok(false) => {
+                tracing::info!(host = a.h(), image = %a.image.name,
+                    "upload failed after another replica took it over; leaving its volume alone");
+                return;
+            }
+            Err(e) => {
+                tracing::warn!(host = a.h(), image = %a.image.name, error = %e,
+                    "cannot tell whether the failed upload is still ours; leaving it for a taker");
+                return;
+            }
+        }
+        match self.ops.volume(a.h(), a.pool(), &a.marker()).await {
+            Ok(None) => {}
+            Ok(Some(_)) => return,
+            Err(e) => {
+                tracing::warn!(host = a.h(), image = %a.image.name, error = %e,
+                    "cannot tell whether the image was committed; leaving it for a taker");
+                return;
+            }
+        }
+        self.remove(a, &a.data(), "unverified image volume").await;
+        self.remove(a, &a.heartbeat(), "image heartbeat").await;
     }
 
     /// Makes sure `image` is cached and verified on `host`, uploading it if needed.
@@ -365,135 +649,160 @@ impl ImageCache {
     ) -> Result<BaseVolume, ImageError> {
         let key = format!("{}/{}", host.name, image.sha256);
         let _guard = self.locks.lock(&key).await;
-        let labels = ImageLabels {
-            host: host.name.clone(),
-            image: image.name.clone(),
+        let a = Attempt {
+            host,
+            image,
+            labels: ImageLabels {
+                host: host.name.clone(),
+                image: image.name.clone(),
+            },
+            token: new_token(),
         };
-        let (h, pool) = (host.name.as_str(), host.storage_pool.as_str());
-        let data_name = image_volume_name(&image.sha256);
         let started = Instant::now();
-        // The staging volume we watch: its allocation and when it last changed.
-        let mut watching: Option<(u64, Instant)> = None;
+        // The heartbeat record we watch (`None`: absent) and when it last changed.
+        let mut watching: Option<(Option<Vec<u8>>, Instant)> = None;
         // Whether we hold the takeover claim, and whether we saw someone else's claim at
         // the last stale verdict (a claim still there one stale window later is dead too).
         let mut claimed = false;
         let mut claim_seen = false;
         let result = loop {
-            let seen = match self.look(host, image).await {
+            let seen = match self.look(&a).await {
                 Ok(seen) => seen,
                 Err(e) => break Err(e),
             };
             match seen {
-                Seen::Committed => {
-                    self.metrics.hits.get_or_create(&labels).inc();
+                Seen::Committed { recorded } => {
+                    self.metrics.hits.get_or_create(&a.labels).inc();
                     break Ok(BaseVolume {
-                        volume: data_name.clone(),
+                        volume: a.data(),
                         format: image.format,
                         uploaded: false,
+                        virtual_size: (recorded > 0).then_some(recorded),
                     });
                 }
                 Seen::Orphan => {
-                    tracing::warn!(host = h, image = %image.name, "image marker without its volume; caching again");
-                    if let Err(e) = self
-                        .ops
-                        .delete_volume(h, pool, &image_marker_name(&image.sha256))
-                        .await
-                    {
-                        break Err(Self::ops_err(host, image, e));
+                    tracing::warn!(host = a.h(), image = %image.name, "image marker without its volume; caching again");
+                    if let Err(e) = self.ops.delete_volume(a.h(), a.pool(), &a.marker()).await {
+                        break Err(a.ops_err(e));
                     }
                 }
-                Seen::Staging(allocation) => {
+                Seen::Staging => {
+                    let record = match self.read_heartbeat(&a).await {
+                        Ok(r) => r,
+                        Err(e) => break Err(e),
+                    };
                     let now = Instant::now();
-                    let stale = match watching {
-                        Some((seen, since)) if seen == allocation => {
-                            now.duration_since(since) >= self.options.stale_after
+                    let stale = match &watching {
+                        Some((seen, since)) if *seen == record => {
+                            now.duration_since(*since) >= self.options.stale_after
                         }
                         _ => {
-                            watching = Some((allocation, now));
+                            watching = Some((record, now));
                             false
                         }
                     };
                     if stale {
                         watching = None;
-                        let claim = image_takeover_name(&image.sha256);
-                        let xml = super::volume::raw_volume_xml(&claim, 0);
-                        match self.ops.create_volume(h, pool, &claim, xml).await {
-                            Ok(Created::Created) => {
-                                claimed = true;
-                                tracing::warn!(host = h, image = %image.name, "staging volume stopped growing; taking over");
-                                if let Err(e) = self.ops.delete_volume(h, pool, &data_name).await {
-                                    break Err(Self::ops_err(host, image, e));
-                                }
-                            }
-                            Ok(Created::Exists) if claim_seen => {
-                                // The taker went silent too: drop its claim, try again.
-                                claim_seen = false;
-                                if let Err(e) = self.ops.delete_volume(h, pool, &claim).await {
-                                    break Err(Self::ops_err(host, image, e));
-                                }
-                            }
-                            Ok(Created::Exists) => claim_seen = true,
-                            Err(e) => break Err(Self::ops_err(host, image, e)),
+                        match self.take_over(&a, &mut claimed, &mut claim_seen).await {
+                            Ok(()) => continue,
+                            Err(e) => break Err(e),
                         }
-                        continue;
                     }
                     if started.elapsed() >= self.options.max_wait {
                         break Err(ImageError::WaitTimeout {
-                            host: h.into(),
+                            host: a.h().into(),
                             image: image.name.clone(),
                             waited: started.elapsed(),
                         });
                     }
-                    tracing::debug!(host = h, image = %image.name, "another uploader is caching the image; waiting");
+                    tracing::debug!(host = a.h(), image = %image.name, "another uploader is caching the image; waiting");
                     tokio::time::sleep(self.options.poll_every).await;
                 }
-                Seen::Absent => match self.upload(host, image, &labels, claimed).await {
-                    Ok(Some(done)) => break Ok(done),
-                    // Lost the exclusive create to another replica: wait for it.
-                    Ok(None) => {}
+                Seen::Absent => match self.upload(&a).await {
+                    Ok(Upload::Done(done)) => break Ok(done),
+                    Ok(outcome) => {
+                        // Lost the create, or superseded: someone else owns the upload
+                        // now. A claim we hold would only stand in their way.
+                        if claimed {
+                            claimed = false;
+                            self.remove(&a, &a.claim(), "takeover claim").await;
+                        }
+                        watching = None;
+                        if matches!(outcome, Upload::Superseded) {
+                            if started.elapsed() >= self.options.max_wait {
+                                break Err(ImageError::WaitTimeout {
+                                    host: a.h().into(),
+                                    image: image.name.clone(),
+                                    waited: started.elapsed(),
+                                });
+                            }
+                            tokio::time::sleep(self.options.poll_every).await;
+                        }
+                    }
                     Err(e) => break Err(e),
                 },
             }
         };
         if claimed {
-            let claim = image_takeover_name(&image.sha256);
-            if let Err(e) = self.ops.delete_volume(h, pool, &claim).await {
-                tracing::warn!(host = h, image = %image.name, error = %e, "could not remove the takeover claim; it is dropped once stale");
-            }
+            self.remove(&a, &a.claim(), "takeover claim").await;
         }
         result
     }
 
-    /// Whether another waiter holds the takeover claim (so our staging volume is theirs).
-    async fn taken_over(&self, host: &HostConfig, image: &ImageConfig) -> Result<bool, ImageError> {
-        Ok(self
-            .ops
-            .volume(
-                &host.name,
-                &host.storage_pool,
-                &image_takeover_name(&image.sha256),
-            )
+    /// The staging volume's heartbeat stayed unchanged for the stale window: take the
+    /// claim, make the heartbeat ours, delete the dead volume. Someone else's claim is
+    /// left alone the first time and removed the second (its holder went silent too).
+    async fn take_over(
+        &self,
+        a: &Attempt<'_>,
+        claimed: &mut bool,
+        claim_seen: &mut bool,
+    ) -> Result<(), ImageError> {
+        let claim = a.claim();
+        if *claimed {
+            // Ours already (a volume appeared and went silent after we took the claim).
+        } else {
+            let xml = super::volume::raw_volume_xml(&claim, 0);
+            match self
+                .ops
+                .create_volume(a.h(), a.pool(), &claim, xml)
+                .await
+                .map_err(|e| a.ops_err(e))?
+            {
+                Created::Created => {
+                    *claimed = true;
+                    *claim_seen = false;
+                }
+                Created::Exists if *claim_seen => {
+                    *claim_seen = false;
+                    tracing::warn!(host = a.h(), image = %a.image.name, "the takeover claim's holder went silent too; removing its claim");
+                    self.ops
+                        .delete_volume(a.h(), a.pool(), &claim)
+                        .await
+                        .map_err(|e| a.ops_err(e))?;
+                    return Ok(());
+                }
+                Created::Exists => {
+                    *claim_seen = true;
+                    return Ok(());
+                }
+            }
+        }
+        tracing::warn!(host = a.h(), image = %a.image.name, "the image upload's heartbeat stopped; taking over");
+        // Owner first, delete second: the old uploader, should it wake, finds another
+        // token and neither commits nor deletes.
+        self.write_heartbeat(a, 0).await?;
+        self.ops
+            .delete_volume(a.h(), a.pool(), &a.data())
             .await
-            .map_err(|e| Self::ops_err(host, image, e))?
-            .is_some())
+            .map_err(|e| a.ops_err(e))?;
+        Ok(())
     }
 
-    /// Downloads and uploads the image. `Ok(None)` when another uploader claimed the data
-    /// volume first.
-    async fn upload(
-        &self,
-        host: &HostConfig,
-        image: &ImageConfig,
-        labels: &ImageLabels,
-        claimed: bool,
-    ) -> Result<Option<BaseVolume>, ImageError> {
-        let (h, pool) = (host.name.as_str(), host.storage_pool.as_str());
-        let data_name = image_volume_name(&image.sha256);
-        let fetch_err = |source| ImageError::Fetch {
-            host: h.into(),
-            image: image.name.clone(),
-            source,
-        };
+    /// Downloads and uploads the image, and commits it if it verified and is still ours.
+    async fn upload(&self, a: &Attempt<'_>) -> Result<Upload, ImageError> {
+        let (h, pool) = (a.h(), a.pool());
+        let data_name = a.data();
         // Claim first (the exclusive create), download second: a replica that loses the
         // claim never opens the download. The volume starts empty and is sized once the
         // server has said how large the image is.
@@ -502,30 +811,36 @@ impl ImageCache {
             .ops
             .create_volume(h, pool, &data_name, xml)
             .await
-            .map_err(|e| Self::ops_err(host, image, e))?
+            .map_err(|e| a.ops_err(e))?
         {
             Created::Created => {}
-            Created::Exists => return Ok(None),
+            Created::Exists => return Ok(Upload::Lost),
+        }
+        // The upload is ours: say so before anything slow.
+        if let Err(e) = self.write_heartbeat(a, 0).await {
+            self.remove(a, &data_name, "image volume just created")
+                .await;
+            return Err(e);
         }
         let prepared = async {
-            let download = fetch::open(image, &self.options.fetch)
+            let download = fetch::open(a.image, &self.options.fetch)
                 .await
-                .map_err(fetch_err)?;
+                .map_err(|e| a.fetch_err(e))?;
             let Some(size) = download.content_length() else {
                 return Err(ImageError::UnknownSize {
-                    image: image.name.clone(),
+                    image: a.image.name.clone(),
                 });
             };
             let space = self
                 .ops
                 .pool_space(h, pool)
                 .await
-                .map_err(|e| Self::ops_err(host, image, e))?;
+                .map_err(|e| a.ops_err(e))?;
             if space.available < size {
                 return Err(ImageError::NoSpace {
                     host: h.into(),
                     pool: pool.into(),
-                    image: image.name.clone(),
+                    image: a.image.name.clone(),
                     needed: size,
                     available: space.available,
                 });
@@ -533,120 +848,154 @@ impl ImageCache {
             self.ops
                 .resize_volume(h, pool, &data_name, size)
                 .await
-                .map_err(|e| Self::ops_err(host, image, e))?;
+                .map_err(|e| a.ops_err(e))?;
             Ok((download, size))
         }
         .await;
         let (download, size) = match prepared {
             Ok(p) => p,
             Err(e) => {
-                if let Err(cleanup) = self.ops.delete_volume(h, pool, &data_name).await {
-                    tracing::warn!(host = h, image = %image.name, error = %cleanup,
-                        "could not delete the claimed image volume; the next Create takes it over once stale");
-                }
+                self.abandon(a).await;
                 return Err(e);
             }
         };
-        tracing::info!(host = h, image = %image.name, bytes = size, "uploading base image");
+        tracing::info!(host = h, image = %a.image.name, bytes = size, "uploading base image");
         // The upload is finished only when the download verified (length and sha256);
-        // otherwise the stream is aborted. Either way, on error the data volume goes.
-        let result = self.stream(host, image, labels, download, size).await;
-        // Taken over while we stalled: the volume is the taker's now; leave it alone.
-        if !claimed && self.taken_over(host, image).await? {
-            self.metrics.upload_progress.get_or_create(labels).set(0);
-            return Err(ImageError::TakenOver {
-                host: h.into(),
-                image: image.name.clone(),
-            });
-        }
-        let outcome = match result {
-            Ok(()) => {
-                let marker = super::volume::raw_volume_xml(&image_marker_name(&image.sha256), 0);
-                self.ops
-                    .create_volume(h, pool, &image_marker_name(&image.sha256), marker)
-                    .await
-                    .map(drop)
-                    .map_err(|e| Self::ops_err(host, image, e))
-            }
+        // otherwise the stream is aborted.
+        let streamed = self.stream(a, download, size).await;
+        self.metrics.upload_progress.get_or_create(&a.labels).set(0);
+        let committed = match streamed {
+            Ok(head) => self.commit(a, &head, size).await,
             Err(e) => Err(e),
         };
-        self.metrics.upload_progress.get_or_create(labels).set(0);
-        match outcome {
-            Ok(()) => {
-                self.metrics
-                    .uploads
-                    .get_or_create(&OutcomeLabels {
-                        host: h.into(),
-                        image: image.name.clone(),
-                        outcome: "ok".into(),
-                    })
-                    .inc();
-                tracing::info!(host = h, image = %image.name, bytes = size, "base image cached and verified");
-                Ok(Some(BaseVolume {
-                    volume: data_name,
-                    format: image.format,
-                    uploaded: true,
-                }))
+        match committed {
+            Ok(Upload::Done(base)) => {
+                self.count_outcome(a, "ok");
+                tracing::info!(host = h, image = %a.image.name, bytes = size, "base image cached and verified");
+                Ok(Upload::Done(base))
+            }
+            Ok(other) => Ok(other),
+            Err(ImageError::TakenOver { .. }) => {
+                tracing::warn!(host = h, image = %a.image.name,
+                    "another replica took over this upload; waiting for it instead");
+                Ok(Upload::Superseded)
             }
             Err(e) => {
-                self.metrics
-                    .uploads
-                    .get_or_create(&OutcomeLabels {
-                        host: h.into(),
-                        image: image.name.clone(),
-                        outcome: e.class().as_str().into(),
-                    })
-                    .inc();
-                if let Err(cleanup) = self.ops.delete_volume(h, pool, &data_name).await {
-                    tracing::warn!(host = h, image = %image.name, error = %cleanup,
-                        "could not delete the unverified image volume; the next Create takes it over once stale");
-                }
+                self.count_outcome(a, e.class().as_str());
+                self.abandon(a).await;
                 Err(e)
             }
         }
     }
 
-    /// Pumps the download into the upload. The producer (this task) hashes and checks as
-    /// it goes and verifies length and sha256 at the end of the body *before* it lets the
-    /// upload finish; on any failure it sends an abort, so an unverified volume is never
-    /// finished.
+    fn count_outcome(&self, a: &Attempt<'_>, outcome: &str) {
+        self.metrics
+            .uploads
+            .get_or_create(&OutcomeLabels {
+                host: a.h().into(),
+                image: a.image.name.clone(),
+                outcome: outcome.into(),
+            })
+            .inc();
+    }
+
+    /// Writes the marker for a verified upload whose first bytes are `head`, if the upload
+    /// is still ours and its volume still there at its size.
+    async fn commit(&self, a: &Attempt<'_>, head: &[u8], size: u64) -> Result<Upload, ImageError> {
+        let virtual_size = match a.image.format {
+            ImageFormat::Qcow2 => {
+                qcow2::virtual_size(head).map_err(|source| ImageError::NotQcow2 {
+                    image: a.image.name.clone(),
+                    source,
+                })?
+            }
+            ImageFormat::Raw => size,
+        };
+        if !self.owns(a).await? {
+            return Err(a.taken_over());
+        }
+        // A late taker's delete, in flight when it was fenced, may have removed our
+        // volume (and a fresh one of the name may be there, not yet sized): redo. The
+        // size test allows for a dir pool's refresh, after which libvirt reports a qcow2
+        // file's virtual size as its capacity.
+        match self
+            .ops
+            .volume(a.h(), a.pool(), &a.data())
+            .await
+            .map_err(|e| a.ops_err(e))?
+        {
+            Some(v) if v.capacity >= size.min(virtual_size) => {}
+            _ => {
+                tracing::warn!(host = a.h(), image = %a.image.name,
+                    "the image volume was replaced while we uploaded; not committing");
+                return Ok(Upload::Superseded);
+            }
+        }
+        // Sparse: the capacity records the virtual size, nothing is allocated.
+        let marker = a.marker();
+        let xml = super::volume::raw_volume_xml(&marker, virtual_size);
+        self.ops
+            .create_volume(a.h(), a.pool(), &marker, xml)
+            .await
+            .map_err(|e| a.ops_err(e))?;
+        self.remove(a, &a.heartbeat(), "image heartbeat").await;
+        Ok(Upload::Done(BaseVolume {
+            volume: a.data(),
+            format: a.image.format,
+            uploaded: true,
+            virtual_size: Some(virtual_size),
+        }))
+    }
+
+    /// Pumps the download into the upload and returns the image's first bytes (its
+    /// header). The producer (this task) hashes and checks as it goes, beats the heartbeat
+    /// while bytes move, and verifies length and sha256 at the end of the body *before* it
+    /// lets the upload finish; on any failure, or when another replica took the upload
+    /// over, it sends an abort, so an unverified volume is never finished.
     async fn stream(
         &self,
-        host: &HostConfig,
-        image: &ImageConfig,
-        labels: &ImageLabels,
+        a: &Attempt<'_>,
         mut download: fetch::ImageDownload,
         size: u64,
-    ) -> Result<(), ImageError> {
-        let (h, pool) = (host.name.as_str(), host.storage_pool.as_str());
-        let data_name = image_volume_name(&image.sha256);
+    ) -> Result<Vec<u8>, ImageError> {
+        let h = a.h();
+        let data_name = a.data();
         let (tx, rx) = mpsc::channel(CHANNEL_CHUNKS);
-        let deadline = upload_deadline(self.options.min_upload_deadline, size);
-        let upload = self.ops.upload(h, pool, &data_name, size, rx, deadline);
+        // The download has its own deadline; the upload gets that plus its own, so waiting
+        // on the HTTP server never uses up the upload's time.
+        let deadline = fetch::download_deadline(&self.options.fetch, size)
+            + upload_deadline(self.options.min_upload_deadline, size);
+        let upload = self.ops.upload(h, a.pool(), &data_name, size, rx, deadline);
+        let beat_every = self.options.stale_after / 4;
         let produce = async {
             // Owned here: dropping it when the body ends tells the uploader "complete".
             let tx = tx;
+            let mut head: Vec<u8> = Vec::with_capacity(qcow2::HEADER_LEN);
             let mut last_log = Instant::now();
+            let mut last_beat = Instant::now();
+            let mut beats: u64 = 0;
             let mut done: u64 = 0;
             loop {
                 match download.next_chunk().await {
                     Ok(Some(chunk)) => {
+                        let want = qcow2::HEADER_LEN.saturating_sub(head.len());
+                        head.extend_from_slice(&chunk[..want.min(chunk.len())]);
                         done += chunk.len() as u64;
                         self.metrics
                             .uploaded_bytes
-                            .get_or_create(labels)
+                            .get_or_create(&a.labels)
                             .inc_by(chunk.len() as u64);
                         self.metrics
                             .upload_progress
-                            .get_or_create(labels)
+                            .get_or_create(&a.labels)
                             .set(i64::try_from(done).unwrap_or(i64::MAX));
                         if tx.send(Ok(chunk)).await.is_err() {
                             // The upload side ended early; its error is what we report.
-                            return Ok(());
+                            return Ok(head);
                         }
                         let progress = UploadProgress {
                             host: h.into(),
-                            image: image.name.clone(),
+                            image: a.image.name.clone(),
                             done,
                             total: size,
                         };
@@ -655,31 +1004,127 @@ impl ImageCache {
                         }
                         if last_log.elapsed() >= LOG_EVERY {
                             last_log = Instant::now();
-                            tracing::info!(host = h, image = %image.name, done, total = size, "uploading base image");
+                            tracing::info!(host = h, image = %a.image.name, done, total = size, "uploading base image");
+                        }
+                        if last_beat.elapsed() >= beat_every {
+                            last_beat = Instant::now();
+                            beats += 1;
+                            match self.beat(a, beats).await {
+                                Ok(true) => {}
+                                Ok(false) => {
+                                    let _ =
+                                        tx.send(Err("taken over by another replica".into())).await;
+                                    return Err(a.taken_over());
+                                }
+                                // Not fatal: a waiter takes over only after a whole
+                                // window without a beat, and then our commit is fenced.
+                                Err(e) => {
+                                    tracing::warn!(host = h, image = %a.image.name, error = %e, "could not write the image heartbeat");
+                                }
+                            }
                         }
                     }
                     Ok(None) => {
                         return match download.finish() {
-                            Ok(_) => Ok(()),
+                            Ok(_) => Ok(head),
                             Err(e) => {
                                 let _ = tx.send(Err(e.to_string())).await;
-                                Err(e)
+                                Err(a.fetch_err(e))
                             }
                         };
                     }
                     Err(e) => {
                         let _ = tx.send(Err(e.to_string())).await;
-                        return Err(e);
+                        return Err(a.fetch_err(e));
                     }
                 }
             }
         };
         let (produced, uploaded) = tokio::join!(produce, upload);
-        produced.map_err(|source| ImageError::Fetch {
-            host: h.into(),
-            image: image.name.clone(),
-            source,
-        })?;
-        uploaded.map_err(|e| Self::ops_err(host, image, e))
+        let head = produced?;
+        uploaded.map_err(|e| a.ops_err(e))?;
+        Ok(head)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn heartbeat_records_name_their_owner() {
+        let r = heartbeat_record("abc", 7);
+        assert_eq!(r.len(), HEARTBEAT_LEN);
+        assert_eq!(heartbeat_token(&r), Some("abc"));
+        assert_ne!(
+            heartbeat_record("abc", 8),
+            r,
+            "each beat changes the record"
+        );
+        assert_eq!(heartbeat_token(b""), None);
+        assert_eq!(heartbeat_token(&[0u8; 512]), None);
+        assert_eq!(heartbeat_token(b"something else\ntoken abc\n"), None);
+    }
+
+    #[test]
+    fn tokens_differ() {
+        let (x, y) = (new_token(), new_token());
+        assert_ne!(x, y);
+        assert_eq!(x.len(), 32);
+    }
+
+    fn image() -> ImageConfig {
+        ImageConfig {
+            name: "base".into(),
+            url: "https://example.invalid/base.qcow2".into(),
+            sha256: "a".repeat(64),
+            format: ImageFormat::Qcow2,
+            max_size_mib: None,
+            allow_http: false,
+            allow_private_addresses: false,
+        }
+    }
+
+    fn base(virtual_size: Option<u64>) -> BaseVolume {
+        BaseVolume {
+            volume: "v".into(),
+            format: ImageFormat::Qcow2,
+            uploaded: false,
+            virtual_size,
+        }
+    }
+
+    #[test]
+    fn overlay_is_never_smaller_than_the_image() {
+        const GIB: u64 = 1 << 30;
+        let img = image();
+        assert_eq!(
+            overlay_capacity(&img, "small", &base(Some(GIB)), 2 * GIB, 300 << 20).unwrap(),
+            2 * GIB
+        );
+        assert_eq!(
+            overlay_capacity(&img, "small", &base(Some(GIB)), GIB, 300 << 20).unwrap(),
+            GIB
+        );
+        // No record (an older marker): the base volume's size is the floor.
+        assert_eq!(
+            overlay_capacity(&img, "small", &base(None), GIB, 3 * GIB).unwrap(),
+            3 * GIB
+        );
+        let err: ImageError = overlay_capacity(&img, "small", &base(Some(3 * GIB)), GIB, 300 << 20)
+            .unwrap_err()
+            .into();
+        assert_eq!(err.class(), ErrorClass::Permanent);
+        let text = err.to_string();
+        for part in [
+            "\"small\"",
+            "1073741824",
+            "(1 GiB)",
+            "3221225472",
+            "(3 GiB)",
+            "at least 3",
+        ] {
+            assert!(text.contains(part), "{part}: {text}");
+        }
     }
 }
