@@ -29,8 +29,8 @@ use integration_tests::http::{HttpServer, Route};
 use integration_tests::provider_rig::{Rig, request, run, uid};
 use integration_tests::{TestImage, provider_config, sha256_hex};
 
-/// How long the rig's cache waits before taking over a staging volume that stopped
-/// growing (the same as [`Rig::provider`]).
+/// How long the rig's cache waits before taking over a staging volume whose heartbeat
+/// stopped (the same as [`Rig::provider`]).
 const STALE_AFTER: Duration = Duration::from_secs(3);
 
 /// The cache options of [`Rig::provider`]: a stale staging volume is taken over quickly.
@@ -429,8 +429,9 @@ fn two_replicas_racing_download_the_image_once() {
     assert_eq!(hits, 1, "one download for two replicas");
 }
 
-/// A data volume without its marker that never grows is a crashed uploader's: after
-/// `stale_after` the Create deletes it, uploads and verifies the image, and commits it.
+/// A data volume without its marker and without a heartbeat that changes is a crashed
+/// uploader's: after `stale_after` the Create deletes it, uploads and verifies the image,
+/// and commits it.
 #[test]
 fn a_crashed_uploaders_leftover_is_taken_over_after_the_stale_window() {
     let Some(rig) = Rig::start(vec![], Rig::base_image) else {

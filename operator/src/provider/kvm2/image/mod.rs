@@ -20,7 +20,9 @@
 //!   when its marker exists* (invariant 4). Its capacity records the image's virtual size
 //!   (read from the qcow2 header while downloading), so every later Create sizes its
 //!   overlay from it without reading the image; a marker from before this record (capacity
-//!   0) falls back to the data volume's size.
+//!   0) falls back to the data volume's size. A pool that rounds sizes up (LVM extents)
+//!   records at most one extent more, which errs towards a larger overlay (and refuses a
+//!   disk exactly the image's size unless that size is a whole number of extents).
 //! - **Takeover claim** `egress-imgtk-<48 hex>` (empty, exclusive): a waiter that judged
 //!   the upload dead creates it first, so one taker at a time deletes the dead volume.
 //!   It writes its own token into the heartbeat *before* it deletes anything, deletes the

@@ -81,7 +81,7 @@ pub struct ImageReport {
     /// Whether it is cached and verified (its data volume and its commit marker exist).
     pub cached: bool,
     /// Whether only the data volume exists: an upload in progress, or one that died (the
-    /// next Create takes it over once it stops growing).
+    /// next Create takes it over once its heartbeat record stops changing).
     pub staging: bool,
 }
 
