@@ -951,7 +951,15 @@ fn unconfigured(
         })
         .collect();
     out.sort_by(|a, b| {
-        (&a.instance.host, &a.namespace, &a.name).cmp(&(&b.instance.host, &b.namespace, &b.name))
+        let key = |u: &Unconfigured| {
+            (
+                u.instance.host.clone(),
+                u.instance.name.clone(),
+                u.namespace.clone(),
+                u.name.clone(),
+            )
+        };
+        key(a).cmp(&key(b))
     });
     out
 }

@@ -546,9 +546,9 @@ fn foreign_domains_are_refused_and_untouched_ours_are_adopted() {
                 "{what}: {r:?}"
             );
             assert_eq!(env.domains("h1"), names([name.clone()]));
-            // Get does not report someone else's domain as ours.
+            // Get does not report someone else's domain as ours: refused, permanently.
             let r = p.get(&id).await;
-            assert_eq!(class_of(&r), ErrorClass::NotFound, "{what}: {r:?}");
+            assert_eq!(class_of(&r), ErrorClass::Permanent, "{what}: {r:?}");
         }
         assert_eq!(env.hits(), 0);
 
@@ -2040,4 +2040,572 @@ fn an_allowed_override_is_rendered_into_the_seed_and_a_refused_one_creates_nothi
         }
         assert_eq!(env.hits(), 0, "no image download for a refused Create");
     });
+}
+
+// Issue 12 (lifecycle under churn): define-time marks and a GC sweep racing a
+// replacement, adoption of paused/suspended/blocked domains, leftover volumes, ownership.
+mod lifecycle {
+    use super::*;
+    use egress_operator::gc::{
+        FakeProxyIndex, GarbageCollector, GcMetrics, KeepReason, Owner, VolumeCollector,
+        VolumeKeep, VolumeKind,
+    };
+    use egress_operator::instance::{image_heartbeat_name, image_takeover_name};
+    use egress_operator::provider::kvm2::backend::StampClock;
+    use egress_operator::provider::{NotOwned, SharedProvider};
+    use std::sync::atomic::AtomicI64;
+
+    /// The test's "now" at offset zero.
+    fn t0() -> jiff::Timestamp {
+        "2026-03-01T12:00:00Z".parse().unwrap()
+    }
+
+    /// A clock both the provider's mark stamp and the GC read: t0 plus an offset in
+    /// seconds a test moves.
+    #[derive(Clone, Default)]
+    struct Clock(Arc<AtomicI64>);
+
+    impl Clock {
+        fn now(&self) -> jiff::Timestamp {
+            t0() + jiff::SignedDuration::from_secs(self.0.load(Ordering::SeqCst))
+        }
+        fn advance(&self, secs: i64) {
+            self.0.fetch_add(secs, Ordering::SeqCst);
+        }
+        fn stamp(&self) -> StampClock {
+            let c = self.clone();
+            StampClock::new(move || std::time::SystemTime::from(c.now()))
+        }
+    }
+
+    fn clocked_provider(env: &Env, ops: Arc<dyn HostOps>, clock: &Clock) -> Kvm2Provider {
+        let options = Kvm2Options {
+            images: ImageCacheOptions {
+                stale_after: STALE_AFTER,
+                poll_every: Duration::from_millis(20),
+                max_wait: Duration::from_secs(20),
+                ..ImageCacheOptions::default()
+            },
+            start_timeout: Duration::from_millis(500),
+            shutdown_timeout: Duration::from_secs(1),
+            poll_every: Duration::from_millis(10),
+            clock: clock.stamp(),
+            ..Kvm2Options::default()
+        };
+        Kvm2Provider::new(
+            env.config.clone(),
+            ops,
+            templates(),
+            options,
+            ImageMetrics::default(),
+        )
+    }
+
+    fn gc_over(
+        providers: Vec<SharedProvider>,
+        index: Arc<FakeProxyIndex>,
+        clock: &Clock,
+        keep_unused: u32,
+    ) -> GarbageCollector {
+        let mut config = env_gc_config();
+        config.retired_images.keep_unused = keep_unused;
+        let c = clock.clone();
+        GarbageCollector::new(providers, index, &config, GcMetrics::default())
+            .with_clock(move || c.now())
+    }
+
+    /// Grace 600 s; retired images go after an hour unused.
+    fn env_gc_config() -> egress_operator::config::GcConfig {
+        let mut c = egress_operator::config::GcConfig::default();
+        c.grace_period_seconds = 600;
+        c.retired_images.unused_for_seconds = 3600;
+        c
+    }
+
+    fn owner(name: &str, named: Option<InstanceId>, provisioning: bool) -> Owner {
+        Owner {
+            namespace: "default".into(),
+            name: name.into(),
+            instance_id: named,
+            deleting: false,
+            provisioning,
+        }
+    }
+
+    fn id_on(host: &str, uid: &str) -> InstanceId {
+        InstanceId {
+            host: host.into(),
+            name: dom(uid),
+        }
+    }
+
+    /// Moves the clock when the image upload starts (a slow download), and can park the
+    /// Create right before it starts its domain.
+    struct Churn {
+        clock: Clock,
+        download_takes: i64,
+        park_start: AtomicBool,
+        parked: Notify,
+        release: Notify,
+    }
+
+    impl OpHook for Churn {
+        fn before<'a>(
+            &'a self,
+            op: &'static str,
+            _host: &'a str,
+            target: Option<&'a str>,
+        ) -> BoxFuture<'a, Result<(), OpsError>> {
+            Box::pin(async move {
+                if op == "volume-upload" && target.is_some_and(|t| t.starts_with("egress-image-")) {
+                    self.clock.advance(self.download_takes);
+                }
+                if op == "domain-start" && self.park_start.swap(false, Ordering::SeqCst) {
+                    self.parked.notify_one();
+                    self.release.notified().await;
+                }
+                Ok(())
+            })
+        }
+    }
+
+    fn churn(clock: &Clock, download_takes: i64, park_start: bool) -> Churn {
+        Churn {
+            clock: clock.clone(),
+            download_takes,
+            park_start: AtomicBool::new(park_start),
+            parked: Notify::new(),
+            release: Notify::new(),
+        }
+    }
+
+    #[test]
+    fn the_mark_is_stamped_when_the_domain_is_defined_not_before_the_download() {
+        let env = Env::new();
+        run(async {
+            let clock = Clock::default();
+            let ops = Arc::new(Hooked::wrap(env.ops(), churn(&clock, 7200, false)));
+            let p = clocked_provider(&env, ops, &clock);
+            let inst = p
+                .create(&request(&uid(1), "web", Some("h2")))
+                .await
+                .unwrap();
+            assert_eq!(
+                inst.created_at, "2026-03-01T14:00:00Z",
+                "after the 2 h download"
+            );
+            let got = p.get(&inst.id).await.unwrap();
+            assert_eq!(got.created_at, "2026-03-01T14:00:00Z", "as the mark says");
+        });
+    }
+
+    /// The Proxy ran on h1; its instance crashed and the controller replaces it on h2.
+    /// The download took longer than the grace period, and a GC sweep runs while the
+    /// replacement's domain is defined but not started, the status still naming h1.
+    #[test]
+    fn a_replacement_on_another_host_racing_a_sweep_is_never_collected() {
+        let env = Env::new();
+        run(async {
+            let u = uid(2);
+            let clock = Clock::default();
+            let old = MetadataMark {
+                created_at: "2026-02-01T00:00:00Z".into(),
+                ..mark("test", "web", &u)
+            };
+            env.fake.put_domain(
+                "h1",
+                &dom(&u),
+                &domain_xml(&dom(&u), Some(&old)),
+                InstanceState::Crashed,
+            );
+            let ops = Arc::new(Hooked::wrap(env.ops(), churn(&clock, 7200, true)));
+            let p = Arc::new(clocked_provider(&env, ops.clone(), &clock));
+            let index = Arc::new(FakeProxyIndex::new());
+            // The controller marked the Proxy provisioning ("Replacing") before the Create.
+            index.insert(&u, owner("web", Some(id_on("h1", &u)), true));
+            let gc = gc_over(vec![p.clone()], index.clone(), &clock, 1);
+
+            let create = {
+                let (p, req) = (p.clone(), request(&u, "web", Some("h2")));
+                tokio::spawn(async move { p.create(&req).await })
+            };
+            ops.hook().parked.notified().await;
+            clock.advance(60);
+            assert_eq!(env.domains("h2"), names([dom(&u)]), "defined, not started");
+
+            // A sweep must neither delete nor try to (a delete would wait on the
+            // Create's name lock: the guard turns that into a failure, not a hang).
+            let sweep = |what: &'static str| {
+                let gc = &gc;
+                async move {
+                    tokio::time::timeout(Duration::from_secs(20), gc.sweep_once())
+                        .await
+                        .unwrap_or_else(|_| panic!("{what}: the sweep tried to delete"))
+                }
+            };
+            let report = sweep("provisioning").await;
+            assert_eq!(
+                report.kept_reason(&id_on("h2", &u)),
+                Some(&KeepReason::CreateInProgress)
+            );
+            // Even with a status that does not say so (its write failed), the grace
+            // period counts from the define, not from before the download.
+            index.insert(&u, owner("web", Some(id_on("h1", &u)), false));
+            let report = sweep("running").await;
+            assert!(matches!(
+                report.kept_reason(&id_on("h2", &u)),
+                Some(KeepReason::Young { age_seconds: 60 })
+            ));
+            assert!(report.deleted.is_empty(), "{:?}", report.deleted);
+
+            ops.hook().release.notify_one();
+            let inst = create.await.unwrap().unwrap();
+            assert_eq!(inst.id, id_on("h2", &u));
+            assert_eq!(
+                env.fake.domain_state("h2", &dom(&u)),
+                Some(InstanceState::Running)
+            );
+            // The controller names the replacement; later the old one on h1 goes, the
+            // new one stays.
+            index.insert(&u, owner("web", Some(id_on("h2", &u)), false));
+            clock.advance(3600);
+            let report = sweep("named").await;
+            assert_eq!(report.deleted_ids(), vec![&id_on("h1", &u)]);
+            assert_eq!(env.domains("h2"), names([dom(&u)]));
+            assert!(env.domains("h1").is_empty());
+        });
+    }
+
+    /// Our domain, created and then put in `state` behind our back, is Created again.
+    async fn adopt_from(env: &Env, p: &Kvm2Provider, u: &str, state: InstanceState) {
+        p.create(&request(u, "web", Some("h1"))).await.unwrap();
+        env.fake.set_state("h1", &dom(u), state);
+    }
+
+    #[test]
+    fn adoption_resumes_a_paused_domain_and_wakes_a_suspended_one() {
+        let env = Env::new();
+        run(async {
+            let p = env.provider();
+            for (n, state) in [(3, InstanceState::Paused), (4, InstanceState::Suspended)] {
+                let u = uid(n);
+                adopt_from(&env, &p, &u, state).await;
+                let (defines, wakes) = (
+                    env.fake.calls("domain-define"),
+                    env.fake.calls("domain-wake"),
+                );
+                let inst = p.create(&request(&u, "web", Some("h1"))).await.unwrap();
+                assert_eq!(inst.state, InstanceState::Running, "{state}");
+                assert_eq!(env.fake.calls("domain-wake"), wakes + 1, "{state}");
+                assert_eq!(env.fake.calls("domain-define"), defines, "{state}: adopted");
+            }
+        });
+    }
+
+    #[test]
+    fn adoption_takes_a_blocked_domain_as_running() {
+        let env = Env::new();
+        run(async {
+            let p = env.provider();
+            let u = uid(5);
+            adopt_from(&env, &p, &u, InstanceState::Blocked).await;
+            let (starts, wakes) = (
+                env.fake.calls("domain-start"),
+                env.fake.calls("domain-wake"),
+            );
+            let inst = p.create(&request(&u, "web", Some("h1"))).await.unwrap();
+            assert_eq!(inst.state, InstanceState::Blocked);
+            assert_eq!(env.fake.calls("domain-start"), starts);
+            assert_eq!(env.fake.calls("domain-wake"), wakes);
+        });
+    }
+
+    #[test]
+    fn adoption_replaces_a_domain_that_stays_paused() {
+        let env = Env::new();
+        run(async {
+            let clock = Clock::default();
+            let p = clocked_provider(&env, env.ops(), &clock);
+            let u = uid(6);
+            adopt_from(&env, &p, &u, InstanceState::Paused).await;
+            // Paused again at once by every resume (an I/O error on its disk).
+            env.fake.set_stuck("h1", &dom(&u));
+            env.fake
+                .put_volume("h1", &identity(&u).root_volume, b"disk that pauses it");
+            let defines = env.fake.calls("domain-define");
+            let inst = p.create(&request(&u, "web", Some("h1"))).await.unwrap();
+            assert_eq!(inst.state, InstanceState::Running);
+            assert_eq!(env.fake.calls("domain-define"), defines + 1, "defined anew");
+            assert_eq!(env.volumes("h1"), env.expected(&[&u]));
+            assert_ne!(
+                env.fake.volume_data("h1", &identity(&u).root_volume),
+                Some(b"disk that pauses it".to_vec()),
+                "a fresh root volume"
+            );
+        });
+    }
+
+    /// A retired image's volume names (digest of `seed`), by role.
+    fn retired(seed: &str) -> (String, String, String, String) {
+        let sha = sha256_hex(seed.as_bytes());
+        (
+            image_volume_name(&sha),
+            image_marker_name(&sha),
+            image_takeover_name(&sha),
+            image_heartbeat_name(&sha),
+        )
+    }
+
+    #[test]
+    fn leftover_volumes_are_collected_by_name_and_policy_and_nothing_else() {
+        let env = Env::new();
+        run(async {
+            let clock = Clock::default();
+            let p = Arc::new(clocked_provider(&env, env.ops(), &clock));
+            let index = Arc::new(FakeProxyIndex::new());
+            let gc = gc_over(vec![p.clone()], index.clone(), &clock, 1)
+                .with_volumes(vec![p.clone() as Arc<dyn VolumeCollector>]);
+            // A running instance of a configured image: untouched.
+            let live = uid(7);
+            p.create(&request(&live, "live", Some("h1"))).await.unwrap();
+            index.insert(&live, owner("live", Some(id_on("h1", &live)), false));
+            // Root and seed left by a Create whose Proxy is gone: collected.
+            let gone = uid(8);
+            for v in vm_volumes(&gone) {
+                env.fake.put_volume("h1", &v, b"leftover");
+            }
+            // Root of a Proxy that exists and has no domain yet (Create under way): kept.
+            let making = uid(9);
+            env.fake
+                .put_volume("h1", &identity(&making).root_volume, b"in the making");
+            index.insert(&making, owner("making", None, true));
+            // Volumes of a UID whose domain exists, even a foreign one: kept.
+            let foreign = uid(10);
+            env.fake.put_domain(
+                "h1",
+                &dom(&foreign),
+                &domain_xml(&dom(&foreign), None),
+                InstanceState::Running,
+            );
+            env.fake
+                .put_volume("h1", &identity(&foreign).root_volume, b"theirs");
+            // A retired image's staging leftovers (data without marker, claim, heartbeat).
+            let (st_data, _, st_claim, st_beat) = retired("staging");
+            for v in [&st_data, &st_claim, &st_beat] {
+                env.fake.put_volume("h1", v, b"partial");
+            }
+            // Two unused retired bases; the policy keeps the most recently unused one.
+            let (old_data, old_marker, _, _) = retired("old");
+            env.fake.put_volume("h1", &old_data, b"old base");
+            env.fake.put_volume("h1", &old_marker, b"");
+            // A retired base an overlay still uses: kept.
+            let (used_data, used_marker, _, _) = retired("used");
+            env.fake.put_volume("h1", &used_data, b"used base");
+            env.fake.put_volume("h1", &used_marker, b"");
+            let pinned = uid(11);
+            env.fake
+                .put_overlay("h1", "default", &identity(&pinned).root_volume, &used_data);
+            env.fake.put_domain(
+                "h1",
+                &dom(&pinned),
+                &domain_xml(&dom(&pinned), Some(&mark("test", "pinned", &pinned))),
+                InstanceState::Running,
+            );
+            index.insert(&pinned, owner("pinned", Some(id_on("h1", &pinned)), false));
+            // Not exactly our names: never touched.
+            for other in ["egress-notes", "vm1-root", "egress-web-root"] {
+                env.fake.put_volume("h1", other, b"x");
+            }
+            let before = env.volumes("h1");
+
+            let report = gc.sweep_once().await;
+            assert!(report.volumes_deleted.is_empty(), "first sighting");
+            assert_eq!(env.volumes("h1"), before);
+            let kinds: std::collections::HashSet<(String, VolumeKind)> = report
+                .volumes_kept
+                .iter()
+                .map(|(v, _)| (v.key.clone(), v.kind))
+                .collect();
+            let want: std::collections::HashSet<(String, VolumeKind)> = [
+                (dom(&gone), VolumeKind::Instance),
+                (dom(&making), VolumeKind::Instance),
+                (st_data.clone(), VolumeKind::Staging),
+                (old_data.clone(), VolumeKind::UnusedImage),
+            ]
+            .into_iter()
+            .collect();
+            assert_eq!(kinds, want);
+
+            // Past the grace period the instance and staging leftovers go; a newer retired
+            // base turns unused, so the policy keeps that one and the older one goes once
+            // it has been unused for its hour.
+            clock.advance(1800);
+            let (new_data, new_marker, _, _) = retired("new");
+            env.fake.put_volume("h1", &new_data, b"new base");
+            env.fake.put_volume("h1", &new_marker, b"");
+            let report = gc.sweep_once().await;
+            let mut deleted: BTreeSet<String> = report
+                .volumes_deleted
+                .iter()
+                .map(|v| v.key.clone())
+                .collect();
+            assert_eq!(deleted, names([dom(&gone), st_data.clone()]));
+            clock.advance(1801);
+            let report = gc.sweep_once().await;
+            deleted.extend(report.volumes_deleted.iter().map(|v| v.key.clone()));
+            assert_eq!(
+                deleted,
+                names([dom(&gone), st_data.clone(), old_data.clone()])
+            );
+            assert!(
+                report
+                    .volumes_kept
+                    .iter()
+                    .any(|(v, k)| v.key == dom(&making) && *k == VolumeKeep::ProxyExists)
+            );
+            assert!(
+                report
+                    .volumes_kept
+                    .iter()
+                    .any(|(v, k)| v.key == new_data && *k == VolumeKeep::Policy)
+            );
+            let mut left = before.clone();
+            for v in vm_volumes(&gone)
+                .into_iter()
+                .chain([st_data, st_claim, st_beat, old_data, old_marker])
+            {
+                left.remove(&v);
+            }
+            left.extend([new_data, new_marker]);
+            assert_eq!(env.volumes("h1"), left);
+            assert!(report.deleted.is_empty(), "no instance collected");
+            assert_eq!(env.domains("h1").len(), 3);
+        });
+    }
+
+    /// Fails every domain listing of one host while armed; volume listings still answer.
+    struct NoDomainList {
+        host: &'static str,
+        armed: AtomicBool,
+    }
+
+    impl OpHook for NoDomainList {
+        fn before<'a>(
+            &'a self,
+            op: &'static str,
+            host: &'a str,
+            _target: Option<&'a str>,
+        ) -> BoxFuture<'a, Result<(), OpsError>> {
+            let fail =
+                op == "domain-list" && host == self.host && self.armed.load(Ordering::SeqCst);
+            Box::pin(std::future::ready(if fail {
+                Err(OpsError::Injected {
+                    op,
+                    host: host.into(),
+                    class: ErrorClass::Transient,
+                })
+            } else {
+                Ok(())
+            }))
+        }
+    }
+
+    /// A host whose domains cannot be listed has its volumes judged by nothing: were the
+    /// failed listing read as "no domains", a running instance's disks would look left
+    /// over.
+    #[test]
+    fn no_leftover_is_collected_on_a_host_whose_listing_failed() {
+        let env = Env::new();
+        run(async {
+            let clock = Clock::default();
+            let ops = Arc::new(Hooked::wrap(
+                env.ops(),
+                NoDomainList {
+                    host: "h2",
+                    armed: AtomicBool::new(false),
+                },
+            ));
+            let p = Arc::new(clocked_provider(&env, ops.clone(), &clock));
+            let index = Arc::new(FakeProxyIndex::new());
+            let gc = gc_over(vec![p.clone()], index.clone(), &clock, 0)
+                .with_volumes(vec![p.clone() as Arc<dyn VolumeCollector>]);
+            // A running instance on h2 with no Proxy (its finalizer has yet to run): only
+            // its domain says its volumes are in use.
+            let live = uid(16);
+            p.create(&request(&live, "live", Some("h2"))).await.unwrap();
+            let gone = uid(12);
+            for host in ["h1", "h2"] {
+                for v in vm_volumes(&gone) {
+                    env.fake.put_volume(host, &v, b"leftover");
+                }
+            }
+            let h2_before = env.volumes("h2");
+            ops.hook().armed.store(true, Ordering::SeqCst);
+            gc.sweep_once().await;
+            clock.advance(3600);
+            let report = gc.sweep_once().await;
+            assert_eq!(report.volume_targets_skipped.len(), 1);
+            assert_eq!(report.volume_targets_skipped[0].target, "h2");
+            assert!(env.volumes("h1").is_empty(), "{:?}", env.volumes("h1"));
+            assert_eq!(env.volumes("h2"), h2_before);
+            assert_eq!(env.domains("h2"), names([dom(&live)]));
+        });
+    }
+
+    #[test]
+    fn get_and_delete_for_another_proxy_are_refused_and_touch_nothing() {
+        let env = Env::new();
+        run(async {
+            let p = env.provider();
+            let (mine, theirs) = (uid(13), uid(14));
+            let inst = p
+                .create(&request(&theirs, "theirs", Some("h1")))
+                .await
+                .unwrap();
+            let before = (env.domains("h1"), env.volumes("h1"));
+            let (destroys, deletes) = (
+                env.fake.calls("domain-destroy"),
+                env.fake.calls("volume-delete"),
+            );
+            // A Proxy whose status names someone else's instance (restored, hand-edited).
+            let e = p.get_owned(&inst.id, &mine).await.unwrap_err();
+            assert_eq!(e.class(), ErrorClass::Permanent, "{e}");
+            assert!(e.inner().downcast_ref::<NotOwned>().is_some(), "{e}");
+            let e = p.delete_owned(&inst.id, &mine).await.unwrap_err();
+            assert_eq!(e.class(), ErrorClass::Permanent, "{e}");
+            assert_eq!((env.domains("h1"), env.volumes("h1")), before);
+            assert_eq!(env.fake.calls("domain-destroy"), destroys);
+            assert_eq!(env.fake.calls("volume-delete"), deletes);
+            // Its owner still can.
+            assert_eq!(p.get_owned(&inst.id, &theirs).await.unwrap().id, inst.id);
+            p.delete_owned(&inst.id, &theirs).await.unwrap();
+            assert!(env.domains("h1").is_empty());
+        });
+    }
+
+    #[test]
+    fn an_instance_on_a_host_removed_from_the_config_is_refused_not_lost() {
+        let env = Env::with(Opts {
+            fake_hosts: &["h1", "h2", "h3"],
+            ..Opts::default()
+        });
+        run(async {
+            let p = env.provider();
+            let u = uid(15);
+            let xml = domain_xml(&dom(&u), Some(&mark("test", "web", &u)));
+            env.fake
+                .put_domain("h3", &dom(&u), &xml, InstanceState::Running);
+            let id = id_on("h3", &u);
+            for r in [
+                p.get(&id).await.map(drop),
+                p.delete(&id).await,
+                p.delete_owned(&id, &u).await,
+            ] {
+                let e = r.unwrap_err();
+                assert_eq!(e.class(), ErrorClass::Permanent, "{e}");
+                assert!(shown(&e).contains("not in the providers config"), "{e}");
+            }
+            assert_eq!(env.domains("h3"), names([dom(&u)]));
+        });
+    }
 }

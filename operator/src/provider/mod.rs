@@ -390,6 +390,74 @@ pub trait Provider: Send + Sync {
     fn health(&self) -> Option<&dyn HealthCheck> {
         None
     }
+
+    /// [`Provider::get`] for the Proxy with UID `owner`: an instance whose mark names
+    /// another Proxy is refused with [`NotOwned`] (permanent), so a status naming someone
+    /// else's instance (a restored or hand-edited status) never adopts it.
+    fn get_owned<'a>(
+        &'a self,
+        id: &'a InstanceId,
+        owner: &'a str,
+    ) -> BoxFuture<'a, Result<Instance, ProviderError>> {
+        Box::pin(async move {
+            let instance = self.get(id).await?;
+            NotOwned::check(id, owner, &instance.proxy.uid)?;
+            Ok(instance)
+        })
+    }
+
+    /// [`Provider::delete`] for the Proxy with UID `owner`: reads the instance first and
+    /// touches nothing when its mark names another Proxy ([`NotOwned`]) or cannot be read.
+    /// An instance that is already gone has no mark to check; its delete removes what the
+    /// ID alone names.
+    fn delete_owned<'a>(
+        &'a self,
+        id: &'a InstanceId,
+        owner: &'a str,
+    ) -> BoxFuture<'a, Result<(), ProviderError>> {
+        Box::pin(async move {
+            match self.get_owned(id, owner).await {
+                Ok(_) => {}
+                Err(e) if e.is_not_found() => {}
+                Err(e) => return Err(e),
+            }
+            self.delete(id).await
+        })
+    }
+}
+
+/// An instance's mark names another Proxy than the one asking for it. Permanent: nothing
+/// was touched, and asking again gives the same answer.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[error("instance {instance} belongs to the Proxy with UID {marked}, not to {owner}; left untouched")]
+pub struct NotOwned {
+    /// The instance.
+    pub instance: InstanceId,
+    /// The UID of the Proxy that asked.
+    pub owner: String,
+    /// The UID the instance's mark names.
+    pub marked: String,
+}
+
+impl NotOwned {
+    /// `Err` unless `marked` is `owner`.
+    pub fn check(id: &InstanceId, owner: &str, marked: &str) -> Result<(), ProviderError> {
+        if owner == marked {
+            Ok(())
+        } else {
+            Err(ProviderError::new(NotOwned {
+                instance: id.clone(),
+                owner: owner.into(),
+                marked: marked.into(),
+            }))
+        }
+    }
+}
+
+impl Classified for NotOwned {
+    fn class(&self) -> ErrorClass {
+        ErrorClass::Permanent
+    }
 }
 
 /// A shared provider.

@@ -85,6 +85,16 @@ pub enum Kvm2Error {
     /// No such instance.
     #[error("instance {0} not found")]
     NotFound(InstanceId),
+    /// The host is not in the providers config (any more): whatever runs there is neither
+    /// read nor touched until the host is configured again or cleaned up by hand.
+    #[error(
+        "host {host:?} is not in the providers config (removed?); its instances there are \
+         left untouched and unwatched"
+    )]
+    HostNotConfigured {
+        /// Host.
+        host: String,
+    },
     /// A libvirt step failed.
     #[error("{step}: {source}")]
     Ops {
@@ -163,6 +173,7 @@ impl Classified for Kvm2Error {
     fn class(&self) -> ErrorClass {
         match self {
             Kvm2Error::InvalidRequest(_)
+            | Kvm2Error::HostNotConfigured { .. }
             | Kvm2Error::Foreign { .. }
             | Kvm2Error::DefinedRefused { .. }
             | Kvm2Error::DefinedElsewhere { .. } => ErrorClass::Permanent,
@@ -191,6 +202,17 @@ impl From<ImageError> for Kvm2Error {
 const JUST_DEFINED: &str = "just defined by this Create; undefined again";
 /// [`Kvm2Error::DefinedRefused`]'s origin for our domain found defined and not running.
 const ADOPTED: &str = "found defined and not running; left defined";
+
+/// Who a domain belongs to, as far as its mark tells, for [`Kvm2Error::Foreign`].
+fn owner_of_mark(mark: Option<&MetadataMark>) -> String {
+    match mark {
+        Some(m) => format!(
+            "cluster {:?}, Proxy {}/{} uid {}",
+            m.cluster_id, m.namespace, m.name, m.uid
+        ),
+        None => "no egress-operator mark".into(),
+    }
+}
 
 fn step(step: &'static str) -> impl FnOnce(OpsError) -> Kvm2Error {
     move |source| Kvm2Error::Ops { step, source }
@@ -347,7 +369,7 @@ impl Kvm2Provider {
     fn host(&self, name: &str) -> Result<&HostConfig, Kvm2Error> {
         self.config
             .host(name)
-            .ok_or_else(|| Kvm2Error::InvalidRequest(format!("host {name:?} is not configured")))
+            .ok_or_else(|| Kvm2Error::HostNotConfigured { host: name.into() })
     }
 
     fn is_ours(&self, mark: &MetadataMark) -> bool {
@@ -1035,8 +1057,13 @@ impl Kvm2Provider {
             .clone()
             .filter(|m| self.is_ours(m) && Some(m.uid.as_str()) == named_uid)
         else {
-            // Someone else's domain under that name is not our instance.
-            return Err(Kvm2Error::NotFound(id.clone()));
+            // A domain under that name whose mark is not ours for that UID is not our
+            // instance: refused, so no caller takes it for its own (or replaces it).
+            return Err(Kvm2Error::Foreign {
+                host: id.host.clone(),
+                domain: id.name.clone(),
+                owner: owner_of_mark(rec.mark.as_ref()),
+            });
         };
         let mut inst = self.instance(&id.host, &rec, &mark);
         if rec.state == InstanceState::Running {
@@ -1069,13 +1096,7 @@ impl Kvm2Provider {
                 return Err(Kvm2Error::Foreign {
                     host: h.into(),
                     domain: id.name.clone(),
-                    owner: match &r.mark {
-                        Some(m) => format!(
-                            "cluster {:?}, Proxy {}/{} uid {}",
-                            m.cluster_id, m.namespace, m.name, m.uid
-                        ),
-                        None => "no egress-operator mark".into(),
-                    },
+                    owner: owner_of_mark(r.mark.as_ref()),
                 });
             }
         }
