@@ -253,7 +253,14 @@ pub struct MonitorOptions {
     /// Budget of one provider's whole check, in case the provider does not keep to
     /// `timeout`: past it, every target of that provider is reported as timed out.
     pub round_timeout: Duration,
+    /// Budget of one ProviderHealth write: a stalled API connection must not hold up the
+    /// next round (the board, which placement reads, is updated before the write).
+    pub write_timeout: Duration,
 }
+
+/// Default budget of one ProviderHealth write: an API server answers a small apply in
+/// milliseconds; past this it is stuck, and the next round writes again.
+pub const DEFAULT_WRITE_TIMEOUT: Duration = Duration::from_secs(10);
 
 impl MonitorOptions {
     /// From the config; the outer budget is twice the target budget plus a second, so a
@@ -264,6 +271,7 @@ impl MonitorOptions {
             period: Duration::from_secs(u64::from(c.period_seconds)),
             timeout,
             round_timeout: timeout.saturating_mul(2) + Duration::from_secs(1),
+            write_timeout: DEFAULT_WRITE_TIMEOUT,
         }
     }
 }
@@ -392,6 +400,7 @@ impl HealthMonitor {
                         target,
                         reachable: false,
                         reason: Some("timeout".into()),
+                        stage: None,
                         message: format!(
                             "the provider's check did not finish within {:?}",
                             self.options.round_timeout
@@ -416,7 +425,17 @@ impl HealthMonitor {
         if let Some(set) = self.plugins.get(name) {
             status.plugins = plugin_statuses(&set.health());
         }
-        if let Err(e) = self.sink.write(name, &status).await {
+        let written =
+            tokio::time::timeout(self.options.write_timeout, self.sink.write(name, &status))
+                .await
+                .unwrap_or_else(|_| {
+                    Err(format!(
+                        "the write did not finish within {:?}",
+                        self.options.write_timeout
+                    )
+                    .into())
+                });
+        if let Err(e) = written {
             self.metrics
                 .write_failures
                 .get_or_create(&ProviderLabels {
@@ -459,6 +478,7 @@ pub fn status_of(results: &[TargetHealth], now: jiff::Timestamp) -> ProviderHeal
             name: t.target.clone(),
             reachable: t.reachable,
             reason: t.reason.clone(),
+            stage: t.stage.clone(),
             message: t.message.clone(),
             latency_millis: i64::try_from(t.latency.as_millis()).unwrap_or(i64::MAX),
             last_checked: now.clone(),
@@ -504,9 +524,10 @@ mod tests {
     const HANG_GUARD: Duration = Duration::from_secs(20);
     const NOW: &str = "2026-01-02T03:04:05Z";
 
-    /// Records every write; fails the first `fail` of them.
+    /// Records every write; fails the first `fail` of them; never answers while `stall`.
     #[derive(Default)]
     struct FakeSink {
+        stall: AtomicBool,
         fail: AtomicUsize,
         attempts: AtomicUsize,
         written: Mutex<Vec<(String, ProviderHealthStatus)>>,
@@ -541,6 +562,10 @@ mod tests {
         ) -> BoxFuture<'a, Result<(), SinkError>> {
             Box::pin(async move {
                 self.attempts.fetch_add(1, Ordering::SeqCst);
+                if self.stall.load(Ordering::SeqCst) {
+                    // A stalled API connection: the request never completes.
+                    std::future::pending::<()>().await;
+                }
                 let fail = self
                     .fail
                     .fetch_update(Ordering::SeqCst, Ordering::SeqCst, |n| n.checked_sub(1))
@@ -603,6 +628,7 @@ mod tests {
                         target: t.into(),
                         reachable: true,
                         reason: None,
+                        stage: None,
                         message: "ok".into(),
                         latency: Duration::from_millis(2),
                     })
@@ -616,6 +642,7 @@ mod tests {
             period: Duration::from_millis(20),
             timeout: Duration::from_millis(50),
             round_timeout: Duration::from_millis(200),
+            write_timeout: Duration::from_millis(100),
         }
     }
 
@@ -852,6 +879,39 @@ mod tests {
         assert!(!fake_board.is_unhealthy("a"));
     }
 
+    #[tokio::test(start_paused = true)]
+    async fn a_stalled_sink_does_not_freeze_the_board_or_the_rounds() {
+        let fake = Arc::new(FakeProvider::new(&["a", "b"]));
+        let board = HealthBoard::new();
+        let sink = Arc::new(FakeSink::default());
+        sink.stall.store(true, Ordering::SeqCst);
+        let metrics = HealthMetrics::default();
+        let m = monitor(
+            vec![fake.clone()],
+            &[("fake", &board)],
+            sink.clone(),
+            metrics.clone(),
+        );
+        fake.set_down("a", true);
+        guarded(m.round()).await;
+        assert!(board.is_unhealthy("a"));
+        assert_eq!(
+            metrics.write_failures("fake"),
+            1,
+            "the stalled write gave up"
+        );
+        // The next round runs and updates the board although the sink still hangs.
+        fake.set_down("a", false);
+        guarded(m.round()).await;
+        assert!(!board.is_unhealthy("a"), "the board moved on");
+        assert_eq!(sink.attempts.load(Ordering::SeqCst), 2);
+        assert_eq!(metrics.write_failures("fake"), 2);
+        // Once the API answers again, the status is written.
+        sink.stall.store(false, Ordering::SeqCst);
+        guarded(m.round()).await;
+        assert_eq!(sink.last("fake").healthy_targets, 2);
+    }
+
     #[tokio::test]
     async fn a_failed_write_is_counted_and_the_next_round_writes_again() {
         let fake = Arc::new(FakeProvider::new(&["a", "b"]));
@@ -941,6 +1001,7 @@ mod tests {
             target: name.into(),
             reachable,
             reason: (!reachable).then(|| "host-key".to_string()),
+            stage: None,
             message: "m".into(),
             latency: Duration::from_micros(ms * 1000 + 700),
         };
@@ -1079,6 +1140,7 @@ mod tests {
                     target: "h1".into(),
                     reachable: true,
                     reason: None,
+                    stage: None,
                     message: "pool default has 5 bytes free".into(),
                     latency: Duration::from_millis(12),
                 },
@@ -1086,6 +1148,7 @@ mod tests {
                     target: "h2".into(),
                     reachable: false,
                     reason: Some("connect".into()),
+                    stage: None,
                     message: "connection refused".into(),
                     latency: Duration::from_millis(3),
                 },

@@ -319,7 +319,7 @@ async fn round_trips(config: &ValidConfig, driver: LibvirtDriver, host: &'static
         .call(host, "version", |c| c.get_lib_version())
         .await
         .unwrap();
-    let link = hosts.link(host).await.unwrap();
+    let link = hosts.link(host, CALL_DEADLINE).await.unwrap();
     let direct = LibvirtConn::open(&pool, &uris.direct, CALL_DEADLINE, None)
         .await
         .unwrap();

@@ -1713,6 +1713,7 @@ fn mark_unhealthy(board: &HealthBoard, hosts: &[&str]) {
             target: h.to_string(),
             reachable: false,
             reason: Some("connect".into()),
+            stage: None,
             message: "connection refused".into(),
             latency: Duration::from_millis(1),
         })
@@ -1790,6 +1791,7 @@ fn an_unhealthy_host_is_skipped_without_waiting_on_it() {
             target: "h1".into(),
             reachable: true,
             reason: None,
+            stage: None,
             message: "ok".into(),
             latency: Duration::from_millis(1),
         }]);

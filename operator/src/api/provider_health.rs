@@ -102,6 +102,10 @@ pub struct TargetHealthStatus {
     /// Short reason code when not reachable (`connect`, `host-key`, `timeout`, ...).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub reason: Option<String>,
+    /// The stage of the dial that failed (`dns`, `tcp-connect`, `ssh-handshake`,
+    /// `ssh-auth`, `channel`, `libvirt-open`), when a dial failed.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub stage: Option<String>,
     /// Detail for people.
     #[serde(default)]
     pub message: String,

@@ -270,6 +270,7 @@ impl HealthCheck for FakeProvider {
                         target: t.clone(),
                         reachable: !down,
                         reason: down.then(|| "connect".to_string()),
+                        stage: None,
                         message: if down { "down".into() } else { "ok".into() },
                         latency: Duration::from_millis(1),
                     }

@@ -74,6 +74,7 @@ mod tests {
             target: target.into(),
             reachable,
             reason: (!reachable).then(|| "connect".to_string()),
+            stage: None,
             message: String::new(),
             latency: Duration::from_millis(3),
         }

@@ -348,6 +348,9 @@ pub struct TargetHealth {
     pub reachable: bool,
     /// A short reason code when not (`connect`, `host-key`, `pool-missing`, ...).
     pub reason: Option<String>,
+    /// The stage of the dial that failed (`dns`, `tcp-connect`, `ssh-handshake`,
+    /// `ssh-auth`, `channel`, `libvirt-open`), when the failure was a dial's.
+    pub stage: Option<String>,
     /// Human-readable detail.
     pub message: String,
     /// How long the check took.

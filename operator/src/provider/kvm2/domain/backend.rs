@@ -1203,41 +1203,57 @@ impl Provider for Kvm2Provider {
 }
 
 impl HealthCheck for Kvm2Provider {
+    /// Every host at once, each on a dedicated connection bounded by `timeout` (see
+    /// [`HostOps::health_probe`]), reporting the dial stage that failed.
     fn check(&self, timeout: Duration) -> BoxFuture<'_, Vec<TargetHealth>> {
         Box::pin(async move {
             let futures = self.config.kvm2.hosts.iter().map(|host| async move {
                 let started = Instant::now();
-                let probe = async {
-                    self.ops.facts(&host.name).await?;
-                    self.ops.pool_space(&host.name, &host.storage_pool).await
-                };
-                let (reachable, reason, message) = match tokio::time::timeout(timeout, probe).await
-                {
-                    Ok(Ok(space)) => (
-                        true,
-                        None,
-                        format!(
-                            "pool {} has {} bytes free",
-                            host.storage_pool, space.available
+                let probe = self
+                    .ops
+                    .health_probe(&host.name, &host.storage_pool, timeout);
+                // The probe bounds itself; this is the backstop for a double that does not.
+                let (reachable, reason, stage, message) =
+                    match tokio::time::timeout(timeout + HEALTH_GRACE, probe).await {
+                        Ok(Ok(space)) => (
+                            true,
+                            None,
+                            None,
+                            format!(
+                                "pool {} has {} bytes free",
+                                host.storage_pool, space.available
+                            ),
                         ),
-                    ),
-                    Ok(Err(e)) => (false, Some(reason_code(&e)), e.to_string()),
-                    Err(_) => (
-                        false,
-                        Some("timeout".to_string()),
-                        format!("no answer within {timeout:?}"),
-                    ),
-                };
+                        Ok(Err(e)) => (false, Some(reason_code(&e)), stage(&e), e.to_string()),
+                        Err(_) => (
+                            false,
+                            Some("timeout".to_string()),
+                            None,
+                            format!("no answer within {timeout:?}"),
+                        ),
+                    };
                 TargetHealth {
                     target: host.name.clone(),
                     reachable,
                     reason,
+                    stage,
                     message,
                     latency: started.elapsed(),
                 }
             });
             futures_util::future::join_all(futures).await
         })
+    }
+}
+
+/// Slack on top of a health probe's own bound before the check gives up on it.
+const HEALTH_GRACE: Duration = Duration::from_secs(1);
+
+/// The dial stage a health probe failed at, as a stable code.
+fn stage(e: &OpsError) -> Option<String> {
+    match e {
+        OpsError::Host(h) => h.stage().map(str::to_string),
+        _ => None,
     }
 }
 

@@ -25,7 +25,7 @@ use super::state::instance_state;
 use crate::error::{Classified, ErrorClass};
 use crate::instance::MetadataMark;
 use crate::provider::kvm2::hosts::{HostError, Hosts};
-use crate::provider::kvm2::libvirt::LibvirtError;
+use crate::provider::kvm2::libvirt::{Lane, LibvirtError};
 use crate::provider::{BoxFuture, InstanceState};
 use crate::render::Facts;
 
@@ -291,6 +291,35 @@ pub trait HostOps: Send + Sync {
         host: &'a str,
         pool: &'a str,
     ) -> BoxFuture<'a, Result<Vec<VolumeEntry>, OpsError>>;
+
+    /// The health monitor's check of a host, within `deadline`: libvirt answers and the
+    /// pool's space. Real hosts check on a connection of their own, never the shared link
+    /// (a check must neither disturb calls in flight nor wait behind a full pool, and it
+    /// should prove that a fresh dial works); the default, for test doubles, asks
+    /// [`HostOps::facts`] and [`HostOps::pool_space`].
+    fn health_probe<'a>(
+        &'a self,
+        host: &'a str,
+        pool: &'a str,
+        deadline: Duration,
+    ) -> BoxFuture<'a, Result<PoolSpace, OpsError>> {
+        Box::pin(async move {
+            let probe = async {
+                self.facts(host).await?;
+                self.pool_space(host, pool).await
+            };
+            match tokio::time::timeout(deadline, probe).await {
+                Ok(r) => r,
+                Err(_) => Err(OpsError::Host(HostError::Libvirt {
+                    host: host.to_string(),
+                    source: LibvirtError::Timeout {
+                        op: "health",
+                        after: deadline,
+                    },
+                })),
+            }
+        })
+    }
 }
 
 /// [`HostOps`] on real hosts, through the hosts table (one SSH link per host).
@@ -496,6 +525,30 @@ impl HostOps for LibvirtOps {
         })
     }
 
+    fn health_probe<'a>(
+        &'a self,
+        host: &'a str,
+        pool: &'a str,
+        deadline: Duration,
+    ) -> BoxFuture<'a, Result<PoolSpace, OpsError>> {
+        let pool = pool.to_string();
+        Box::pin(async move {
+            let info = self
+                .hosts
+                .with_dedicated_link(host, "health", deadline, move |c| {
+                    c.get_lib_version()?;
+                    let p = StoragePool::lookup_by_name(c, &pool)?;
+                    p.refresh(0)?;
+                    p.get_info()
+                })
+                .await?;
+            Ok(PoolSpace {
+                capacity: info.capacity,
+                available: info.available,
+            })
+        })
+    }
+
     fn pool_space<'a>(
         &'a self,
         host: &'a str,
@@ -633,7 +686,9 @@ impl HostOps for LibvirtOps {
         Box::pin(async move {
             let outcome = self
                 .hosts
-                .call_within(host, "volume-upload", deadline, move |c| {
+                // Its own lane: a minutes-long upload must not hold the slots that the
+                // host's short calls need.
+                .call_in(host, Lane::Transfer, "volume-upload", deadline, move |c| {
                     let Some(mut rx) = chunks.lock().ok().and_then(|mut g| g.take()) else {
                         return Ok(Err("the upload was interrupted and cannot resume".into()));
                     };

@@ -36,6 +36,9 @@ pub struct HostReport {
     /// `key-file`, `libvirt-socket`, `libvirt`, `pool-missing`, `pool-inactive`,
     /// `bridge-missing`).
     pub reason: Option<String>,
+    /// The dial stage the first failure happened at (`key-files`, `dns`, `tcp-connect`,
+    /// `ssh-handshake`, `ssh-auth`, `channel`, `libvirt-open`), when it was the dial's.
+    pub stage: Option<String>,
     /// Human message of the first failure.
     pub message: Option<String>,
     /// The SSH connection and handshake succeeded.
@@ -96,6 +99,7 @@ impl HostReport {
             address: host.address.clone(),
             ok: false,
             reason: None,
+            stage: None,
             message: None,
             reachable: false,
             host_key_verified: false,
@@ -115,6 +119,13 @@ impl HostReport {
             self.message = Some(message.into());
         }
     }
+
+    fn fail_with(&mut self, e: &HostError) {
+        if self.reason.is_none() {
+            self.stage = e.stage().map(str::to_string);
+        }
+        self.fail(e.reason_code(), e.to_string());
+    }
 }
 
 /// Checks one host within `timeout`, on a dedicated connection.
@@ -129,7 +140,7 @@ pub async fn check_host(
     let mut report = HostReport::new(host);
     match tokio::time::timeout(timeout, run(ssh, host, images, pool, &mut report)).await {
         Ok(Ok(())) => {}
-        Ok(Err(e)) => report.fail(e.reason_code(), e.to_string()),
+        Ok(Err(e)) => report.fail_with(&e),
         Err(_) => report.fail(
             "timeout",
             format!("the check did not finish within {timeout:?}"),
@@ -278,6 +289,9 @@ pub fn table(reports: &[HostReport]) -> String {
             format!("FAIL ({})", r.reason.as_deref().unwrap_or("unknown"))
         };
         out.push_str(&format!("{}  {}  {status}\n", r.host, r.address));
+        if let Some(stage) = &r.stage {
+            out.push_str(&format!("  failed at            {stage}\n"));
+        }
         let yn = |b: bool| if b { "yes" } else { "no" };
         let opt = |v: &Option<String>| v.clone().unwrap_or_else(|| "-".into());
         out.push_str(&format!("  reachable            {}\n", yn(r.reachable)));

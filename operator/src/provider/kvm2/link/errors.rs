@@ -132,11 +132,48 @@ impl SshError {
             SshError::Auth { .. } => "auth",
             SshError::HostKey { .. } => "host-key",
             SshError::KeyFile { .. } => "key-file",
-            SshError::Channel { .. } => "channel",
+            SshError::Channel { source, .. } if is_prohibited(source) => "forwarding-disabled",
+            SshError::Channel { .. } => "libvirt-socket",
             SshError::Disconnected { .. } => "disconnected",
             SshError::Tunnel { .. } => "tunnel",
         }
     }
+
+    /// The stage of a dial this error belongs to, as a stable code for `check` and the
+    /// health status: `key-files`, `dns`, `tcp-connect`, `ssh-handshake`, `ssh-auth`,
+    /// `channel`, `tunnel` (or `keepalive` for a failed probe of a live session).
+    pub fn stage(&self) -> Option<&'static str> {
+        Some(match self {
+            SshError::Config { .. } => "config",
+            SshError::KeyFile { .. } => "key-files",
+            SshError::Dns { .. } => "dns",
+            SshError::Connect { .. } => "tcp-connect",
+            SshError::Handshake { .. } | SshError::HostKey { .. } => "ssh-handshake",
+            SshError::Auth { .. } => "ssh-auth",
+            SshError::Channel { .. } => "channel",
+            SshError::Tunnel { .. } => "tunnel",
+            SshError::Disconnected { .. } => return None,
+            SshError::Timeout { stage, .. } => match *stage {
+                "reading the key files" => "key-files",
+                "dns lookup" => "dns",
+                "tcp connect" => "tcp-connect",
+                "ssh handshake" => "ssh-handshake",
+                "ssh authentication" => "ssh-auth",
+                "opening a channel" => "channel",
+                "keepalive probe" => "keepalive",
+                _ => return None,
+            },
+        })
+    }
+}
+
+/// sshd answered a channel open with "administratively prohibited": its config forbids
+/// streamlocal forwarding (`AllowStreamLocalForwarding no`, `DisableForwarding yes`).
+fn is_prohibited(e: &russh::Error) -> bool {
+    matches!(
+        e,
+        russh::Error::ChannelOpenFailure(russh::ChannelOpenFailure::AdministrativelyProhibited)
+    )
 }
 
 impl Classified for SshError {
@@ -153,12 +190,13 @@ impl Classified for SshError {
                 russh::Error::NoCommonAlgo { .. } | russh::Error::Version => ErrorClass::Permanent,
                 _ => ErrorClass::Transient,
             },
-            // sshd_config forbids streamlocal forwarding: an admin must change it. Any
-            // other refusal (socket missing while libvirtd restarts) may pass.
+            // sshd_config forbids streamlocal forwarding, or the configured libvirt socket
+            // does not answer: an admin must change the host or the config. (A socket that
+            // answered before in this process is libvirtd restarting: the hosts table
+            // reports that as transient, `HostError::SocketGone`.) A channel that failed
+            // for any other reason (the session broke meanwhile) may pass.
             SshError::Channel { source, .. } => match source.as_ref() {
-                russh::Error::ChannelOpenFailure(
-                    russh::ChannelOpenFailure::AdministrativelyProhibited,
-                ) => ErrorClass::Permanent,
+                russh::Error::ChannelOpenFailure(_) => ErrorClass::Permanent,
                 _ => ErrorClass::Transient,
             },
             SshError::Dns { .. }
@@ -268,8 +306,8 @@ mod tests {
                         russh::ChannelOpenFailure::ConnectFailed,
                     )),
                 },
-                "channel",
-                ErrorClass::Transient,
+                "libvirt-socket",
+                ErrorClass::Permanent,
             ),
             (
                 SshError::Channel {
@@ -279,8 +317,17 @@ mod tests {
                         russh::ChannelOpenFailure::AdministrativelyProhibited,
                     )),
                 },
-                "channel",
+                "forwarding-disabled",
                 ErrorClass::Permanent,
+            ),
+            (
+                SshError::Channel {
+                    addr: addr(),
+                    target: "/s".into(),
+                    source: Box::new(russh::Error::HUP),
+                },
+                "libvirt-socket",
+                ErrorClass::Transient,
             ),
             (
                 SshError::Disconnected {

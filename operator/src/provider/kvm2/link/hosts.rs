@@ -1,26 +1,41 @@
 //! The hosts table: one cached link (SSH session + tunnel + libvirt connection) per host.
 //!
-//! - Concurrent callers share one dial (single flight): the first caller dials while
-//!   holding the host's lock, the others wait on it and then use the same link, so a burst
-//!   of reconciles opens one SSH connection, not a hundred.
-//! - A link is dropped and redialled when its SSH session has closed (keepalives missed,
-//!   server gone), when a libvirt call reports a transport failure, or when a call runs past
-//!   its deadline. Redials back off exponentially after failures, bounded by
-//!   [`BACKOFF_MAX`], so a dead host is not hammered and a recovered one is found quickly.
-//! - Every call is observed ([`super::observe`]) and runs under a deadline on the bounded
-//!   blocking pool ([`super::libvirt`]).
-//! - [`Hosts::close`] closes every part of every link; dropping the table does the same
-//!   without waiting.
+//! How failures stay contained (each rule answers a way one slow call or one bad host used
+//! to spread failures across the fleet):
+//!
+//! - **Single flight, for failures too.** One dial per host at a time, run on its own task:
+//!   every caller that arrives meanwhile waits on it and gets its result, the link or the
+//!   classified error with its reason (a wrong host key is `host-key`/permanent for all
+//!   fifty waiters, not fifty dials). A caller that gives up waiting does not cancel the
+//!   dial, so its outcome still lands in the table and feeds the backoff.
+//! - **Backoff that remembers.** After a failed dial, callers within the backoff window
+//!   ([`BACKOFF_BASE`] doubling up to [`BACKOFF_MAX`]) get the remembered error at once
+//!   instead of redialling.
+//! - **Eviction only on evidence.** A link is dropped when its SSH session has closed
+//!   (keepalives missed, server gone), when libvirt reports a broken transport, or when a
+//!   liveness probe ([`PROBE_DEADLINE`]: an SSH ping and libvirt's own keepalive state)
+//!   fails after a call timed out. A timeout alone is not evidence: a slow call must not
+//!   kill the other calls in flight on the same link, uploads included.
+//! - **Nothing waits on a lock across I/O.** The table's lock is held for a copy in or
+//!   out only; evicting never waits behind a dial, and closing runs in the background,
+//!   bounded by [`SshSession::close`]'s own grace periods.
+//! - **Per-host slots.** Every call runs in its host's blocking pool ([`super::pool`]);
+//!   a full pool is `busy`, never a link failure.
+//!
+//! [`Hosts::close`] closes every link concurrently, within [`CLOSE_BOUND`]; dropping the
+//! table aborts dials and closes links without waiting.
 
 use std::collections::BTreeMap;
-use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::{Duration, Instant};
 
-use tokio::sync::Mutex;
+use tokio::sync::watch;
+use tokio::task::AbortHandle;
 use virt::connect::Connect;
 
 use super::errors::SshError;
-use super::libvirt::{BlockingPool, Keepalive, LibvirtConn, LibvirtError};
+use super::libvirt::{BlockingPool, Keepalive, Lane, LibvirtConn, LibvirtError};
 use super::observe::CallMetrics;
 use super::ssh::{self, SshSession, SshTarget};
 use super::tunnel::Tunnel;
@@ -33,6 +48,12 @@ pub const DEFAULT_CALL_DEADLINE: Duration = Duration::from_secs(30);
 pub const BACKOFF_BASE: Duration = Duration::from_millis(200);
 /// Longest redial delay: a recovered host is back in use within this.
 pub const BACKOFF_MAX: Duration = Duration::from_secs(10);
+/// Bound of the liveness probe run after a call timed out: an SSH round trip, however
+/// slow the link, answers well within it.
+pub const PROBE_DEADLINE: Duration = Duration::from_secs(5);
+/// Bound of [`Hosts::close`]: every link's close runs at once, each bounded by its own
+/// grace periods; this is the backstop.
+pub const CLOSE_BOUND: Duration = Duration::from_secs(10);
 /// libvirt keepalive: probe every 5 s, give up after 3 misses (15 s), well before the
 /// default call deadline, so an idle dead link is noticed by libvirt too.
 pub const LIBVIRT_KEEPALIVE: Keepalive = Keepalive {
@@ -58,6 +79,24 @@ pub enum HostError {
         #[source]
         source: LibvirtError,
     },
+    /// The host's libvirt socket refused our channel although it worked before in this
+    /// process: libvirtd is most likely restarting, so this passes (a socket that never
+    /// worked is a wrong path, which does not).
+    #[error("host {host}: {source} (it answered before: libvirtd may be restarting)")]
+    SocketGone {
+        /// The host.
+        host: String,
+        /// The channel refusal.
+        #[source]
+        source: SshError,
+    },
+    /// The hosts table was closed while the call waited for a dial.
+    #[error("host {0:?}: the hosts table is closed")]
+    Closed(String),
+    /// A dial's failure, shared by every caller that waited on that dial or came during
+    /// its backoff window: the same reason and class for all of them.
+    #[error(transparent)]
+    Shared(Arc<HostError>),
 }
 
 impl HostError {
@@ -65,15 +104,30 @@ impl HostError {
     pub fn reason_code(&self) -> &'static str {
         match self {
             HostError::Unknown(_) => "unknown-host",
-            HostError::Ssh(e) => match e {
-                SshError::Channel { .. } => "libvirt-socket",
-                other => other.reason_code(),
-            },
+            HostError::Ssh(e) => e.reason_code(),
             HostError::Libvirt { source, .. } => match source {
                 LibvirtError::Timeout { .. } => "timeout",
+                LibvirtError::Busy { .. } => "busy",
                 LibvirtError::Dead { .. } => "disconnected",
                 _ => "libvirt",
             },
+            HostError::SocketGone { .. } => "libvirt-socket",
+            HostError::Closed(_) => "closed",
+            HostError::Shared(e) => e.reason_code(),
+        }
+    }
+
+    /// The stage of a dial that failed (`dns`, `tcp-connect`, `ssh-handshake`,
+    /// `ssh-auth`, `channel`, `libvirt-open`, ...), when this is a dial failure.
+    pub fn stage(&self) -> Option<&'static str> {
+        match self {
+            HostError::Unknown(_) => Some("config"),
+            HostError::Ssh(e) | HostError::SocketGone { source: e, .. } => e.stage(),
+            HostError::Libvirt { source, .. } => {
+                (source.op() == Some("open")).then_some("libvirt-open")
+            }
+            HostError::Closed(_) => None,
+            HostError::Shared(e) => e.stage(),
         }
     }
 
@@ -81,9 +135,16 @@ impl HostError {
     pub fn libvirt(&self) -> Option<&LibvirtError> {
         match self {
             HostError::Libvirt { source, .. } => Some(source),
+            HostError::Shared(e) => e.libvirt(),
             _ => None,
         }
     }
+}
+
+/// Whether sshd refused the channel to the libvirt socket for a reason other than
+/// forwarding being forbidden (socket missing, connection refused).
+fn e_is_refusal(e: &SshError) -> bool {
+    matches!(e, SshError::Channel { .. }) && e.reason_code() == "libvirt-socket"
 }
 
 impl Classified for HostError {
@@ -92,6 +153,8 @@ impl Classified for HostError {
             HostError::Unknown(_) => ErrorClass::Permanent,
             HostError::Ssh(e) => e.class(),
             HostError::Libvirt { source, .. } => source.class(),
+            HostError::SocketGone { .. } | HostError::Closed(_) => ErrorClass::Transient,
+            HostError::Shared(e) => e.class(),
         }
     }
 }
@@ -102,6 +165,8 @@ pub struct HostLink {
     /// Taken out when the link is closed, possibly while calls still hold the link.
     tunnel: std::sync::Mutex<Option<Tunnel>>,
     session: Arc<SshSession>,
+    /// A liveness probe is running (one at a time per link).
+    probing: AtomicBool,
 }
 
 impl std::fmt::Debug for HostLink {
@@ -136,15 +201,20 @@ impl HostLink {
                 conn,
                 tunnel: std::sync::Mutex::new(Some(tunnel)),
                 session,
+                probing: AtomicBool::new(false),
             }),
             Err(source) => {
+                // When sshd refused the channel to the libvirt socket, libvirt only saw
+                // the local end close; the tunnel kept sshd's reason: report that.
+                let refused = tunnel.take_channel_error();
                 tunnel.close().await;
                 session.close().await;
-                // A libvirt open that fails because the remote socket is missing shows up
-                // as the channel open failing inside the tunnel; say so.
-                Err(HostError::Libvirt {
-                    host: host.name.clone(),
-                    source,
+                Err(match refused {
+                    Some(e) => HostError::Ssh(e),
+                    None => HostError::Libvirt {
+                        host: host.name.clone(),
+                        source,
+                    },
                 })
             }
         }
@@ -160,9 +230,35 @@ impl HostLink {
         &self.conn
     }
 
+    /// Whether the link still works, within `deadline`: an SSH ping answered (the
+    /// transport and sshd are alive) and libvirt's keepalive has not given up on the
+    /// connection (libvirtd answers). Neither needs a slot of the host's pool.
+    pub async fn probe(&self, deadline: Duration) -> Result<(), HostError> {
+        if self.is_dead() {
+            return Err(HostError::Libvirt {
+                host: self.session.addr().to_string(),
+                source: LibvirtError::Dead {
+                    uri: self.conn.uri().to_string(),
+                },
+            });
+        }
+        self.session.check_alive(deadline).await?;
+        if self.conn.is_alive(deadline).await {
+            Ok(())
+        } else {
+            Err(HostError::Libvirt {
+                host: self.session.addr().to_string(),
+                source: LibvirtError::Dead {
+                    uri: self.conn.uri().to_string(),
+                },
+            })
+        }
+    }
+
     /// Closes the tunnel (which releases any thread blocked in libvirt, even while calls
     /// still hold this link), then the SSH session. The libvirt connection itself is
-    /// closed on a blocking thread when the last holder drops the link.
+    /// closed on a blocking thread when the last holder drops the link. Bounded: the
+    /// tunnel closes at once, the session within its grace periods.
     pub async fn close(&self) {
         self.conn.mark_dead();
         let tunnel = self.tunnel.lock().ok().and_then(|mut t| t.take());
@@ -173,23 +269,65 @@ impl HostLink {
     }
 }
 
-struct Entry {
-    host: HostConfig,
-    target: SshTarget,
-    link: Mutex<Slot>,
+/// The outcome of one dial, as every waiter sees it.
+type DialOutcome = Result<Arc<HostLink>, Arc<HostError>>;
+
+/// A dial in progress.
+struct DialInFlight {
+    done: watch::Receiver<Option<DialOutcome>>,
+    task: AbortHandle,
 }
 
 #[derive(Default)]
-struct Slot {
+struct State {
     link: Option<Arc<HostLink>>,
+    dial: Option<DialInFlight>,
     failures: u32,
-    last_failure: Option<Instant>,
+    last_failure: Option<(Instant, Arc<HostError>)>,
+    /// A dial of this host has succeeded in this process (see [`HostError::SocketGone`]).
+    worked: bool,
+}
+
+struct Entry {
+    name: String,
+    host: HostConfig,
+    target: SshTarget,
+    pool: BlockingPool,
+    state: Mutex<State>,
+}
+
+impl Entry {
+    /// The table's lock: held only for a copy in or out, never across an `.await`. A
+    /// panic while it is held cannot leave the state half-written (every write is a field
+    /// store), so a poisoned lock is still consistent.
+    fn state(&self) -> MutexGuard<'_, State> {
+        self.state
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
+    }
+
+    /// Drops `link` from the table if it is still the current one, and closes it in the
+    /// background (which also frees any thread blocked on it).
+    fn evict(&self, link: &Arc<HostLink>, cause: &'static str, metrics: &CallMetrics) {
+        let old = {
+            let mut st = self.state();
+            if st.link.as_ref().is_some_and(|l| Arc::ptr_eq(l, link)) {
+                st.link.take()
+            } else {
+                None
+            }
+        };
+        if let Some(old) = old {
+            tracing::info!(host = %self.name, cause, "dropping the host's link");
+            metrics.evicted(&self.name, cause);
+            close_in_background(old);
+        }
+    }
 }
 
 /// The table of all configured hosts.
 pub struct Hosts {
     entries: BTreeMap<String, Arc<Entry>>,
-    pool: BlockingPool,
     metrics: Arc<CallMetrics>,
     call_deadline: Duration,
 }
@@ -209,8 +347,59 @@ fn backoff(failures: u32) -> Duration {
     BACKOFF_BASE.saturating_mul(factor).min(BACKOFF_MAX)
 }
 
+/// Dials `entry`'s host and records the outcome in its state, then tells the waiters.
+/// Runs on its own task, so a waiter that gives up does not cancel it.
+async fn dial_task(
+    entry: Arc<Entry>,
+    metrics: Arc<CallMetrics>,
+    open_deadline: Duration,
+    done: watch::Sender<Option<DialOutcome>>,
+) {
+    let result = HostLink::dial(&entry.target, &entry.host, &entry.pool, open_deadline).await;
+    let outcome = {
+        let mut st = entry.state();
+        st.dial = None;
+        match result {
+            Ok(link) => {
+                let link = Arc::new(link);
+                st.link = Some(link.clone());
+                st.failures = 0;
+                st.last_failure = None;
+                st.worked = true;
+                Ok(link)
+            }
+            Err(e) => {
+                let e = match e {
+                    HostError::Ssh(source) if st.worked && e_is_refusal(&source) => {
+                        HostError::SocketGone {
+                            host: entry.name.clone(),
+                            source,
+                        }
+                    }
+                    other => other,
+                };
+                let e = Arc::new(e);
+                st.failures = st.failures.saturating_add(1);
+                st.last_failure = Some((Instant::now(), e.clone()));
+                Err(e)
+            }
+        }
+    };
+    match &outcome {
+        Ok(_) => metrics.dialled(&entry.name, None),
+        Err(e) => {
+            metrics.dialled(&entry.name, Some(e.reason_code()));
+            tracing::warn!(host = %entry.name, reason = e.reason_code(), stage = e.stage().unwrap_or(""),
+                class = e.class().as_str(), error = %e, "dial failed");
+        }
+    }
+    done.send_replace(Some(outcome));
+}
+
 impl Hosts {
-    /// A table for `hosts`, logging in with `ssh`. Nothing is dialled until first use.
+    /// A table for `hosts`, logging in with `ssh`. Each host gets its own lanes of
+    /// blocking slots with `pool`'s limits, all under `pool`'s process-wide bound.
+    /// Nothing is dialled until first use.
     pub fn new(
         ssh_config: &SshConfig,
         hosts: &[HostConfig],
@@ -223,15 +412,16 @@ impl Hosts {
             entries.insert(
                 h.name.clone(),
                 Arc::new(Entry {
+                    name: h.name.clone(),
                     host: h.clone(),
                     target,
-                    link: Mutex::new(Slot::default()),
+                    pool: pool.for_host(&h.name, metrics.clone()),
+                    state: Mutex::new(State::default()),
                 }),
             );
         }
         Ok(Self {
             entries,
-            pool,
             metrics,
             call_deadline: DEFAULT_CALL_DEADLINE,
         })
@@ -254,39 +444,65 @@ impl Hosts {
             .ok_or_else(|| HostError::Unknown(host.to_string()))
     }
 
-    /// The live link to `host`, dialling (once, for all concurrent callers) if needed.
-    pub async fn link(&self, host: &str) -> Result<Arc<HostLink>, HostError> {
+    /// `host`'s blocking pool (tests and metrics).
+    pub fn pool(&self, host: &str) -> Result<&BlockingPool, HostError> {
+        Ok(&self.entry(host)?.pool)
+    }
+
+    /// The live link to `host`, waiting at most `deadline`: the cached one, or the result
+    /// of the one dial in flight (started now if none is and the backoff allows).
+    pub async fn link(&self, host: &str, deadline: Duration) -> Result<Arc<HostLink>, HostError> {
         let entry = self.entry(host)?;
-        let mut slot = entry.link.lock().await;
-        if let Some(link) = &slot.link {
-            if !link.is_dead() {
-                return Ok(link.clone());
+        let mut done = {
+            let mut st = entry.state();
+            if let Some(link) = &st.link {
+                if !link.is_dead() {
+                    return Ok(link.clone());
+                }
+                if let Some(old) = st.link.take() {
+                    tracing::info!(host, "libvirt link is dead; redialling");
+                    self.metrics.evicted(host, "closed");
+                    close_in_background(old);
+                }
             }
-            tracing::info!(host, "libvirt link is dead; redialling");
-            if let Some(old) = slot.link.take() {
-                close_in_background(old);
+            match &st.dial {
+                Some(d) => d.done.clone(),
+                None => {
+                    if let Some((at, e)) = &st.last_failure
+                        && at.elapsed() < backoff(st.failures)
+                    {
+                        return Err(HostError::Shared(e.clone()));
+                    }
+                    let (tx, rx) = watch::channel(None);
+                    let task = tokio::spawn(dial_task(
+                        entry.clone(),
+                        self.metrics.clone(),
+                        self.call_deadline,
+                        tx,
+                    ));
+                    st.dial = Some(DialInFlight {
+                        done: rx.clone(),
+                        task: task.abort_handle(),
+                    });
+                    rx
+                }
             }
-        }
-        if let Some(at) = slot.last_failure {
-            let wait = backoff(slot.failures).saturating_sub(at.elapsed());
-            if !wait.is_zero() {
-                tokio::time::sleep(wait).await;
-            }
-        }
-        match HostLink::dial(&entry.target, &entry.host, &self.pool, self.call_deadline).await {
-            Ok(link) => {
-                let link = Arc::new(link);
-                slot.link = Some(link.clone());
-                slot.failures = 0;
-                slot.last_failure = None;
-                Ok(link)
-            }
-            Err(e) => {
-                slot.failures = slot.failures.saturating_add(1);
-                slot.last_failure = Some(Instant::now());
-                tracing::warn!(host, reason = e.reason_code(), error = %e, "dial failed");
-                Err(e)
-            }
+        };
+        let waited = tokio::time::timeout(deadline, async {
+            done.wait_for(Option::is_some).await.map(|v| v.clone())
+        })
+        .await;
+        match waited {
+            Err(_) => Err(HostError::Libvirt {
+                host: host.to_string(),
+                source: LibvirtError::Timeout {
+                    op: "dial",
+                    after: deadline,
+                },
+            }),
+            Ok(Err(_)) | Ok(Ok(None)) => Err(HostError::Closed(host.to_string())),
+            Ok(Ok(Some(Ok(link)))) => Ok(link),
+            Ok(Ok(Some(Err(e)))) => Err(HostError::Shared(e)),
         }
     }
 
@@ -299,13 +515,7 @@ impl Hosts {
         self.call_within(host, op, self.call_deadline, f).await
     }
 
-    /// Runs `f` against `host`'s libvirt within `deadline`.
-    ///
-    /// A transport failure (the daemon restarted, the SSH link dropped) evicts the link and
-    /// `f` is retried once on a fresh one: every operation the provider makes is
-    /// idempotent, and this is what lets the first call after a libvirtd restart succeed.
-    /// A timeout is not retried (its deadline is spent); it evicts the link, which frees
-    /// the thread stuck in libvirt, and the next call redials.
+    /// Runs `f` against `host`'s libvirt within `deadline`, in the ordinary lane.
     pub async fn call_within<T, F>(
         &self,
         host: &str,
@@ -317,6 +527,29 @@ impl Hosts {
         T: Send + 'static,
         F: Fn(&Connect) -> Result<T, virt::error::Error> + Send + Sync + 'static,
     {
+        self.call_in(host, Lane::Call, op, deadline, f).await
+    }
+
+    /// Runs `f` against `host`'s libvirt within `deadline`, in `lane` of the host's pool.
+    ///
+    /// A transport failure (the daemon restarted, the SSH link dropped) evicts the link and
+    /// `f` is retried once on a fresh one: every operation the provider makes is
+    /// idempotent, and this is what lets the first call after a libvirtd restart succeed.
+    /// A timeout is not retried (its deadline is spent) and evicts nothing by itself: a
+    /// bounded liveness probe runs in the background and evicts only a link that fails it.
+    pub async fn call_in<T, F>(
+        &self,
+        host: &str,
+        lane: Lane,
+        op: &'static str,
+        deadline: Duration,
+        f: F,
+    ) -> Result<T, HostError>
+    where
+        T: Send + 'static,
+        F: Fn(&Connect) -> Result<T, virt::error::Error> + Send + Sync + 'static,
+    {
+        let entry = self.entry(host)?.clone();
         let f = Arc::new(f);
         let metrics = self.metrics.clone();
         metrics
@@ -324,68 +557,142 @@ impl Hosts {
                 let started = tokio::time::Instant::now();
                 let mut retried = false;
                 loop {
-                    // The dial counts against the call's deadline too; a cancelled dial
-                    // closes whatever it had opened.
                     let remaining = deadline.saturating_sub(started.elapsed());
-                    let link = tokio::time::timeout(remaining, self.link(host))
-                        .await
-                        .map_err(|_| HostError::Libvirt {
-                            host: host.to_string(),
-                            source: LibvirtError::Timeout { op, after: deadline },
-                        })??;
+                    let link = self.link(host, remaining).await?;
                     let g = f.clone();
                     let remaining = deadline.saturating_sub(started.elapsed());
-                    let result = link.conn().call(op, remaining, move |c| g(c)).await;
+                    let result = link.conn().call_in(lane, op, remaining, move |c| g(c)).await;
+                    let wrap = |source| HostError::Libvirt {
+                        host: host.to_string(),
+                        source,
+                    };
                     match result {
                         Ok(v) => return Ok(v),
+                        Err(e @ LibvirtError::Timeout { .. }) => {
+                            probe_in_background(entry.clone(), link, self.metrics.clone());
+                            return Err(wrap(e));
+                        }
                         Err(e) if e.is_link_failure() => {
-                            self.evict(host, &link).await;
-                            let timed_out = matches!(e, LibvirtError::Timeout { .. });
-                            if retried || timed_out || started.elapsed() >= deadline {
-                                return Err(HostError::Libvirt {
-                                    host: host.to_string(),
-                                    source: e,
-                                });
+                            entry.evict(&link, "transport", &self.metrics);
+                            if retried || started.elapsed() >= deadline {
+                                return Err(wrap(e));
                             }
                             tracing::info!(host, op, error = %e, "link failed; retrying once on a fresh link");
                             retried = true;
                         }
-                        Err(source) => {
-                            return Err(HostError::Libvirt {
-                                host: host.to_string(),
-                                source,
-                            });
-                        }
+                        Err(e) => return Err(wrap(e)),
                     }
                 }
             })
             .await
     }
 
-    /// Drops `link` from the table if it is still the current one, and closes it, which
-    /// also frees any thread blocked on it.
-    async fn evict(&self, host: &str, link: &Arc<HostLink>) {
-        let Ok(entry) = self.entry(host) else { return };
-        let mut slot = entry.link.lock().await;
-        if slot.link.as_ref().is_some_and(|l| Arc::ptr_eq(l, link))
-            && let Some(old) = slot.link.take()
-        {
-            close_in_background(old);
+    /// Dials `host` on a connection of its own (never the shared link, so a check cannot
+    /// disturb running calls and always exercises a fresh handshake), runs `f` on it in a
+    /// small pool of its own (so it answers even when the host's pool is full), and closes
+    /// it: all within `deadline`, the close within its own bound.
+    pub async fn with_dedicated_link<T, F>(
+        &self,
+        host: &str,
+        op: &'static str,
+        deadline: Duration,
+        f: F,
+    ) -> Result<T, HostError>
+    where
+        T: Send + 'static,
+        F: FnOnce(&Connect) -> Result<T, virt::error::Error> + Send + 'static,
+    {
+        let entry = self.entry(host)?;
+        let pool = BlockingPool::with_limits(super::pool::PoolLimits {
+            calls_per_host: 1,
+            transfers_per_host: 1,
+            total: 1,
+        });
+        let started = tokio::time::Instant::now();
+        let link = tokio::time::timeout(
+            deadline,
+            HostLink::dial(&entry.target, &entry.host, &pool, deadline),
+        )
+        .await
+        .map_err(|_| HostError::Libvirt {
+            host: host.to_string(),
+            source: LibvirtError::Timeout {
+                op: "dial",
+                after: deadline,
+            },
+        })??;
+        let remaining = deadline.saturating_sub(started.elapsed());
+        let result =
+            link.conn()
+                .call(op, remaining, f)
+                .await
+                .map_err(|source| HostError::Libvirt {
+                    host: host.to_string(),
+                    source,
+                });
+        link.close().await;
+        result
+    }
+
+    /// Closes every link (and aborts every dial in flight) concurrently, within
+    /// [`CLOSE_BOUND`].
+    pub async fn close(&self) {
+        let links = self.take_all();
+        let closes = futures_util::future::join_all(links.iter().map(|l| l.close()));
+        if tokio::time::timeout(CLOSE_BOUND, closes).await.is_err() {
+            tracing::warn!(bound = ?CLOSE_BOUND, "some links did not close in time; they are dropped");
         }
     }
 
-    /// Closes every link and waits until each is closed.
-    pub async fn close(&self) {
+    /// Empties the table: aborts dials, returns the links.
+    fn take_all(&self) -> Vec<Arc<HostLink>> {
+        let mut links = Vec::new();
         for entry in self.entries.values() {
-            let old = entry.link.lock().await.link.take();
-            if let Some(link) = old {
-                link.close().await;
+            let mut st = entry.state();
+            if let Some(d) = st.dial.take() {
+                d.task.abort();
             }
+            if let Some(l) = st.link.take() {
+                links.push(l);
+            }
+        }
+        links
+    }
+}
+
+impl Drop for Hosts {
+    fn drop(&mut self) {
+        for link in self.take_all() {
+            close_in_background(link);
         }
     }
 }
 
-/// Closes a link without holding up the caller (who holds a host's lock).
+/// Runs one liveness probe of `link` (at most one at a time per link) and evicts it if
+/// the probe fails. In the background: the caller whose call timed out has no deadline
+/// left to spend on it.
+fn probe_in_background(entry: Arc<Entry>, link: Arc<HostLink>, metrics: Arc<CallMetrics>) {
+    if link.probing.swap(true, Ordering::SeqCst) {
+        return;
+    }
+    let Ok(handle) = tokio::runtime::Handle::try_current() else {
+        return;
+    };
+    handle.spawn(async move {
+        match link.probe(PROBE_DEADLINE).await {
+            Ok(()) => {
+                tracing::debug!(host = %entry.name, "a call timed out but the link answers; keeping it");
+            }
+            Err(e) => {
+                tracing::info!(host = %entry.name, error = %e, "the link failed its probe after a timeout");
+                entry.evict(&link, "probe", &metrics);
+            }
+        }
+        link.probing.store(false, Ordering::SeqCst);
+    });
+}
+
+/// Closes a link without holding up the caller; bounded by [`HostLink::close`].
 fn close_in_background(link: Arc<HostLink>) {
     link.conn().mark_dead();
     if let Ok(handle) = tokio::runtime::Handle::try_current() {

@@ -2,12 +2,11 @@
 //!
 //! libvirt's client API is blocking: a call on a dead link can sit in `read()` until TCP
 //! gives up, minutes later. So every call here
-//! - runs on tokio's blocking threads, bounded by a semaphore so a flood of slow calls
-//!   cannot grow threads without limit;
-//! - is wrapped in a deadline: past it the caller gets a transient timeout at once, the
-//!   connection is marked dead (the next call redials), and the thread stuck in libvirt is
-//!   released when the transport under it is torn down (closing the SSH channel makes the
-//!   blocked read return);
+//! - runs on tokio's blocking threads, in the host's bounded pool ([`super::pool`]), so a
+//!   flood of slow calls cannot grow threads without limit or starve other hosts;
+//! - is wrapped in a deadline: past it the caller gets a transient timeout at once; the
+//!   hosts table then probes the link and tears it down only if the probe finds it dead
+//!   (tearing down the transport is what releases a thread stuck in libvirt);
 //! - maps libvirt's error to a class ([`super::virt_error`]) and marks the link dead when
 //!   the error says the transport broke.
 //!
@@ -18,15 +17,11 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, OnceLock};
 use std::time::Duration;
 
-use tokio::sync::Semaphore;
 use virt::connect::Connect;
 
+pub use super::pool::{BlockingPool, DEFAULT_MAX_BLOCKING_CALLS, Lane, PoolLimits};
 use super::virt_error;
 use crate::error::{Classified, ErrorClass};
-
-/// Blocking libvirt calls that may run at once, per pool. Far above what a reconcile
-/// needs, low enough that stuck calls cannot exhaust tokio's blocking threads (512).
-pub const DEFAULT_MAX_BLOCKING_CALLS: usize = 64;
 
 /// A failed libvirt call.
 #[derive(Debug, Clone, thiserror::Error)]
@@ -53,6 +48,17 @@ pub enum LibvirtError {
         /// Whether the connection is broken.
         link_failure: bool,
     },
+    /// No slot of the host's pool came free within the call's deadline: the host is busy
+    /// (or its calls are stuck), which says nothing about the link itself.
+    #[error("libvirt {op}: no free {lane} slot on this host within {}", humantime::format_duration(*waited))]
+    Busy {
+        /// The operation.
+        op: &'static str,
+        /// The lane of the pool (`call` or `transfer`).
+        lane: &'static str,
+        /// How long it waited.
+        waited: Duration,
+    },
     /// The connection was already marked dead; redial first.
     #[error("libvirt connection {uri} is dead")]
     Dead {
@@ -70,7 +76,7 @@ pub enum LibvirtError {
 }
 
 impl LibvirtError {
-    fn from_virt(op: &'static str, e: &virt::error::Error) -> Self {
+    pub(super) fn from_virt(op: &'static str, e: &virt::error::Error) -> Self {
         LibvirtError::Virt {
             op,
             code: format!("{:?}", e.code()),
@@ -80,12 +86,27 @@ impl LibvirtError {
         }
     }
 
-    /// Whether the connection must be redialled after this error.
+    /// The operation that failed, when known.
+    pub fn op(&self) -> Option<&'static str> {
+        match self {
+            LibvirtError::Timeout { op, .. }
+            | LibvirtError::Virt { op, .. }
+            | LibvirtError::Busy { op, .. }
+            | LibvirtError::Runtime { op, .. } => Some(op),
+            LibvirtError::Dead { .. } => None,
+        }
+    }
+
+    /// Whether this error is evidence that the connection is broken and must be
+    /// redialled. A timeout is not: the call may just be slow; the hosts table probes the
+    /// link before giving it up.
     pub fn is_link_failure(&self) -> bool {
         match self {
-            LibvirtError::Timeout { .. } | LibvirtError::Dead { .. } => true,
+            LibvirtError::Dead { .. } => true,
             LibvirtError::Virt { link_failure, .. } => *link_failure,
-            LibvirtError::Runtime { .. } => false,
+            LibvirtError::Timeout { .. }
+            | LibvirtError::Runtime { .. }
+            | LibvirtError::Busy { .. } => false,
         }
     }
 }
@@ -123,74 +144,6 @@ pub fn ensure_event_loop() -> Result<(), String> {
                 .map_err(|e| e.to_string())
         })
         .clone()
-}
-
-/// A bounded set of blocking threads for libvirt calls.
-#[derive(Debug, Clone)]
-pub struct BlockingPool {
-    permits: Arc<Semaphore>,
-}
-
-impl Default for BlockingPool {
-    fn default() -> Self {
-        Self::new(DEFAULT_MAX_BLOCKING_CALLS)
-    }
-}
-
-impl BlockingPool {
-    /// A pool running at most `max` calls at once.
-    pub fn new(max: usize) -> Self {
-        Self {
-            permits: Arc::new(Semaphore::new(max.max(1))),
-        }
-    }
-
-    /// Runs `f` on a blocking thread, waiting at most `deadline` for a permit and the
-    /// result together. A call past its deadline keeps its permit until its thread
-    /// returns, so stuck calls count against the bound.
-    pub async fn run<T, F>(
-        &self,
-        op: &'static str,
-        deadline: Duration,
-        f: F,
-    ) -> Result<T, LibvirtError>
-    where
-        T: Send + 'static,
-        F: FnOnce() -> Result<T, virt::error::Error> + Send + 'static,
-    {
-        let permits = self.permits.clone();
-        let work = async move {
-            let permit = permits
-                .acquire_owned()
-                .await
-                .map_err(|e| LibvirtError::Runtime {
-                    op,
-                    reason: e.to_string(),
-                })?;
-            let handle = tokio::task::spawn_blocking(move || {
-                let _permit = permit;
-                f()
-            });
-            match handle.await {
-                Ok(result) => result.map_err(|e| LibvirtError::from_virt(op, &e)),
-                Err(e) => Err(LibvirtError::Runtime {
-                    op,
-                    reason: e.to_string(),
-                }),
-            }
-        };
-        tokio::time::timeout(deadline, work)
-            .await
-            .unwrap_or(Err(LibvirtError::Timeout {
-                op,
-                after: deadline,
-            }))
-    }
-
-    /// Permits free right now (for tests and metrics).
-    pub fn available(&self) -> usize {
-        self.permits.available_permits()
-    }
 }
 
 /// libvirt keepalive: probe every `interval` seconds, give up after `count` misses.
@@ -249,7 +202,7 @@ impl LibvirtConn {
         }
         let target = uri.to_string();
         let conn = pool
-            .run("open", deadline, move || {
+            .run("open", Lane::Call, deadline, move || {
                 let conn = OwnedConnect(Connect::open(Some(&target))?);
                 if let Some(k) = keepalive {
                     conn.0.set_keep_alive(k.interval_seconds, k.count)?;
@@ -280,9 +233,26 @@ impl LibvirtConn {
         self.dead.store(true, Ordering::SeqCst);
     }
 
-    /// Runs `f` against the connection on the blocking pool within `deadline`.
+    /// Runs `f` against the connection in the pool's ordinary lane within `deadline`.
     pub async fn call<T, F>(
         &self,
+        op: &'static str,
+        deadline: Duration,
+        f: F,
+    ) -> Result<T, LibvirtError>
+    where
+        T: Send + 'static,
+        F: FnOnce(&Connect) -> Result<T, virt::error::Error> + Send + 'static,
+    {
+        self.call_in(Lane::Call, op, deadline, f).await
+    }
+
+    /// Runs `f` against the connection in `lane` of the pool within `deadline`. A
+    /// transport failure marks the connection dead; a timeout does not (the caller decides,
+    /// after a liveness probe, whether the link is gone).
+    pub async fn call_in<T, F>(
+        &self,
+        lane: Lane,
         op: &'static str,
         deadline: Duration,
         f: F,
@@ -299,13 +269,26 @@ impl LibvirtConn {
                 });
             }
         };
-        let result = self.pool.run(op, deadline, move || f(&conn.0)).await;
+        let result = self.pool.run(op, lane, deadline, move || f(&conn.0)).await;
         if let Err(e) = &result
             && e.is_link_failure()
         {
             self.mark_dead();
         }
         result
+    }
+
+    /// libvirt's own view of the connection (`virConnectIsAlive`: false once its
+    /// keepalive gave up or the socket closed), within `deadline`. It reads client state
+    /// and sends nothing, so it runs outside the pool's lanes: it must answer even when
+    /// every slot is held by a stuck call.
+    pub async fn is_alive(&self, deadline: Duration) -> bool {
+        let conn = match (&self.conn, self.is_dead()) {
+            (Some(c), false) => c.clone(),
+            _ => return false,
+        };
+        let probe = tokio::task::spawn_blocking(move || conn.0.is_alive().unwrap_or(false));
+        matches!(tokio::time::timeout(deadline, probe).await, Ok(Ok(true)))
     }
 }
 
@@ -330,42 +313,10 @@ mod tests {
     use super::*;
 
     #[tokio::test]
-    async fn a_call_past_its_deadline_times_out_and_keeps_its_permit_until_done() {
-        let pool = BlockingPool::new(2);
-        let (tx, rx) = std::sync::mpsc::channel::<()>();
-        let r = pool
-            .run("stuck", Duration::from_millis(50), move || {
-                let _ = rx.recv();
-                Ok(())
-            })
-            .await;
-        assert!(
-            matches!(r, Err(LibvirtError::Timeout { op: "stuck", .. })),
-            "{r:?}"
-        );
-        assert!(r.as_ref().is_err_and(LibvirtError::is_link_failure));
-        assert_eq!(r.unwrap_err().class(), ErrorClass::Transient);
-        // The stuck thread still holds its permit: the pool stays bounded.
-        assert_eq!(pool.available(), 1);
-        tx.send(()).unwrap();
-        for _ in 0..200 {
-            if pool.available() == 2 {
-                break;
-            }
-            tokio::time::sleep(Duration::from_millis(10)).await;
-        }
-        assert_eq!(
-            pool.available(),
-            2,
-            "the released thread gave its permit back"
-        );
-    }
-
-    #[tokio::test]
     async fn errors_are_classified() {
         let pool = BlockingPool::new(1);
         let r: Result<(), _> = pool
-            .run("open", Duration::from_secs(30), || {
+            .run("open", Lane::Call, Duration::from_secs(30), || {
                 Connect::open(Some("test+unix:///default?socket=/nonexistent/sock")).map(|mut c| {
                     let _ = c.close();
                 })

@@ -11,6 +11,7 @@ pub mod hosts;
 pub mod known_hosts;
 pub mod libvirt;
 pub mod observe;
+pub mod pool;
 pub mod ssh;
 pub mod tunnel;
 pub mod virt_error;

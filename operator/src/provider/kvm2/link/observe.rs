@@ -1,6 +1,7 @@
 //! Observation of every libvirt call: one tracing span, one structured log line, and
 //! Prometheus metrics (calls and errors by class, latency histogram), per host and
-//! operation.
+//! operation; and of the links under them: dials by outcome and reason, evictions by
+//! cause, blocking-pool occupancy and slot waits per host and lane.
 //!
 //! Labels are the host name, the operation name and the outcome class only: never a URI,
 //! a path, an argument or an error message, so nothing secret or high-cardinality can
@@ -13,6 +14,7 @@ use std::time::Instant;
 use prometheus_client::encoding::EncodeLabelSet;
 use prometheus_client::metrics::counter::Counter;
 use prometheus_client::metrics::family::Family;
+use prometheus_client::metrics::gauge::Gauge;
 use prometheus_client::metrics::histogram::Histogram;
 use prometheus_client::registry::Registry;
 use tracing::Instrument;
@@ -45,11 +47,46 @@ pub struct LatencyLabels {
     pub op: String,
 }
 
-/// The metrics of libvirt calls.
+/// Labels of the dial counter.
+#[derive(Debug, Clone, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct DialLabels {
+    /// Host name from the config.
+    pub host: String,
+    /// `ok` or `error`.
+    pub outcome: String,
+    /// The reason code of a failed dial (`host-key`, `timeout`, ...); empty when ok.
+    pub reason: String,
+}
+
+/// Labels of the eviction counter.
+#[derive(Debug, Clone, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct EvictionLabels {
+    /// Host name from the config.
+    pub host: String,
+    /// Why the link was dropped: `closed` (the session or connection was found dead),
+    /// `transport` (a call reported a broken transport), `probe` (a liveness probe after a
+    /// timeout failed).
+    pub cause: String,
+}
+
+/// Labels of the pool gauges.
+#[derive(Debug, Clone, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct PoolLabels {
+    /// Host name from the config.
+    pub host: String,
+    /// `call` or `transfer`.
+    pub lane: String,
+}
+
+/// The metrics of libvirt calls and of the links they run on.
 #[derive(Debug, Clone)]
 pub struct CallMetrics {
     calls: Family<CallLabels, Counter>,
     latency: Family<LatencyLabels, Histogram, fn() -> Histogram>,
+    dials: Family<DialLabels, Counter>,
+    evictions: Family<EvictionLabels, Counter>,
+    pool_in_use: Family<PoolLabels, Gauge>,
+    slot_wait: Family<PoolLabels, Histogram, fn() -> Histogram>,
 }
 
 fn new_histogram() -> Histogram {
@@ -70,6 +107,26 @@ impl CallMetrics {
             "libvirt call latency by host and operation",
             m.latency.clone(),
         );
+        registry.register(
+            "egress_libvirt_dials",
+            "SSH + libvirt dials by host, outcome and reason code",
+            m.dials.clone(),
+        );
+        registry.register(
+            "egress_libvirt_link_evictions",
+            "shared links dropped, by host and cause",
+            m.evictions.clone(),
+        );
+        registry.register(
+            "egress_libvirt_pool_in_use",
+            "blocking-pool slots held, by host and lane",
+            m.pool_in_use.clone(),
+        );
+        registry.register(
+            "egress_libvirt_pool_slot_wait_seconds",
+            "time spent waiting for a blocking-pool slot, by host and lane",
+            m.slot_wait.clone(),
+        );
         m
     }
 
@@ -78,7 +135,73 @@ impl CallMetrics {
         Self {
             calls: Family::default(),
             latency: Family::new_with_constructor(new_histogram as fn() -> Histogram),
+            dials: Family::default(),
+            evictions: Family::default(),
+            pool_in_use: Family::default(),
+            slot_wait: Family::new_with_constructor(new_histogram as fn() -> Histogram),
         }
+    }
+
+    /// Counts one dial of `host`: `reason` is `None` when it succeeded.
+    pub fn dialled(&self, host: &str, reason: Option<&str>) {
+        self.dials
+            .get_or_create(&DialLabels {
+                host: host.into(),
+                outcome: if reason.is_some() { "error" } else { "ok" }.into(),
+                reason: reason.unwrap_or_default().into(),
+            })
+            .inc();
+    }
+
+    /// Dials of `host` counted so far with this outcome (`None`: successful ones).
+    pub fn dials(&self, host: &str, reason: Option<&str>) -> u64 {
+        self.dials
+            .get_or_create(&DialLabels {
+                host: host.into(),
+                outcome: if reason.is_some() { "error" } else { "ok" }.into(),
+                reason: reason.unwrap_or_default().into(),
+            })
+            .get()
+    }
+
+    /// Counts one eviction of `host`'s link.
+    pub fn evicted(&self, host: &str, cause: &str) {
+        self.evictions
+            .get_or_create(&EvictionLabels {
+                host: host.into(),
+                cause: cause.into(),
+            })
+            .inc();
+    }
+
+    /// Evictions of `host`'s link counted so far for `cause`.
+    pub fn evictions(&self, host: &str, cause: &str) -> u64 {
+        self.evictions
+            .get_or_create(&EvictionLabels {
+                host: host.into(),
+                cause: cause.into(),
+            })
+            .get()
+    }
+
+    /// The gauge of slots held in `lane` of `host`'s pool.
+    pub fn pool_in_use(&self, host: &str, lane: &str) -> Gauge {
+        self.pool_in_use
+            .get_or_create(&PoolLabels {
+                host: host.into(),
+                lane: lane.into(),
+            })
+            .clone()
+    }
+
+    /// Records one wait for a slot in `lane` of `host`'s pool.
+    pub fn observe_slot_wait(&self, host: &str, lane: &str, waited: std::time::Duration) {
+        self.slot_wait
+            .get_or_create(&PoolLabels {
+                host: host.into(),
+                lane: lane.into(),
+            })
+            .observe(waited.as_secs_f64());
     }
 
     /// Calls counted so far with these labels.

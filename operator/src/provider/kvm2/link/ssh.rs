@@ -12,9 +12,20 @@
 //! 4. public-key authentication (ed25519, ECDSA, or RSA signed with rsa-sha2-512/256,
 //!    never the SHA-1 `ssh-rsa`).
 //!
-//! The session sends SSH keepalives every `keepaliveIntervalSeconds`; after
-//! `keepaliveMaxMissed` unanswered ones russh ends the session, so a dead link is noticed
-//! even when no call is in flight, and [`SshSession::is_closed`] turns true.
+//! A dead or half-open link is noticed within [`SshTarget::half_open_bound`]
+//! (`keepaliveIntervalSeconds × (keepaliveMaxMissed + 1)`, 60 s by default), whatever is in
+//! flight, and [`SshSession::is_closed`] turns true:
+//!
+//! - idle or not, SSH keepalives go out every `keepaliveIntervalSeconds`; after
+//!   `keepaliveMaxMissed` of them pass with nothing at all received, russh ends the session;
+//! - with data in flight to a peer that stopped acknowledging it (a half-open TCP
+//!   connection, a frozen middlebox), writes block and russh's loop never gets to count
+//!   keepalives: `TCP_USER_TIMEOUT` makes the kernel fail the socket after the bound, and
+//!   russh's inactivity timeout (the same bound) ends a write that cannot finish.
+//!
+//! Each resolved address gets its own share of the connect timeout (at least
+//! [`MIN_ADDRESS_TIMEOUT`]), so a black-holed IPv6 address does not eat the whole budget
+//! before IPv4 is tried.
 //!
 //! Nothing leaks when a dial fails half-way: the TCP stream is wrapped so that the
 //! dial's drop (or [`SshSession`]'s drop) closes it even while russh's background task is
@@ -55,6 +66,10 @@ const KEY_FILE_FORBIDDEN_MODE_NOT_OWNED: u32 = 0o007;
 /// before cutting the TCP connection: long enough for one round trip on a slow link,
 /// short enough that shutdown is never held up by a dead host.
 const CLOSE_GRACE: Duration = Duration::from_secs(2);
+
+/// The least time one resolved address gets to accept a TCP connection when several are
+/// tried in turn.
+pub const MIN_ADDRESS_TIMEOUT: Duration = Duration::from_secs(1);
 
 /// The description sent with our disconnect message (sshd logs it).
 const DISCONNECT_DESCRIPTION: &str = "egress-operator closing the connection";
@@ -149,6 +164,14 @@ impl SshTarget {
             keepalive_interval: Duration::from_secs(u64::from(ssh.keepalive_interval_seconds)),
             keepalive_max_missed: ssh.keepalive_max_missed,
         })
+    }
+
+    /// How long a link may stay silent (nothing received, or written data not
+    /// acknowledged) before it is declared dead: one keepalive interval per allowed miss,
+    /// plus one for the probe in flight.
+    pub fn half_open_bound(&self) -> Duration {
+        self.keepalive_interval
+            .saturating_mul(self.keepalive_max_missed.saturating_add(1))
     }
 
     /// `host:port`, with brackets around an IPv6 address: the form used in every message.
@@ -249,10 +272,17 @@ async fn dial(
     }
 
     set(2);
-    let tcp = connect_any(&addrs, &addr).await?;
+    let tcp = connect_any(&addrs, &addr, target.connect_timeout).await?;
     // libvirt RPC is small request/response messages: Nagle's delay would dominate.
     if let Err(e) = tcp.set_nodelay(true) {
         tracing::debug!(host = %addr, error = %e, "cannot set TCP_NODELAY");
+    }
+    // Data the peer stopped acknowledging fails the socket after the bound, instead of
+    // after the kernel's retransmission limit (about 15 minutes).
+    if let Err(e) =
+        socket2::SockRef::from(&tcp).set_tcp_user_timeout(Some(target.half_open_bound()))
+    {
+        tracing::debug!(host = %addr, error = %e, "cannot set TCP_USER_TIMEOUT");
     }
 
     set(3);
@@ -288,13 +318,32 @@ async fn dial(
     Ok(handle)
 }
 
-/// Connects to the first address that accepts, like OpenSSH; the last error otherwise.
-async fn connect_any(addrs: &[SocketAddr], addr: &str) -> Result<TcpStream, SshError> {
+/// The time each of `count` addresses gets out of `budget`: an equal share, at least
+/// [`MIN_ADDRESS_TIMEOUT`] (the dial's own deadline still bounds the sum).
+fn per_address_timeout(budget: Duration, count: usize) -> Duration {
+    let count = u32::try_from(count.max(1)).unwrap_or(u32::MAX);
+    (budget / count).max(MIN_ADDRESS_TIMEOUT)
+}
+
+/// Connects to the first address that accepts, like OpenSSH, giving each its share of
+/// `budget`; the last error otherwise.
+async fn connect_any(
+    addrs: &[SocketAddr],
+    addr: &str,
+    budget: Duration,
+) -> Result<TcpStream, SshError> {
     let mut last = io::Error::new(io::ErrorKind::NotFound, "no addresses");
+    let each = per_address_timeout(budget, addrs.len());
     for a in addrs {
-        match TcpStream::connect(a).await {
-            Ok(s) => return Ok(s),
-            Err(e) => last = e,
+        match tokio::time::timeout(each, TcpStream::connect(a)).await {
+            Ok(Ok(s)) => return Ok(s),
+            Ok(Err(e)) => last = e,
+            Err(_) => {
+                last = io::Error::new(
+                    io::ErrorKind::TimedOut,
+                    format!("{a} did not accept within {each:?}"),
+                );
+            }
         }
     }
     Err(SshError::Connect {
@@ -323,6 +372,9 @@ fn client_config(target: &SshTarget, policy: &HostKeyPolicy) -> client::Config {
     }
     preferred.key = algorithms.into();
     client::Config {
+        // Bounds a write to a peer that stopped reading (see the module docs); a healthy
+        // idle link answers every keepalive well within it.
+        inactivity_timeout: Some(target.half_open_bound()),
         keepalive_interval: Some(target.keepalive_interval),
         keepalive_max: usize::try_from(target.keepalive_max_missed).unwrap_or(usize::MAX),
         preferred,
@@ -679,18 +731,22 @@ impl SshSession {
 
     /// Ends the session: sends a disconnect message, waits briefly for russh to finish,
     /// then cuts the TCP connection regardless. When this returns, the socket is closed
-    /// and russh's task is gone (or going: it has nothing left to wait for).
+    /// and russh's task is gone (or going: it has nothing left to wait for). Returns
+    /// within three [`CLOSE_GRACE`] periods whatever the peer does.
     pub async fn close(&self) {
         if !self.is_closed() {
-            let sent = self
-                .handle
-                .disconnect(
-                    russh::Disconnect::ByApplication,
-                    DISCONNECT_DESCRIPTION,
-                    "en",
-                )
-                .await;
-            if sent.is_ok() && self.wait_done(CLOSE_GRACE).await {
+            // Queuing the message waits on russh's session loop, which a frozen peer can
+            // hold in a blocked write: bounded like the rest.
+            let disconnect = self.handle.disconnect(
+                russh::Disconnect::ByApplication,
+                DISCONNECT_DESCRIPTION,
+                "en",
+            );
+            let sent = matches!(
+                tokio::time::timeout(CLOSE_GRACE, disconnect).await,
+                Ok(Ok(()))
+            );
+            if sent && self.wait_done(CLOSE_GRACE).await {
                 self.kill_transport();
                 return;
             }
@@ -846,6 +902,54 @@ mod tests {
         }
         let e = SshTarget::from_config(&ssh_config(), &host("a:b:c")).unwrap_err();
         assert_eq!(e.reason_code(), "config");
+    }
+
+    #[test]
+    fn half_open_bound_and_address_shares() {
+        let t = SshTarget::from_config(&ssh_config(), &host("h1")).unwrap();
+        assert_eq!(
+            t.half_open_bound(),
+            t.keepalive_interval * (t.keepalive_max_missed + 1)
+        );
+        let c = client_config(&t, &HostKeyPolicy::Insecure);
+        assert_eq!(c.inactivity_timeout, Some(t.half_open_bound()));
+        assert_eq!(c.keepalive_interval, Some(t.keepalive_interval));
+        // One address gets the whole budget; several share it, never below the floor.
+        let budget = Duration::from_secs(10);
+        assert_eq!(per_address_timeout(budget, 1), budget);
+        assert_eq!(per_address_timeout(budget, 2), Duration::from_secs(5));
+        assert_eq!(per_address_timeout(budget, 0), budget);
+        assert_eq!(per_address_timeout(budget, 50), MIN_ADDRESS_TIMEOUT);
+    }
+
+    #[tokio::test]
+    async fn a_black_holed_first_address_does_not_starve_the_next() {
+        // A loopback listener whose accept queue is full drops further SYNs, so a connect
+        // to it hangs like one to a black-holed address (tests stay on loopback).
+        let full =
+            socket2::Socket::new(socket2::Domain::IPV4, socket2::Type::STREAM, None).unwrap();
+        full.bind(&SocketAddr::from(([127, 0, 0, 1], 0)).into())
+            .unwrap();
+        full.listen(0).unwrap();
+        let black_hole = full.local_addr().unwrap().as_socket().unwrap();
+        let mut fillers = Vec::new();
+        for _ in 0..4 {
+            if let Ok(Ok(s)) =
+                tokio::time::timeout(Duration::from_millis(500), TcpStream::connect(black_hole))
+                    .await
+            {
+                fillers.push(s);
+            }
+        }
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let good = listener.local_addr().unwrap();
+        let budget = Duration::from_secs(4);
+        let hang_guard = Duration::from_secs(60);
+        let s = tokio::time::timeout(hang_guard, connect_any(&[black_hole, good], "t", budget))
+            .await
+            .expect("hang guard: the first address ate the whole budget")
+            .expect("the second address accepts");
+        assert_eq!(s.peer_addr().unwrap(), good);
     }
 
     /// A public key (from `ssh-keygen -t ecdsa`); only its type matters here.

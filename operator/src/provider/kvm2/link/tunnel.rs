@@ -17,8 +17,8 @@
 use std::fmt;
 use std::os::unix::fs::PermissionsExt as _;
 use std::path::{Path, PathBuf};
-use std::sync::Arc;
 use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use tempfile::TempDir;
@@ -45,6 +45,9 @@ pub struct Tunnel {
     remote_socket: String,
     addr: String,
     active: Arc<AtomicUsize>,
+    /// Why the last channel to the remote socket could not be opened: libvirt only sees
+    /// its local connection close, so the dial asks here for the real reason.
+    refused: Arc<Mutex<Option<SshError>>>,
     /// The accept loop; it owns the listener and every forwarding task.
     task: Option<JoinHandle<()>>,
     /// Removed (with the socket) when the tunnel is closed or dropped.
@@ -85,11 +88,13 @@ impl Tunnel {
         let remote_socket = remote_socket.into();
         let addr = session.addr().to_string();
         let active = Arc::new(AtomicUsize::new(0));
+        let refused = Arc::new(Mutex::new(None));
         let task = tokio::spawn(accept_loop(
             listener,
             session,
             remote_socket.clone(),
             Arc::clone(&active),
+            Arc::clone(&refused),
         ));
         tracing::debug!(host = %addr, local = %socket_path.display(), remote = %remote_socket, "tunnel started");
         Ok(Self {
@@ -97,6 +102,7 @@ impl Tunnel {
             remote_socket,
             addr,
             active,
+            refused,
             task: Some(task),
             dir: Some(dir),
         })
@@ -119,6 +125,12 @@ impl Tunnel {
             "{scheme}+unix:///{path}?socket={}",
             self.socket_path.display()
         )
+    }
+
+    /// Takes the reason the last channel open was refused, if one was (e.g. the remote
+    /// socket does not exist, or sshd forbids streamlocal forwarding).
+    pub fn take_channel_error(&self) -> Option<SshError> {
+        self.refused.lock().ok().and_then(|mut r| r.take())
     }
 
     /// Forwarded connections currently open.
@@ -165,6 +177,7 @@ async fn accept_loop(
     session: Arc<SshSession>,
     remote: String,
     active: Arc<AtomicUsize>,
+    refused: Arc<Mutex<Option<SshError>>>,
 ) {
     let mut conns = JoinSet::new();
     loop {
@@ -172,7 +185,13 @@ async fn accept_loop(
             accepted = listener.accept() => match accepted {
                 Ok((local, _)) => {
                     let guard = ActiveGuard::new(Arc::clone(&active));
-                    conns.spawn(forward(local, Arc::clone(&session), remote.clone(), guard));
+                    conns.spawn(forward(
+                        local,
+                        Arc::clone(&session),
+                        remote.clone(),
+                        Arc::clone(&refused),
+                        guard,
+                    ));
                 }
                 Err(e) => {
                     tracing::warn!(host = %session.addr(), error = %e, "tunnel accept failed");
@@ -190,14 +209,18 @@ async fn forward(
     mut local: UnixStream,
     session: Arc<SshSession>,
     remote: String,
+    refused: Arc<Mutex<Option<SshError>>>,
     _guard: ActiveGuard,
 ) {
     let mut channel = match session.open_streamlocal(&remote).await {
         Ok(c) => c,
         Err(e) => {
-            // Dropping `local` tells the libvirt client at once; it reports the failure
-            // and the caller marks the link dead.
+            // Kept for the dial to report (libvirt sees only its connection close, which
+            // it does at once when `local` drops below).
             tracing::warn!(host = %session.addr(), error = %e, "tunnel: cannot open channel");
+            if let Ok(mut r) = refused.lock() {
+                *r = Some(e);
+            }
             return;
         }
     };
