@@ -48,6 +48,8 @@ pub struct Sshd {
     port: u16,
     host_public_key: String,
     child: Option<Child>,
+    /// `AllowStreamLocalForwarding`: the libvirt tunnel needs it.
+    streamlocal: bool,
 }
 
 impl Sshd {
@@ -77,6 +79,7 @@ impl Sshd {
             port: 0,
             host_public_key,
             child: None,
+            streamlocal: true,
         };
         let mut last_error = None;
         for _ in 0..PORT_ATTEMPTS {
@@ -146,6 +149,15 @@ impl Sshd {
         self.log()
             .lines()
             .filter(|line| line.contains("Accepted publickey"))
+            .count()
+    }
+
+    /// How many TCP connections sshd took since start (across restarts), whether or not
+    /// they got as far as a login: tests count dials that fail in the handshake with it.
+    pub fn tcp_connections(&self) -> usize {
+        self.log()
+            .lines()
+            .filter(|line| line.contains("Connection from"))
             .count()
     }
 
@@ -245,6 +257,14 @@ impl Sshd {
         }
     }
 
+    /// Restarts sshd with streamlocal forwarding allowed or forbidden (what an admin's
+    /// `AllowStreamLocalForwarding no` does to the libvirt tunnel).
+    pub fn set_streamlocal_forwarding(&mut self, allowed: bool) -> Result<()> {
+        self.streamlocal = allowed;
+        self.write_config()?;
+        self.restart()
+    }
+
     fn write_config(&self) -> Result<()> {
         let dir = self.dir.path().display();
         let config = format!(
@@ -260,7 +280,7 @@ impl Sshd {
              PasswordAuthentication no\n\
              KbdInteractiveAuthentication no\n\
              PermitRootLogin prohibit-password\n\
-             AllowStreamLocalForwarding yes\n\
+             AllowStreamLocalForwarding {streamlocal}\n\
              # OpenSSH 9.2 also gates direct-streamlocal (ssh -L to a unix socket,\n\
              # the libvirt tunnel) on AllowTcpForwarding: with `no` every such\n\
              # request is \"denied\". `local` is the least that works; a PermitOpen\n\
@@ -278,6 +298,7 @@ impl Sshd {
              MaxStartups 100:30:200\n\
              MaxSessions 100\n",
             port = self.port,
+            streamlocal = if self.streamlocal { "yes" } else { "no" },
         );
         fs::write(self.dir.path().join("sshd_config"), config)?;
         Ok(())

@@ -159,7 +159,18 @@ async fn run(
     report: &mut HostReport,
 ) -> Result<(), HostError> {
     let target = SshTarget::from_config(ssh, host)?;
-    let link = HostLink::dial(&target, host, pool, CHECK_CALL_DEADLINE).await?;
+    let link = match HostLink::dial(&target, host, pool, CHECK_CALL_DEADLINE).await {
+        Ok(link) => link,
+        Err(e) => {
+            // Past the SSH handshake and login, the host is reachable even if its
+            // libvirt socket is not.
+            if matches!(e.stage(), Some("channel" | "tunnel" | "libvirt-open")) {
+                report.reachable = true;
+                report.host_key_verified = !host.insecure_ignore_host_key;
+            }
+            return Err(e);
+        }
+    };
     report.reachable = true;
     report.host_key_verified = !host.insecure_ignore_host_key;
     let result = facts(&link, host, images, report).await;

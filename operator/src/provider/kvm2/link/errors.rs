@@ -92,7 +92,10 @@ pub enum SshError {
     },
     /// The server refused to open a channel (e.g. the socket does not exist, or
     /// streamlocal forwarding is disabled in sshd_config).
-    #[error("SSH to {addr}: cannot open a channel to {target}: {source}")]
+    #[error(
+        "SSH to {addr}: cannot open a channel to {target}: {source}{}",
+        channel_hint(source)
+    )]
     Channel {
         /// `host:port`.
         addr: String,
@@ -164,6 +167,24 @@ impl SshError {
                 _ => return None,
             },
         })
+    }
+}
+
+/// What a person should check after a refused channel. OpenSSH (9.2 at least) answers
+/// "connect failed" both for a socket it cannot connect to and for forwarding its config
+/// forbids, so both are named; "administratively prohibited" is unambiguous.
+fn channel_hint(e: &russh::Error) -> &'static str {
+    match e {
+        russh::Error::ChannelOpenFailure(russh::ChannelOpenFailure::AdministrativelyProhibited) => {
+            "; sshd forbids streamlocal forwarding (AllowStreamLocalForwarding, \
+             DisableForwarding)"
+        }
+        russh::Error::ChannelOpenFailure(_) => {
+            "; check that libvirtSocket names the host's libvirt socket and that the SSH user \
+             may connect to it, and that sshd allows streamlocal forwarding \
+             (AllowStreamLocalForwarding, AllowTcpForwarding, DisableForwarding)"
+        }
+        _ => "",
     }
 }
 

@@ -679,7 +679,9 @@ fn probe_in_background(entry: Arc<Entry>, link: Arc<HostLink>, metrics: Arc<Call
         return;
     };
     handle.spawn(async move {
-        match link.probe(PROBE_DEADLINE).await {
+        let verdict = link.probe(PROBE_DEADLINE).await;
+        metrics.probed(&entry.name, verdict.is_ok());
+        match verdict {
             Ok(()) => {
                 tracing::debug!(host = %entry.name, "a call timed out but the link answers; keeping it");
             }

@@ -69,6 +69,15 @@ pub struct EvictionLabels {
     pub cause: String,
 }
 
+/// Labels of the liveness-probe counter.
+#[derive(Debug, Clone, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct ProbeLabels {
+    /// Host name from the config.
+    pub host: String,
+    /// `alive` (the link was kept) or `dead` (it was dropped).
+    pub outcome: String,
+}
+
 /// Labels of the pool gauges.
 #[derive(Debug, Clone, Hash, PartialEq, Eq, EncodeLabelSet)]
 pub struct PoolLabels {
@@ -85,6 +94,7 @@ pub struct CallMetrics {
     latency: Family<LatencyLabels, Histogram, fn() -> Histogram>,
     dials: Family<DialLabels, Counter>,
     evictions: Family<EvictionLabels, Counter>,
+    probes: Family<ProbeLabels, Counter>,
     pool_in_use: Family<PoolLabels, Gauge>,
     slot_wait: Family<PoolLabels, Histogram, fn() -> Histogram>,
 }
@@ -118,6 +128,11 @@ impl CallMetrics {
             m.evictions.clone(),
         );
         registry.register(
+            "egress_libvirt_link_probes",
+            "liveness probes of a link after a call timed out, by host and outcome",
+            m.probes.clone(),
+        );
+        registry.register(
             "egress_libvirt_pool_in_use",
             "blocking-pool slots held, by host and lane",
             m.pool_in_use.clone(),
@@ -137,6 +152,7 @@ impl CallMetrics {
             latency: Family::new_with_constructor(new_histogram as fn() -> Histogram),
             dials: Family::default(),
             evictions: Family::default(),
+            probes: Family::default(),
             pool_in_use: Family::default(),
             slot_wait: Family::new_with_constructor(new_histogram as fn() -> Histogram),
         }
@@ -180,6 +196,26 @@ impl CallMetrics {
             .get_or_create(&EvictionLabels {
                 host: host.into(),
                 cause: cause.into(),
+            })
+            .get()
+    }
+
+    /// Counts one liveness probe of `host`'s link.
+    pub fn probed(&self, host: &str, alive: bool) {
+        self.probes
+            .get_or_create(&ProbeLabels {
+                host: host.into(),
+                outcome: if alive { "alive" } else { "dead" }.into(),
+            })
+            .inc();
+    }
+
+    /// Liveness probes of `host`'s link counted so far with this outcome.
+    pub fn probes(&self, host: &str, alive: bool) -> u64 {
+        self.probes
+            .get_or_create(&ProbeLabels {
+                host: host.into(),
+                outcome: if alive { "alive" } else { "dead" }.into(),
             })
             .get()
     }
