@@ -499,6 +499,7 @@ fn a_frozen_link_with_a_call_in_flight_is_noticed_and_close_is_prompt() {
     let config = config(&sshd, &libvirtd);
     let (mut ssh, mut host) = (config.kvm2.ssh.clone(), config.kvm2.hosts[0].clone());
     run(async {
+        let before = resources();
         let relay = Relay::start(sshd.address().parse().unwrap()).await;
         // The relay has its own port: the known_hosts line names it.
         let known = sshd.dir().join("relay_known_hosts");
@@ -544,5 +545,6 @@ fn a_frozen_link_with_a_call_in_flight_is_noticed_and_close_is_prompt() {
             .expect("close() must not wait on a frozen peer");
         drop(hosts);
         drop(relay);
+        assert_nothing_left(before, "after a frozen link").await;
     });
 }

@@ -73,11 +73,15 @@ pub struct SshConfig {
     /// against the directory of the config file.
     #[schemars(length(min = 1, max = FILE_PATH_MAX))]
     pub known_hosts_file: String,
-    /// How long a TCP connect plus SSH handshake may take.
+    /// How long a TCP connect plus SSH handshake may take. When the host name resolves
+    /// to several addresses, each gets an equal share (at least one second), so a
+    /// black-holed address does not use up the whole budget.
     #[serde(default = "defaults::connect_timeout_seconds")]
     #[schemars(range(min = limits::CONNECT_TIMEOUT_SECONDS.0, max = limits::CONNECT_TIMEOUT_SECONDS.1))]
     pub connect_timeout_seconds: u32,
-    /// Interval between SSH keepalives.
+    /// Interval between SSH keepalives. A dead or half-open link (also one with data in
+    /// flight) is noticed within `keepaliveIntervalSeconds × (keepaliveMaxMissed + 1)`:
+    /// that bound is also the link's TCP_USER_TIMEOUT and SSH inactivity timeout.
     #[serde(default = "defaults::keepalive_interval_seconds")]
     #[schemars(range(min = limits::KEEPALIVE_INTERVAL_SECONDS.0, max = limits::KEEPALIVE_INTERVAL_SECONDS.1))]
     pub keepalive_interval_seconds: u32,
@@ -363,7 +367,7 @@ pub mod defaults {
     pub fn keepalive_interval_seconds() -> u32 {
         15
     }
-    /// Three misses: a dead link is noticed within about 45 s by default.
+    /// Three misses: a dead link is noticed within 60 s (15 s × (3 + 1)) by default.
     pub fn keepalive_max_missed() -> u32 {
         3
     }

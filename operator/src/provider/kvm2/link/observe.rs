@@ -345,5 +345,23 @@ mod tests {
             text.contains("egress_libvirt_call_duration_seconds_bucket"),
             "{text}"
         );
+        m.dialled("h1", None);
+        m.dialled("h1", Some("host-key"));
+        m.evicted("h1", "probe");
+        m.probed("h1", false);
+        m.pool_in_use("h1", "call").inc();
+        m.observe_slot_wait("h1", "transfer", std::time::Duration::from_millis(3));
+        let mut text = String::new();
+        prometheus_client::encoding::text::encode(&mut text, &registry).unwrap();
+        for line in [
+            "egress_libvirt_dials_total{host=\"h1\",outcome=\"ok\",reason=\"\"} 1",
+            "egress_libvirt_dials_total{host=\"h1\",outcome=\"error\",reason=\"host-key\"} 1",
+            "egress_libvirt_link_evictions_total{host=\"h1\",cause=\"probe\"} 1",
+            "egress_libvirt_link_probes_total{host=\"h1\",outcome=\"dead\"} 1",
+            "egress_libvirt_pool_in_use{host=\"h1\",lane=\"call\"} 1",
+            "egress_libvirt_pool_slot_wait_seconds_count{host=\"h1\",lane=\"transfer\"} 1",
+        ] {
+            assert!(text.contains(line), "{line} missing from\n{text}");
+        }
     }
 }
