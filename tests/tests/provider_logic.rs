@@ -1594,6 +1594,64 @@ fn a_late_failing_uploader_never_deletes_the_committed_image() {
     });
 }
 
+/// An uploader whose heartbeat record was taken (another replica judged it dead and
+/// wrote its own token) finds that at its next beat: it aborts its stream instead of
+/// finishing it, deletes nothing, and waits for the new owner's commit, which its Create
+/// then uses.
+#[test]
+fn an_uploader_that_finds_another_token_aborts_and_waits_for_the_new_owner() {
+    let mut env = Env::new();
+    env.http = HttpServer::start(vec![(
+        "/img".to_string(),
+        Route::Slow {
+            body: env.bytes.clone(),
+            chunk: 300,
+            pause: Duration::from_millis(50),
+        },
+    )])
+    .unwrap();
+    env.config = test_config(&env.http.url("/img"), &env.sha, 32);
+    run(async {
+        let (data, marker, beat) = (
+            image_volume_name(&env.sha),
+            image_marker_name(&env.sha),
+            image_heartbeat_name(&env.sha),
+        );
+        let u = uid(0xea);
+        let p = env.provider();
+        let create = tokio::spawn(async move { p.create(&request(&u, "p", Some("h1"))).await });
+        until("the upload is under way", || {
+            env.fake
+                .volume_data("h1", &beat)
+                .is_some_and(|b| !b.is_empty())
+        })
+        .await;
+        env.fake.put_volume("h1", &beat, b"another replica's token");
+        // The uploader notices at its next beat, then waits, reading the heartbeat.
+        let reads = env.fake.calls("volume-read");
+        until("the uploader waits for the new owner", || {
+            env.fake.calls("volume-read") >= reads + 3
+        })
+        .await;
+        assert!(env.volumes("h1").contains(&data), "it deleted the volume");
+        assert!(!env.volumes("h1").contains(&marker), "it committed");
+        // The new owner commits.
+        env.fake.put_volume("h1", &data, &env.bytes);
+        env.fake.put_volume("h1", &marker, b"");
+        env.fake
+            .delete_volume("h1", "default", &beat)
+            .await
+            .unwrap();
+        create.await.unwrap().unwrap();
+        assert_eq!(
+            env.fake.uploads(),
+            1,
+            "the seed only: the image stream was aborted"
+        );
+        assert_eq!(env.hits(), 1);
+    });
+}
+
 // Overlay size and the image's virtual size. --------------------------------------------
 
 /// The root overlay's capacity in the fake (parsed from the volume XML).
