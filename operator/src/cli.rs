@@ -160,8 +160,11 @@ pub fn run(cli: Cli) -> ExitCode {
         return ExitCode::from(crate::run::run(args, &mut std::io::stderr()).unwrap_or(2));
     }
     crate::telemetry::init("warn");
-    let mut out = std::io::stdout().lock();
-    let mut err = std::io::stderr().lock();
+    // Unlocked handles: each write takes the lock for itself. Holding stderr's lock for
+    // the whole command would block every log line (and `provision`'s progress bar) from
+    // the runtime's other threads, and the command waits on those threads: a deadlock.
+    let mut out = std::io::stdout();
+    let mut err = std::io::stderr();
     ExitCode::from(execute(cli.command, &mut out, &mut err))
 }
 

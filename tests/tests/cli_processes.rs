@@ -1,0 +1,195 @@
+//! Every one-shot subcommand run as a real process with `RUST_LOG=debug`, against the
+//! harness's sshd and libvirtd: each must finish (success or a clear refusal), never hang.
+//!
+//! Why as processes: the binary wires stdout, stderr and logging the way no in-process
+//! test does. Holding stderr's lock on the main thread while the runtime's other threads
+//! log (a dial's warning, a debug line) deadlocked `provision`; only a process shows that.
+#![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)] // tests fail loudly
+
+use std::io::Read as _;
+use std::path::{Path, PathBuf};
+use std::process::{Command, Stdio};
+use std::time::{Duration, Instant};
+
+use integration_tests::harness::{self, Libvirtd, Need, Sshd};
+
+/// A hang fails the test instead of blocking CI; never a timing assertion.
+const HANG_GUARD: Duration = Duration::from_secs(120);
+
+fn binary() -> PathBuf {
+    PathBuf::from(env!("CARGO_BIN_EXE_operator-under-test"))
+}
+
+/// Runs the binary with `args` and debug logging; returns (exit code, stdout, stderr).
+/// Panics (after killing it) if it does not finish within the hang guard.
+fn run(args: &[&str], what: &str) -> (i32, String, String) {
+    let mut child = Command::new(binary())
+        .args(args)
+        .env("RUST_LOG", "debug")
+        .stdin(Stdio::null())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    // Drain both pipes on threads, so a chatty process never blocks on a full pipe.
+    let mut stdout = child.stdout.take().unwrap();
+    let mut stderr = child.stderr.take().unwrap();
+    let out = std::thread::spawn(move || {
+        let mut s = String::new();
+        let _ = stdout.read_to_string(&mut s);
+        s
+    });
+    let err = std::thread::spawn(move || {
+        let mut s = String::new();
+        let _ = stderr.read_to_string(&mut s);
+        s
+    });
+    let started = Instant::now();
+    let status = loop {
+        if let Some(status) = child.try_wait().unwrap() {
+            break status;
+        }
+        if started.elapsed() > HANG_GUARD {
+            let _ = child.kill();
+            let _ = child.wait();
+            let tail: String = err.join().unwrap().chars().rev().take(2000).collect();
+            let tail: String = tail.chars().rev().collect();
+            panic!("hang guard: `{what}` did not finish; stderr tail:\n{tail}");
+        }
+        std::thread::sleep(Duration::from_millis(50));
+    };
+    (
+        status.code().unwrap_or(-1),
+        out.join().unwrap(),
+        err.join().unwrap(),
+    )
+}
+
+fn write(dir: &Path, name: &str, text: &str) -> String {
+    let path = dir.join(name);
+    std::fs::write(&path, text).unwrap();
+    path.display().to_string()
+}
+
+#[test]
+fn every_one_shot_command_finishes_with_debug_logging() {
+    if harness::skip(&[Need::Sshd, Need::Libvirtd]) {
+        return;
+    }
+    let (sshd, libvirtd) = (Sshd::start().unwrap(), Libvirtd::start().unwrap());
+    libvirtd.define_dir_pool("default").unwrap();
+    let dir = tempfile::tempdir().unwrap();
+    let image = integration_tests::TestImage {
+        name: "debian".into(),
+        url: "http://127.0.0.1:9/never-fetched.qcow2".into(),
+        sha256: "b".repeat(64),
+        max_size_mib: None,
+    };
+    let yaml = integration_tests::provider_config_yaml(
+        &sshd,
+        &libvirtd,
+        "h1",
+        std::slice::from_ref(&image),
+        &[],
+    )
+    .unwrap();
+    let healthy = write(dir.path(), "healthy.yaml", &yaml);
+    let wrong_key = write(
+        dir.path(),
+        "wrong-key.yaml",
+        &yaml.replace(
+            &sshd.known_hosts().display().to_string(),
+            &sshd.wrong_known_hosts().unwrap().display().to_string(),
+        ),
+    );
+    // No host-key check (warned about on every dial, from a runtime thread) and a libvirt
+    // socket that does not exist: the dial logs, then fails.
+    let insecure = write(
+        dir.path(),
+        "insecure.yaml",
+        &yaml
+            .replace(
+                &libvirtd.socket_path().display().to_string(),
+                "/nonexistent/libvirt-sock",
+            )
+            .replace(
+                "disableKvm: true",
+                "disableKvm: true, insecureIgnoreHostKey: true",
+            ),
+    );
+    let proxy = write(
+        dir.path(),
+        "proxy.yaml",
+        "apiVersion: egress-operator.dev/v1alpha1\nkind: Proxy\nmetadata:\n  name: cli\n  \
+         namespace: default\n  uid: 00000000-0000-4000-8000-000000000077\nspec:\n  provider: kvm2\n",
+    );
+
+    let cases: Vec<(Vec<&str>, i32, &str)> = vec![
+        (vec!["config-schema"], 0, "$schema"),
+        (vec!["crd"], 0, "CustomResourceDefinition"),
+        (vec!["allow-list"], 0, "/domain"),
+        (vec!["validate-config", &healthy], 0, ""),
+        (vec!["check", "--config", &healthy], 0, "reachable"),
+        (vec!["check", "--config", &wrong_key], 1, "host-key"),
+        (vec!["check", "--config", &insecure], 1, "libvirt-socket"),
+        (
+            vec![
+                "provision",
+                "--config",
+                &wrong_key,
+                "--proxy",
+                &proxy,
+                "--no-progress",
+            ],
+            1,
+            "",
+        ),
+        (
+            vec![
+                "provision",
+                "--config",
+                &insecure,
+                "--proxy",
+                &proxy,
+                "--no-progress",
+            ],
+            1,
+            "",
+        ),
+        (
+            vec![
+                "provision",
+                "--delete",
+                "--config",
+                &insecure,
+                "--proxy",
+                &proxy,
+            ],
+            1,
+            "",
+        ),
+    ];
+    for (args, want, needle) in cases {
+        let what = args.join(" ");
+        let (code, out, err) = run(&args, &what);
+        assert_eq!(
+            code,
+            want,
+            "`{what}`\nstdout: {out}\nstderr tail: {}",
+            tail(&err)
+        );
+        assert!(
+            out.contains(needle) || err.contains(needle),
+            "`{what}` should mention {needle:?}\nstdout: {out}\nstderr tail: {}",
+            tail(&err)
+        );
+    }
+}
+
+fn tail(s: &str) -> &str {
+    let start = s.len().saturating_sub(3000);
+    let start = (start..s.len())
+        .find(|i| s.is_char_boundary(*i))
+        .unwrap_or(s.len());
+    &s[start..]
+}
