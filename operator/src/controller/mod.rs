@@ -446,7 +446,7 @@ async fn converge(
     let mut change = Change::Created;
     if let Some(text) = &t.prev.instance_id {
         match InstanceId::parse(text) {
-            Ok(id) => match provider.get(&id).await {
+            Ok(id) => match provider.get_owned(&id, &t.owner.uid).await {
                 Ok(instance) if !instance.state.is_failed() => return Ok((instance, None)),
                 Ok(instance) => {
                     let note = format!("instance {id} is {}; replacing it", instance.state);
@@ -462,6 +462,7 @@ async fn converge(
                         )
                         .await;
                     }
+                    // Ownership was checked by the get_owned above.
                     provider.delete(&id).await?;
                     forget_instance(current);
                     change = Change::ReplacedFailed;

@@ -40,6 +40,9 @@ pub struct Kvm2Parts {
     /// The board kvm2 placement reads (the one from the options): the run mode gives it
     /// to the health monitor, which writes it.
     pub health: HealthBoard,
+    /// The provider itself, undecorated: the garbage collector sweeps its leftover
+    /// volumes through it.
+    pub provider: Arc<Kvm2Provider>,
 }
 
 impl Registry {
@@ -83,13 +86,14 @@ impl Registry {
             image_metrics,
         ));
         let mut me = Self::new();
-        me.insert(decorate(kvm2, metrics.clone()));
+        me.insert(decorate(kvm2.clone(), metrics.clone()));
         Ok((
             me,
             Kvm2Parts {
                 hosts,
                 metrics,
                 health,
+                provider: kvm2,
             },
         ))
     }

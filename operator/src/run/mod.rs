@@ -186,6 +186,8 @@ struct Parts {
     gc_metrics: GcMetrics,
     health_metrics: HealthMetrics,
     identity: String,
+    /// Providers whose leftover volumes the collector sweeps (kvm2).
+    volumes: Vec<Arc<dyn crate::gc::VolumeCollector>>,
 }
 
 impl Parts {
@@ -238,6 +240,7 @@ async fn serve(args: RunArgs, config: Arc<ValidConfig>) -> Result<(), RunError> 
         gc_metrics: GcMetrics::register(&mut registry),
         health_metrics: HealthMetrics::register(&mut registry),
         identity,
+        volumes: vec![kvm2.provider.clone()],
     };
 
     let probes = Arc::new(Probes::default());
@@ -457,7 +460,8 @@ async fn run_term(
         Arc::new(KubeProxyIndex::new(client.clone())),
         &parts.config.gc,
         parts.gc_metrics.clone(),
-    );
+    )
+    .with_volumes(parts.volumes.clone());
     let monitor = HealthMonitor::new(
         parts.provider_list(),
         parts.boards.clone(),
