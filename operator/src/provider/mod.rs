@@ -432,7 +432,9 @@ pub trait Provider: Send + Sync {
 /// An instance's mark names another Proxy than the one asking for it. Permanent: nothing
 /// was touched, and asking again gives the same answer.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
-#[error("instance {instance} belongs to the Proxy with UID {marked}, not to {owner}; left untouched")]
+#[error(
+    "instance {instance} belongs to the Proxy with UID {marked}, not to {owner}; left untouched"
+)]
 pub struct NotOwned {
     /// The instance.
     pub instance: InstanceId,
