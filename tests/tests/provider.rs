@@ -264,3 +264,67 @@ fn provision_command_creates_and_deletes() {
     base.sort();
     assert_eq!(rig.volumes(), base);
 }
+
+/// What adoption and the volume collector rely on, against libvirt's own semantics: a
+/// paused domain is resumed when its Proxy's Create adopts it, and the pool listing reads
+/// each overlay's backing store (the base image's path) as libvirt reports it.
+#[test]
+fn adoption_resumes_a_paused_domain_and_volumes_list_their_backing_store() {
+    let Some(rig) = Rig::start(vec![], Rig::base_image) else {
+        return;
+    };
+    run(async {
+        let p = rig.provider(rig.ops.clone());
+        let req = request(&uid(7), "paused-egress");
+        let inst = p.create(&req).await.unwrap();
+        let id = InstanceIdentity::for_uid(&uid(7)).unwrap();
+        let run_id = rig.virsh(&["domid", &id.domain_name]);
+        rig.virsh(&["suspend", &id.domain_name]);
+        assert_eq!(rig.virsh(&["domstate", &id.domain_name]).trim(), "paused");
+
+        let adopted = p.create(&req).await.unwrap();
+        assert_eq!(adopted.id, inst.id);
+        assert_eq!(adopted.state, InstanceState::Running);
+        assert_eq!(
+            rig.virsh(&["domstate", &id.domain_name]).trim(),
+            "running",
+            "adoption resumed the paused domain"
+        );
+        assert_eq!(
+            rig.virsh(&["domid", &id.domain_name]),
+            run_id,
+            "resumed, not replaced (a new start gets a new domain id)"
+        );
+
+        let volumes = rig.ops.list_volumes("h1", "default").await.unwrap();
+        let by_name = |n: &str| {
+            volumes
+                .iter()
+                .find(|v| v.name == n)
+                .unwrap_or_else(|| panic!("{n} not listed: {volumes:?}"))
+        };
+        let root = by_name(&id.root_volume);
+        let seed = by_name(&id.seed_volume);
+        let bases = rig.base_volumes();
+        let base = bases
+            .iter()
+            .map(|b| by_name(b))
+            .find(|b| root.backing.as_deref() == Some(b.path.as_str()))
+            .unwrap_or_else(|| {
+                panic!(
+                    "the root's backing {:?} is no base: {volumes:?}",
+                    root.backing
+                )
+            });
+        assert!(base.backing.is_none(), "{base:?}");
+        assert!(seed.backing.is_none(), "{seed:?}");
+        assert!(
+            root.path.starts_with(&rig.pool_dir.display().to_string()),
+            "{root:?}"
+        );
+
+        p.delete(&inst.id).await.unwrap();
+        assert!(rig.domains().is_empty());
+        rig.hosts.close().await;
+    });
+}
