@@ -2176,8 +2176,10 @@ mod lifecycle {
 
     /// Grace 600 s; retired images go after an hour unused.
     fn env_gc_config() -> egress_operator::config::GcConfig {
-        let mut c = egress_operator::config::GcConfig::default();
-        c.grace_period_seconds = 600;
+        let mut c = egress_operator::config::GcConfig {
+            grace_period_seconds: 600,
+            ..Default::default()
+        };
         c.retired_images.unused_for_seconds = 3600;
         c
     }
