@@ -65,7 +65,7 @@ const KEY_FILE_FORBIDDEN_MODE_NOT_OWNED: u32 = 0o007;
 /// How long [`SshSession::close`] waits for the server to acknowledge our disconnect
 /// before cutting the TCP connection: long enough for one round trip on a slow link,
 /// short enough that shutdown is never held up by a dead host.
-const CLOSE_GRACE: Duration = Duration::from_secs(2);
+pub const CLOSE_GRACE: Duration = Duration::from_secs(2);
 
 /// The least time one resolved address gets to accept a TCP connection when several are
 /// tried in turn.
