@@ -603,7 +603,12 @@ async fn delete_one(
     provider: &SharedProvider,
     id: &InstanceId,
 ) -> Result<(), ControllerError> {
-    match provider.delete(id).await {
+    // Through the mark: an instance that names another Proxy is left alone (permanent,
+    // reported below), whatever this Proxy's status says.
+    let owner = proxy
+        .uid()
+        .ok_or(ControllerError::Incomplete("metadata.uid"))?;
+    match provider.delete_owned(id, &owner).await {
         Ok(()) => {
             ctx.metrics.instance("deleted");
             Ok(())

@@ -368,6 +368,15 @@ impl Provider for Logged {
         self.inner.delete(id)
     }
 
+    fn delete_owned<'a>(
+        &'a self,
+        id: &'a InstanceId,
+        owner: &'a str,
+    ) -> BoxFuture<'a, Result<(), ProviderError>> {
+        self.timeline.push(Step::Provider("delete"));
+        self.inner.delete_owned(id, owner)
+    }
+
     fn list(&self) -> BoxFuture<'_, Vec<TargetListing>> {
         self.timeline.push(Step::Provider("list"));
         self.inner.list()
@@ -1347,6 +1356,35 @@ async fn an_instance_that_is_not_ours_to_delete_does_not_block_the_proxy() {
     );
 }
 
+/// A status that names another Proxy's instance (a stale or edited status) must not make
+/// this Proxy's deletion remove it: the delete goes through the mark.
+#[tokio::test]
+async fn deletion_leaves_an_instance_whose_mark_names_another_proxy() {
+    let other_uid = "0badc0de-0000-4000-8000-00000000beef";
+    let theirs = instance(
+        id("h1", "egress-theirs"),
+        other_uid,
+        InstanceState::Running,
+        None,
+    );
+    let p = deleting(with_status(proxy(), status_seeing(&theirs)));
+    let w = World::new(&p);
+    w.fake.insert(theirs.clone());
+
+    w.reconcile(&p).await.unwrap();
+
+    assert_eq!(
+        w.fake.instances(),
+        vec![theirs],
+        "the other Proxy's instance is untouched"
+    );
+    let labels_seen = w.labels();
+    assert!(
+        labels_seen.contains(&"event:Warning:NotDeleted".to_string()),
+        "{labels_seen:?}"
+    );
+}
+
 #[tokio::test]
 async fn a_failed_deleting_status_does_not_stop_the_delete() {
     let running = instance(id("h1", &our_name()), UID, InstanceState::Running, None);
@@ -1943,6 +1981,13 @@ impl Provider for LosesLeaseAfter {
     fn delete<'a>(&'a self, id: &'a InstanceId) -> BoxFuture<'a, Result<(), ProviderError>> {
         Box::pin(async move { self.after("delete", self.inner.delete(id).await) })
     }
+    fn delete_owned<'a>(
+        &'a self,
+        id: &'a InstanceId,
+        owner: &'a str,
+    ) -> BoxFuture<'a, Result<(), ProviderError>> {
+        Box::pin(async move { self.after("delete", self.inner.delete_owned(id, owner).await) })
+    }
     fn list(&self) -> BoxFuture<'_, Vec<TargetListing>> {
         Box::pin(async move { self.after("list", self.inner.list().await) })
     }
@@ -2116,6 +2161,14 @@ impl Provider for Gated {
 
     fn delete<'a>(&'a self, id: &'a InstanceId) -> BoxFuture<'a, Result<(), ProviderError>> {
         self.inner.delete(id)
+    }
+
+    fn delete_owned<'a>(
+        &'a self,
+        id: &'a InstanceId,
+        owner: &'a str,
+    ) -> BoxFuture<'a, Result<(), ProviderError>> {
+        self.inner.delete_owned(id, owner)
     }
 
     fn list(&self) -> BoxFuture<'_, Vec<TargetListing>> {

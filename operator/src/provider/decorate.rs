@@ -105,6 +105,30 @@ impl<P: Provider + ?Sized> Provider for Traced<P> {
             self.inner.delete(id),
         ))
     }
+    fn get_owned<'a>(
+        &'a self,
+        id: &'a InstanceId,
+        owner: &'a str,
+    ) -> BoxFuture<'a, Result<Instance, ProviderError>> {
+        Box::pin(traced(
+            self.inner.name(),
+            "get",
+            id.to_string(),
+            self.inner.get_owned(id, owner),
+        ))
+    }
+    fn delete_owned<'a>(
+        &'a self,
+        id: &'a InstanceId,
+        owner: &'a str,
+    ) -> BoxFuture<'a, Result<(), ProviderError>> {
+        Box::pin(traced(
+            self.inner.name(),
+            "delete",
+            id.to_string(),
+            self.inner.delete_owned(id, owner),
+        ))
+    }
     fn list(&self) -> BoxFuture<'_, Vec<TargetListing>> {
         Box::pin(async move {
             let r = self.inner.list().await;
@@ -243,6 +267,20 @@ impl<P: Provider + ?Sized> Provider for Metered<P> {
     fn delete<'a>(&'a self, id: &'a InstanceId) -> BoxFuture<'a, Result<(), ProviderError>> {
         Box::pin(self.measure("delete", self.inner.delete(id)))
     }
+    fn get_owned<'a>(
+        &'a self,
+        id: &'a InstanceId,
+        owner: &'a str,
+    ) -> BoxFuture<'a, Result<Instance, ProviderError>> {
+        Box::pin(self.measure("get", self.inner.get_owned(id, owner)))
+    }
+    fn delete_owned<'a>(
+        &'a self,
+        id: &'a InstanceId,
+        owner: &'a str,
+    ) -> BoxFuture<'a, Result<(), ProviderError>> {
+        Box::pin(self.measure("delete", self.inner.delete_owned(id, owner)))
+    }
     fn list(&self) -> BoxFuture<'_, Vec<TargetListing>> {
         Box::pin(async move {
             let started = Instant::now();
@@ -350,6 +388,20 @@ impl<P: Provider + ?Sized> Provider for Fenced<P> {
     }
     fn delete<'a>(&'a self, id: &'a InstanceId) -> BoxFuture<'a, Result<(), ProviderError>> {
         Box::pin(self.bounded("delete", self.inner.delete(id)))
+    }
+    fn get_owned<'a>(
+        &'a self,
+        id: &'a InstanceId,
+        owner: &'a str,
+    ) -> BoxFuture<'a, Result<Instance, ProviderError>> {
+        Box::pin(self.bounded("get", self.inner.get_owned(id, owner)))
+    }
+    fn delete_owned<'a>(
+        &'a self,
+        id: &'a InstanceId,
+        owner: &'a str,
+    ) -> BoxFuture<'a, Result<(), ProviderError>> {
+        Box::pin(self.bounded("delete", self.inner.delete_owned(id, owner)))
     }
     fn list(&self) -> BoxFuture<'_, Vec<TargetListing>> {
         Box::pin(async move {

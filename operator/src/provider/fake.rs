@@ -35,6 +35,23 @@ pub struct FakeProvider {
 }
 
 impl FakeProvider {
+    /// Deletes `id`; with an `owner`, refuses (touching nothing) an instance whose Proxy
+    /// is another.
+    fn delete_as(&self, id: &InstanceId, owner: Option<&str>) -> Result<(), ProviderError> {
+        self.enter("delete")?;
+        let mut s = self.state();
+        if s.down.contains(&id.host) {
+            return Err(ProviderError::msg(
+                ErrorClass::Transient,
+                format!("target {} is down", id.host),
+            ));
+        }
+        if let (Some(owner), Some(i)) = (owner, s.instances.get(id)) {
+            super::NotOwned::check(id, owner, &i.proxy.uid)?;
+        }
+        s.instances.remove(id);
+        Ok(())
+    }
     /// A provider with these targets, all up and empty.
     pub fn new(targets: &[&str]) -> Self {
         Self::named("fake", targets)
@@ -214,18 +231,16 @@ impl Provider for FakeProvider {
     }
 
     fn delete<'a>(&'a self, id: &'a InstanceId) -> BoxFuture<'a, Result<(), ProviderError>> {
-        Box::pin(async move {
-            self.enter("delete")?;
-            let mut s = self.state();
-            if s.down.contains(&id.host) {
-                return Err(ProviderError::msg(
-                    ErrorClass::Transient,
-                    format!("target {} is down", id.host),
-                ));
-            }
-            s.instances.remove(id);
-            Ok(())
-        })
+        Box::pin(async move { self.delete_as(id, None) })
+    }
+
+    /// One call (counted as a delete), as a real provider checks the mark while deleting.
+    fn delete_owned<'a>(
+        &'a self,
+        id: &'a InstanceId,
+        owner: &'a str,
+    ) -> BoxFuture<'a, Result<(), ProviderError>> {
+        Box::pin(async move { self.delete_as(id, Some(owner)) })
     }
 
     fn list(&self) -> BoxFuture<'_, Vec<TargetListing>> {

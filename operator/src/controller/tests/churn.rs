@@ -256,6 +256,14 @@ impl Provider for Stamped {
         self.record("delete");
         self.inner.delete(id)
     }
+    fn delete_owned<'a>(
+        &'a self,
+        id: &'a InstanceId,
+        owner: &'a str,
+    ) -> BoxFuture<'a, Result<(), ProviderError>> {
+        self.record("delete");
+        self.inner.delete_owned(id, owner)
+    }
     fn list(&self) -> BoxFuture<'_, Vec<TargetListing>> {
         self.record("list");
         self.inner.list()
