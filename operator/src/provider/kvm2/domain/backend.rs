@@ -1194,7 +1194,7 @@ impl Provider for Kvm2Provider {
     }
 
     /// Without the extra read of the default: the name carries the owner's UID (volumes
-    /// are found from it), and [`Kvm2Provider::delete_inner`] refuses a domain whose mark
+    /// are found from it), and the kvm2 delete refuses a domain whose mark
     /// names another UID than its name, so checking the name is checking the mark.
     fn delete_owned<'a>(
         &'a self,
