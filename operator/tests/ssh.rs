@@ -522,7 +522,7 @@ async fn rejected_channel_is_a_channel_error() {
         .await
         .unwrap();
     let e = guard(session.open_streamlocal("/nope")).await.unwrap_err();
-    assert_eq!(e.reason_code(), "channel", "{e}");
+    assert_eq!(e.reason_code(), "libvirt-socket", "{e}");
     assert!(e.to_string().contains("/nope"), "{e}");
     assert!(
         !session.is_closed(),

@@ -80,8 +80,9 @@ pub struct SshConfig {
     #[schemars(range(min = limits::CONNECT_TIMEOUT_SECONDS.0, max = limits::CONNECT_TIMEOUT_SECONDS.1))]
     pub connect_timeout_seconds: u32,
     /// Interval between SSH keepalives. A dead or half-open link (also one with data in
-    /// flight) is noticed within `keepaliveIntervalSeconds × (keepaliveMaxMissed + 1)`:
-    /// that bound is also the link's TCP_USER_TIMEOUT and SSH inactivity timeout.
+    /// flight) is noticed within `keepaliveIntervalSeconds × (keepaliveMaxMissed + 1)`,
+    /// which is also the link's TCP_USER_TIMEOUT; a write blocked on a peer that never
+    /// reads is cut one interval later (the SSH inactivity timeout).
     #[serde(default = "defaults::keepalive_interval_seconds")]
     #[schemars(range(min = limits::KEEPALIVE_INTERVAL_SECONDS.0, max = limits::KEEPALIVE_INTERVAL_SECONDS.1))]
     pub keepalive_interval_seconds: u32,

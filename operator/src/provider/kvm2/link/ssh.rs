@@ -19,9 +19,11 @@
 //! - idle or not, SSH keepalives go out every `keepaliveIntervalSeconds`; after
 //!   `keepaliveMaxMissed` of them pass with nothing at all received, russh ends the session;
 //! - with data in flight to a peer that stopped acknowledging it (a half-open TCP
-//!   connection, a frozen middlebox), writes block and russh's loop never gets to count
-//!   keepalives: `TCP_USER_TIMEOUT` makes the kernel fail the socket after the bound, and
-//!   russh's inactivity timeout (the same bound) ends a write that cannot finish.
+//!   connection), writes block and russh's loop never gets to count keepalives:
+//!   `TCP_USER_TIMEOUT` makes the kernel fail the socket after the bound; a write blocked
+//!   on a peer that acknowledges but never reads (a frozen middlebox) is ended by russh's
+//!   inactivity timeout one keepalive interval later (later than the keepalives, so an
+//!   idle dead link is reported as missed keepalives, the clearer reason).
 //!
 //! Each resolved address gets its own share of the connect timeout (at least
 //! [`MIN_ADDRESS_TIMEOUT`]), so a black-holed IPv6 address does not eat the whole budget
@@ -374,7 +376,7 @@ fn client_config(target: &SshTarget, policy: &HostKeyPolicy) -> client::Config {
     client::Config {
         // Bounds a write to a peer that stopped reading (see the module docs); a healthy
         // idle link answers every keepalive well within it.
-        inactivity_timeout: Some(target.half_open_bound()),
+        inactivity_timeout: Some(target.half_open_bound() + target.keepalive_interval),
         keepalive_interval: Some(target.keepalive_interval),
         keepalive_max: usize::try_from(target.keepalive_max_missed).unwrap_or(usize::MAX),
         preferred,
@@ -912,7 +914,11 @@ mod tests {
             t.keepalive_interval * (t.keepalive_max_missed + 1)
         );
         let c = client_config(&t, &HostKeyPolicy::Insecure);
-        assert_eq!(c.inactivity_timeout, Some(t.half_open_bound()));
+        assert_eq!(
+            c.inactivity_timeout,
+            Some(t.half_open_bound() + t.keepalive_interval),
+            "after the keepalives, so a silent link is reported as missed keepalives"
+        );
         assert_eq!(c.keepalive_interval, Some(t.keepalive_interval));
         // One address gets the whole budget; several share it, never below the floor.
         let budget = Duration::from_secs(10);
