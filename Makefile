@@ -54,7 +54,7 @@ generate:
 test: setup lint plugins
 	RUSTDOCFLAGS="-D warnings" $(CARGO) doc --workspace --no-deps --locked --quiet
 	@mkdir -p $(TARGET_DIR)
-	set -o pipefail; $(CARGO) test --workspace --locked 2>&1 | tee $(TARGET_DIR)/test.log
+	set -o pipefail; $(CARGO) test --workspace --locked --no-fail-fast 2>&1 | tee $(TARGET_DIR)/test.log
 	@bash scripts/test-summary.sh $(TARGET_DIR)/test.log
 
 ## demo: the main job on local defaults: start a local sshd and an isolated libvirtd

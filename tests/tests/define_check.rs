@@ -123,7 +123,11 @@ struct FakeWorld {
 
 impl FakeWorld {
     fn new() -> Self {
-        let bytes: Arc<Vec<u8>> = Arc::new((0..4000u32).map(|i| (i * 13 % 251) as u8).collect());
+        // A qcow2 header (64 MiB virtual, below the 1 GiB disk), then bytes not all alike.
+        let mut image =
+            egress_operator::provider::kvm2::image::qcow2::test_header(3, 64 << 20, 512);
+        image.extend((0..4000u32).map(|i| (i * 13 % 251) as u8));
+        let bytes: Arc<Vec<u8>> = Arc::new(image);
         let http =
             HttpServer::start(vec![("/img".to_string(), Route::Body(bytes.clone()))]).unwrap();
         let sha = sha256_hex(&bytes);
