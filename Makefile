@@ -68,6 +68,13 @@ demo: setup plugins
 	bash scripts/demo-image.sh $(DEMO_IMAGE)
 	$(TARGET_DIR)/debug/egress-demo $(DEMO_IMAGE) $(BIN)
 
+## guest-image: build the real Debian 12 guest (cloud kernel, cloud-init NoCloud, qemu-guest-agent,
+## tinyproxy) from Debian packages; cached, rebuilt only when its recipe changes (scripts/guest-image.sh)
+GUEST_IMAGE := $(TARGET_DIR)/guest/debian-12.qcow2
+.PHONY: guest-image
+guest-image:
+	bash scripts/guest-image.sh $(GUEST_IMAGE)
+
 ## bench: timings printed as ratios against a peer measured in the same run
 bench: setup plugins
 	$(CARGO) bench --locked -p integration-tests --bench templates
