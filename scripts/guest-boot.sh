@@ -26,6 +26,8 @@
 # SEED_DIR holds meta-data (required), user-data (default: an empty #cloud-config),
 # vendor-data and network-config (optional). They become a NoCloud ISO (label
 # cidata) attached as a second VIRTIO disk: Debian's cloud kernel has no AHCI driver.
+# SEED_DIR `none` attaches no seed: cloud-init then ends with DataSourceNone (what a
+# guest that cannot see its seed does; it must not proxy anything).
 #
 # Network: one virtio NIC on a tap in a bridge br0 (10.203.0.1/24) inside a fresh
 # network namespace egb-NAME. Nothing routes out of it: no uplink, no NAT, no
@@ -255,7 +257,7 @@ valid_name "$NAME" || die "bad --name '$NAME' ([a-z0-9-], at most 12)"
 [[ $MEMORY =~ ^[0-9]+$ && $CPUS =~ ^[0-9]+$ && $TIMEOUT =~ ^[0-9]+$ ]] || die "--memory, --cpus and --timeout take numbers"
 [ -z "$DISK_GIB" ] || [[ $DISK_GIB =~ ^[0-9]+$ ]] || die "--disk-gib takes a number"
 case "$ACCEL" in tcg | kvm | auto) ;; *) die "--accel is tcg, kvm or auto" ;; esac
-[ -f "$SEED_DIR/meta-data" ] || die "$SEED_DIR/meta-data missing (NoCloud needs it: instance-id, local-hostname)"
+[ "$SEED_DIR" = none ] || [ -f "$SEED_DIR/meta-data" ] || die "$SEED_DIR/meta-data missing (NoCloud needs it: instance-id, local-hostname)"
 [ "$(id -u)" -eq 0 ] || die "needs root (network namespace, tap device)"
 for t in qemu-system-x86_64 qemu-img ip; do command -v "$t" >/dev/null || die "$t not found (packages qemu-system-x86, qemu-utils, iproute2)"; done
 [ -x "$PYTHON" ] || die "$PYTHON not found (package python3)"
@@ -288,16 +290,22 @@ trap 'exit 130' INT TERM
 mkdir -p "$STATE"
 
 # Seed ISO: NoCloud reads a file system labelled cidata.
-mkdir "$STATE/seed"
-for f in meta-data user-data vendor-data network-config; do
-  if [ -f "$SEED_DIR/$f" ]; then cp "$SEED_DIR/$f" "$STATE/seed/$f"; fi
-done
-[ -f "$STATE/seed/user-data" ] || printf '#cloud-config\n{}\n' >"$STATE/seed/user-data"
-"${MKISO[@]}" -quiet -output "$STATE/seed.iso" -volid cidata -joliet -rock "$STATE/seed" >"$STATE/mkiso.out" 2>&1 || {
-  cat "$STATE/mkiso.out" >&2
-  die "making the seed ISO failed"
-}
-log "seed: $(cd "$STATE/seed" && echo *) (NoCloud ISO on virtio)"
+SEED_ARGS=()
+if [ "$SEED_DIR" = none ]; then
+  log "seed: none (no seed disk)"
+else
+  mkdir "$STATE/seed"
+  for f in meta-data user-data vendor-data network-config; do
+    if [ -f "$SEED_DIR/$f" ]; then cp "$SEED_DIR/$f" "$STATE/seed/$f"; fi
+  done
+  [ -f "$STATE/seed/user-data" ] || printf '#cloud-config\n{}\n' >"$STATE/seed/user-data"
+  "${MKISO[@]}" -quiet -output "$STATE/seed.iso" -volid cidata -joliet -rock "$STATE/seed" >"$STATE/mkiso.out" 2>&1 || {
+    cat "$STATE/mkiso.out" >&2
+    die "making the seed ISO failed"
+  }
+  SEED_ARGS=(-drive "if=none,id=seed,file=$STATE/seed.iso,format=raw,readonly=on" -device "virtio-blk-pci,drive=seed")
+  log "seed: $(cd "$STATE/seed" && echo *) (NoCloud ISO on virtio)"
+fi
 
 qemu-img create -q -f qcow2 -F qcow2 -b "$IMAGE" "$STATE/overlay.qcow2" ${DISK_GIB:+"${DISK_GIB}G"} ||
   die "qemu-img create of the overlay failed"
@@ -342,8 +350,7 @@ ip netns exec "$NS" qemu-system-x86_64 -name "guest=$NAME" -machine q35 -accel "
   -qmp "unix:$STATE/qmp.sock,server=on,wait=off" \
   -drive "if=none,id=root,file=$STATE/overlay.qcow2,format=qcow2" \
   -device virtio-blk-pci,drive=root,bootindex=0 \
-  -drive "if=none,id=seed,file=$STATE/seed.iso,format=raw,readonly=on" \
-  -device virtio-blk-pci,drive=seed \
+  "${SEED_ARGS[@]}" \
   -netdev "tap,id=net0,ifname=$TAP,script=no,downscript=no" \
   -device "virtio-net-pci,netdev=net0,mac=$MAC" \
   -device virtio-rng-pci \

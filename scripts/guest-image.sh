@@ -322,7 +322,9 @@ fi
 
 log "configuring the guest"
 # cloud-init: the NoCloud seed only; networkd renders the network config (no ifupdown,
-# no netplan in the image); no SSH host keys (no sshd in the image); a locale that
+# no netplan in the image); no SSH host keys (no sshd in the image: an empty ssh_keys
+# map makes cc_ssh generate none; `ssh_genkeytypes: []` fails the schema check); no
+# grub-dpkg (SYSLINUX boots it; the module costs seconds under TCG); a locale that
 # needs no locale-gen at boot.
 cat >"$ROOT/etc/cloud/cloud.cfg.d/90-egress-guest.cfg" <<'EOF'
 # egress guest image (scripts/guest-image.sh)
@@ -333,7 +335,9 @@ system_info:
   network:
     renderers: [ networkd ]
 locale: C.UTF-8
-ssh_genkeytypes: []
+ssh_keys: {}
+grub_dpkg:
+  enabled: false
 EOF
 printf 'LANG=C.UTF-8\n' >"$ROOT/etc/default/locale"
 # Air-gapped boots must not stall: wait-online returns once any link has an IPv4
@@ -350,8 +354,9 @@ in_chroot systemctl enable systemd-networkd.service >/dev/null 2>&1 || die "syst
 in_chroot systemctl disable tinyproxy.service >/dev/null 2>&1 || die "systemctl disable tinyproxy failed"
 [ "$(in_chroot systemctl is-enabled tinyproxy.service 2>/dev/null || true)" = disabled ] ||
   die "tinyproxy.service is still enabled in the image"
-# No background work that competes with cloud-init under TCG, no apt on timers.
-for t in apt-daily.timer apt-daily-upgrade.timer e2scrub_all.timer fstrim.timer; do
+# No background work that competes with cloud-init under TCG (e2scrub_reap alone takes
+# ~20s of the one vCPU at first boot), no apt on timers.
+for t in apt-daily.timer apt-daily-upgrade.timer e2scrub_all.timer e2scrub_reap.service fstrim.timer; do
   if [ -e "$ROOT/lib/systemd/system/$t" ]; then in_chroot systemctl mask "$t" >/dev/null 2>&1; fi
 done
 
