@@ -13,7 +13,7 @@
 #   tinyproxy                installed but disabled: only vendor-data enables it, so a
 #                            guest that never read its seed proxies nothing
 #   nftables, cloud-guest-utils (growpart), iproute2, curl
-# systemd-networkd-wait-online is bounded (--any --ipv4 --timeout=15), so an air-gapped boot
+# systemd-networkd-wait-online is bounded (--any --ipv4 --timeout=10), so an air-gapped boot
 # without DHCP does not stall cloud-init for two minutes.
 #
 # Layout (legacy BIOS / SeaBIOS; built on plain files: no loop devices, no mounts):
@@ -340,14 +340,17 @@ grub_dpkg:
   enabled: false
 EOF
 printf 'LANG=C.UTF-8\n' >"$ROOT/etc/default/locale"
-# Air-gapped boots must not stall: wait-online returns once any link has an IPv4
-# address (static: at once; DHCP: the lease), or after 15s without one.
+# Air-gapped boots must not stall: wait-online returns once any link is configured
+# with an IPv4 address (DHCP: when the lease arrives), or after 10s. A static-only
+# network-config always takes the 10s: networkd keeps the link "configuring" while
+# IPv6 router discovery waits for a router that an isolated bridge never has, and
+# cloud-init 22.4's networkd renderer writes `accept-ra: false` only for DHCPv6 links.
 mkdir -p "$ROOT/etc/systemd/system/systemd-networkd-wait-online.service.d"
 cat >"$ROOT/etc/systemd/system/systemd-networkd-wait-online.service.d/egress-bounded.conf" <<'EOF'
 # egress guest image: tests run air-gapped; do not hold boot for the default 120s.
 [Service]
 ExecStart=
-ExecStart=/lib/systemd/systemd-networkd-wait-online --any --ipv4 --timeout=15
+ExecStart=/lib/systemd/systemd-networkd-wait-online --any --ipv4 --timeout=10
 EOF
 in_chroot systemctl enable systemd-networkd.service >/dev/null 2>&1 || die "systemctl enable systemd-networkd failed"
 # tinyproxy stays off until vendor-data turns it on.

@@ -1465,6 +1465,8 @@ mod tests {
             },
             state: InstanceState::Running,
             addresses: vec![],
+            address_source: None,
+            seed_applied: None,
             created_at: created_at.into(),
         }
     }

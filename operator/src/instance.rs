@@ -1,9 +1,16 @@
 //! The identity of one proxy instance: its domain and volume names, UUID, MAC address and
 //! the ownership mark written into the domain's `<metadata>`.
 //!
-//! Everything is derived from the Proxy's UID, which Kubernetes makes unique and immutable,
+//! Names are derived from the Proxy's UID, which Kubernetes makes unique and immutable,
 //! so every reconcile (and every operator replica) computes the same names, and a domain or
 //! volume can always be traced back to its Proxy.
+//!
+//! The MAC is not a function of the UID alone: it is derived per *incarnation* (each
+//! domain a Create defines for the Proxy), see [`derive_mac`], and recorded in the mark,
+//! which is where every later reader takes it from.
+
+use std::net::Ipv4Addr;
+use std::sync::atomic::{AtomicU64, Ordering};
 
 use sha2::{Digest, Sha256};
 
@@ -27,8 +34,6 @@ pub struct InstanceIdentity {
     pub root_volume: String,
     /// NoCloud seed ISO volume: `egress-<uid>-seed`.
     pub seed_volume: String,
-    /// MAC of the primary NIC, in QEMU's locally administered range (52:54:00).
-    pub mac: String,
 }
 
 /// Checks a Kubernetes UID: a lower-case, hyphenated UUID.
@@ -53,18 +58,109 @@ impl InstanceIdentity {
     /// The identity of the instance of the Proxy with this UID.
     pub fn for_uid(uid: &str) -> Result<Self, String> {
         check_uid(uid)?;
-        let digest = Sha256::digest(uid.as_bytes());
         Ok(Self {
             uid: uid.to_string(),
             domain_name: format!("{NAME_PREFIX}{uid}"),
             domain_uuid: uid.to_string(),
             root_volume: format!("{NAME_PREFIX}{uid}-root"),
             seed_volume: format!("{NAME_PREFIX}{uid}-seed"),
-            mac: format!(
-                "52:54:00:{:02x}:{:02x}:{:02x}",
-                digest[0], digest[1], digest[2]
-            ),
         })
+    }
+}
+
+/// The network identity of one incarnation of an instance: what its mark records.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct InstanceNet {
+    /// MAC of the primary NIC (lower-case `xx:xx:xx:xx:xx:xx`).
+    pub mac: String,
+    /// The static address allocated from the host's pool; `None` when the guest uses DHCP.
+    pub address: Option<Ipv4Addr>,
+}
+
+impl InstanceNet {
+    /// What `render` shows for a Proxy: the MAC of incarnation 0, no static address. A
+    /// Create derives its own (a fresh incarnation), so this is a preview, not a promise.
+    pub fn preview(uid: &str) -> Self {
+        Self {
+            mac: derive_mac(uid, 0, 0),
+            address: None,
+        }
+    }
+}
+
+/// Random-looking bits a MAC carries: 48 less the multicast and locally-administered bits.
+pub const MAC_RANDOM_BITS: u32 = 46;
+
+/// The MAC of incarnation `incarnation` of the Proxy with UID `uid`, `attempt` counting
+/// the derivations refused because the MAC was already on the host (the next is tried).
+///
+/// The first six bytes of `sha256("egress-operator/mac/2" ‖ uid ‖ incarnation ‖ attempt)`,
+/// with the first octet's two low bits set to `10`: unicast (bit 0 clear) and locally
+/// administered (bit 1 set), so it can never clash with a vendor's address, and 46 bits
+/// stay random-looking. Birthday bound for `n` VMs on one bridge: `n(n-1)/2 / 2^46`; at
+/// n = 10,000 that is 4.9995e7 / 7.04e13 ≈ 7.1e-7 (the former 24-bit `52:54:00:xx:xx:xx`
+/// scheme: 1 - e^(-4.9995e7/2^24) ≈ 0.95, a collision near certain). A collision that
+/// happens anyway is detected at Create ([`crate::provider::kvm2::domain::ippool`]).
+///
+/// A new incarnation gets a new MAC, so a replacement VM cannot inherit the lease, ARP
+/// entry or switch state of the VM it replaces.
+pub fn derive_mac(uid: &str, incarnation: u64, attempt: u32) -> String {
+    let mut h = Sha256::new();
+    h.update(b"egress-operator/mac/2\0");
+    h.update(uid.as_bytes());
+    h.update(b"\0");
+    h.update(incarnation.to_be_bytes());
+    h.update(attempt.to_be_bytes());
+    let d = h.finalize();
+    let first = (d[0] & 0xfc) | 0x02;
+    format!(
+        "{first:02x}:{:02x}:{:02x}:{:02x}:{:02x}:{:02x}",
+        d[1], d[2], d[3], d[4], d[5]
+    )
+}
+
+/// The MAC the operator gave a domain before MACs were recorded in the mark (QEMU's
+/// `52:54:00` range, three bytes of the UID's hash): the MAC of a domain whose mark has
+/// none.
+pub fn legacy_mac(uid: &str) -> String {
+    let d = Sha256::digest(uid.as_bytes());
+    format!("52:54:00:{:02x}:{:02x}:{:02x}", d[0], d[1], d[2])
+}
+
+/// A fresh incarnation number for a Create: unpredictable across processes (the standard
+/// library's randomly keyed hasher) and distinct within one (a counter and the clock).
+pub fn fresh_incarnation() -> u64 {
+    use std::hash::{BuildHasher, Hasher};
+    static COUNTER: AtomicU64 = AtomicU64::new(0);
+    let mut h = std::collections::hash_map::RandomState::new().build_hasher();
+    h.write_u64(COUNTER.fetch_add(1, Ordering::Relaxed));
+    let now = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map(|d| d.as_nanos())
+        .unwrap_or_default();
+    h.write_u128(now);
+    h.write_u32(std::process::id());
+    h.finish()
+}
+
+/// Checks a MAC as the mark records it: six lower-case hex pairs, unicast.
+pub fn check_mac(mac: &str) -> Result<(), String> {
+    let parts: Vec<&str> = mac.split(':').collect();
+    let ok = parts.len() == 6
+        && parts.iter().all(|p| {
+            p.len() == 2
+                && p
+                    .bytes()
+                    .all(|b| b.is_ascii_digit() || (b'a'..=b'f').contains(&b))
+        })
+        && u8::from_str_radix(parts[0], 16).is_ok_and(|b| b & 1 == 0);
+    if ok {
+        Ok(())
+    } else {
+        Err(format!(
+            "{} is not a unicast MAC (lower-case xx:xx:xx:xx:xx:xx)",
+            rules::show(mac)
+        ))
     }
 }
 
@@ -209,22 +305,50 @@ pub struct MetadataMark {
     pub uid: String,
     /// Creation time, RFC 3339.
     pub created_at: String,
+    /// MAC of the primary NIC (marks written before MACs were recorded have none: see
+    /// [`MetadataMark::mac_or_legacy`]). Recorded so a listing of the host's domains sees
+    /// every MAC in use without reading each domain's devices.
+    pub mac: Option<String>,
+    /// The static address allocated from the host's pool, if any: the allocation's record,
+    /// recovered from the host after a restart, and the address reported for the instance.
+    pub address: Option<Ipv4Addr>,
 }
 
 impl MetadataMark {
     /// The mark as one XML element in [`METADATA_NS`], every value escaped.
     pub fn to_xml(&self) -> String {
         let e = |v: &str| quick_xml::escape::escape(v).into_owned();
+        let mut net = String::new();
+        if let Some(mac) = &self.mac {
+            net.push_str(&format!("<eo:mac>{}</eo:mac>", e(mac)));
+        }
+        if let Some(address) = &self.address {
+            net.push_str(&format!("<eo:address>{address}</eo:address>"));
+        }
         format!(
             "<eo:instance xmlns:eo=\"{METADATA_NS}\"><eo:managed>true</eo:managed>\
              <eo:cluster>{}</eo:cluster><eo:proxy namespace=\"{}\" name=\"{}\" uid=\"{}\"/>\
-             <eo:createdAt>{}</eo:createdAt></eo:instance>",
+             <eo:createdAt>{}</eo:createdAt>{net}</eo:instance>",
             e(&self.cluster_id),
             e(&self.namespace),
             e(&self.name),
             e(&self.uid),
             e(&self.created_at)
         )
+    }
+
+    /// The primary NIC's MAC: the recorded one, else the one the operator derived before it
+    /// recorded MACs ([`legacy_mac`]).
+    pub fn mac_or_legacy(&self) -> String {
+        self.mac.clone().unwrap_or_else(|| legacy_mac(&self.uid))
+    }
+
+    /// The network identity the mark records.
+    pub fn net(&self) -> InstanceNet {
+        InstanceNet {
+            mac: self.mac_or_legacy(),
+            address: self.address,
+        }
     }
 }
 
@@ -243,8 +367,6 @@ mod tests {
             id.root_volume,
             "egress-0b7c3c1e-9a43-4f5e-a1d2-3c4b5a697887-root"
         );
-        assert!(id.mac.starts_with("52:54:00:"));
-        assert_eq!(id.mac.len(), 17);
         assert!(rules::dns1123_label(&id.seed_volume).is_ok());
         for bad in [
             "",
@@ -334,8 +456,84 @@ mod tests {
             name: "a\"<b>&".into(),
             uid: "u".into(),
             created_at: "2026-01-01T00:00:00Z".into(),
+            mac: None,
+            address: None,
         };
         let xml = m.to_xml();
         assert!(xml.contains("name=\"a&quot;&lt;b&gt;&amp;\""), "{xml}");
+        assert!(!xml.contains("eo:mac") && !xml.contains("eo:address"), "{xml}");
+        let with_net = MetadataMark {
+            mac: Some("02:00:00:00:00:01".into()),
+            address: Some(Ipv4Addr::new(10, 0, 0, 5)),
+            ..m
+        };
+        let xml = with_net.to_xml();
+        assert!(
+            xml.ends_with(
+                "<eo:mac>02:00:00:00:00:01</eo:mac><eo:address>10.0.0.5</eo:address></eo:instance>"
+            ),
+            "{xml}"
+        );
+    }
+
+    const UID: &str = "0b7c3c1e-9a43-4f5e-a1d2-3c4b5a697887";
+
+    /// Bit 0 of the first octet clear (unicast), bit 1 set (locally administered), and
+    /// the other 46 bits vary: each of them takes both values over a few hundred MACs.
+    #[test]
+    fn macs_are_local_unicast_with_46_varying_bits() {
+        let mut ones = [0u32; 48];
+        let mut zeros = [0u32; 48];
+        for n in 0..512u64 {
+            let mac = derive_mac(UID, n, 0);
+            assert_eq!(check_mac(&mac), Ok(()), "{mac}");
+            let bytes: Vec<u8> = mac
+                .split(':')
+                .map(|p| u8::from_str_radix(p, 16).unwrap())
+                .collect();
+            assert_eq!(bytes[0] & 0b11, 0b10, "{mac}");
+            for bit in 0..48 {
+                if bytes[bit / 8] >> (7 - bit % 8) & 1 == 1 {
+                    ones[bit] += 1;
+                } else {
+                    zeros[bit] += 1;
+                }
+            }
+        }
+        let varying = (0..48).filter(|&b| ones[b] > 0 && zeros[b] > 0).count();
+        assert_eq!(varying as u32, MAC_RANDOM_BITS);
+    }
+
+    #[test]
+    fn mac_derivation_is_stable_and_changes_per_incarnation() {
+        // Pinned: a change of the derivation changes every recorded MAC's meaning.
+        assert_eq!(derive_mac(UID, 0, 0), derive_mac(UID, 0, 0));
+        assert_eq!(derive_mac(UID, 0, 0), "6e:d5:c7:c2:ca:cd");
+        assert_ne!(derive_mac(UID, 0, 0), derive_mac(UID, 1, 0));
+        assert_ne!(derive_mac(UID, 0, 0), derive_mac(UID, 0, 1));
+        let other = "0b7c3c1e-9a43-4f5e-a1d2-3c4b5a697888";
+        assert_ne!(derive_mac(UID, 0, 0), derive_mac(other, 0, 0));
+        assert_eq!(legacy_mac(UID).len(), 17);
+        assert!(legacy_mac(UID).starts_with("52:54:00:"));
+        assert_ne!(fresh_incarnation(), fresh_incarnation());
+    }
+
+    #[test]
+    fn mac_check() {
+        for good in ["02:00:00:00:00:01", "52:54:00:ab:cd:ef", "fe:ff:ff:ff:ff:ff"] {
+            assert_eq!(check_mac(good), Ok(()), "{good}");
+        }
+        for bad in [
+            "",
+            "02:00:00:00:00",
+            "02:00:00:00:00:01:02",
+            "03:00:00:00:00:01",
+            "02:00:00:00:00:0G",
+            "02:00:00:00:00:AB",
+            "02-00-00-00-00-01",
+            "2:00:00:00:00:01",
+        ] {
+            assert!(check_mac(bad).is_err(), "{bad}");
+        }
     }
 }

@@ -16,6 +16,7 @@ pub mod providerhealth;
 pub mod provision;
 pub mod render;
 pub mod run;
+pub mod serving;
 pub mod telemetry;
 pub mod templates;
 pub mod validation;

@@ -198,6 +198,9 @@ async fn create(
         user_data,
         fence: crate::provider::Fence::unfenced(),
     };
+    // Whether the instance exists already: Create adopts it then, and the user should
+    // be told so rather than "created". A failed listing leaves it open.
+    let before = existing_on(provider, &owner.uid).await;
     let started = Instant::now();
     let mut instance = provider.create(&req).await.map_err(|e| {
         format!(
@@ -233,8 +236,48 @@ async fn create(
             writeln!(out, "{}", xml.trim_end())?;
         }
         print_instance(out, &instance)?;
-        writeln!(out, "created in {:.1}s", took.as_secs_f64())
+        match &before {
+            Existing::Found(host) => writeln!(
+                out,
+                "adopted the existing instance on {host} in {:.1}s (nothing was created)",
+                took.as_secs_f64()
+            ),
+            Existing::None => writeln!(out, "created in {:.1}s", took.as_secs_f64()),
+            Existing::Unknown(why) => writeln!(
+                out,
+                "created or adopted in {:.1}s (whether it existed before is unknown: {why})",
+                took.as_secs_f64()
+            ),
+        }
     })())
+}
+
+/// Whether a Proxy's instance existed before a Create.
+enum Existing {
+    /// On this host.
+    Found(String),
+    /// On no host (every listing answered).
+    None,
+    /// A listing failed, so it may exist there.
+    Unknown(String),
+}
+
+async fn existing_on(provider: &dyn Provider, uid: &str) -> Existing {
+    let mut failed = Vec::new();
+    for listing in provider.list().await {
+        match listing.result {
+            Ok(list) if list.iter().any(|i| i.proxy.uid == uid) => {
+                return Existing::Found(listing.target);
+            }
+            Ok(_) => {}
+            Err(e) => failed.push(format!("listing host {} failed: {e}", listing.target)),
+        }
+    }
+    if failed.is_empty() {
+        Existing::None
+    } else {
+        Existing::Unknown(failed.join("; "))
+    }
 }
 
 fn print_instance(out: &mut dyn Write, i: &Instance) -> std::io::Result<()> {
@@ -256,6 +299,21 @@ fn print_instance(out: &mut dyn Write, i: &Instance) -> std::io::Result<()> {
     writeln!(out, "host:      {}", i.id.host)?;
     writeln!(out, "state:     {}", i.state)?;
     writeln!(out, "addresses: {addresses}")?;
+    if let Some(source) = i.address_source {
+        writeln!(out, "address source: {source}")?;
+    }
+    match i.seed_applied {
+        Some(true) => writeln!(
+            out,
+            "seed:      applied (the guest's host name is the seed's)"
+        )?,
+        Some(false) => writeln!(
+            out,
+            "seed:      NOT applied: the guest agent reports another host name, so cloud-init \
+             never read the seed and the proxy was never configured"
+        )?,
+        None => {}
+    }
     writeln!(out, "created:   {}", i.created_at)
 }
 

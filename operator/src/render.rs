@@ -8,7 +8,7 @@ use crate::api::proxy::{ProxyManifest, ProxySpec, TemplateSettingsOverrides};
 use crate::config::{
     Firmware as ConfigFirmware, HostConfig, ImageConfig, MachineTypeConfig, ValidConfig,
 };
-use crate::instance::{self, InstanceIdentity, MetadataMark};
+use crate::instance::{self, InstanceIdentity, InstanceNet, MetadataMark};
 use crate::provider::ProxyRef;
 use crate::templates::{
     Disk, DiskBus, DiskRole, DomainInput, Firmware, HostFacts, MachineType, VendorDataInput,
@@ -41,6 +41,8 @@ impl Default for Facts {
 pub struct Inputs {
     /// Names and IDs of the instance.
     pub identity: InstanceIdentity,
+    /// Its MAC and static address, as the mark records them.
+    pub net: InstanceNet,
     /// The host it is placed on.
     pub host: HostConfig,
     /// The base image.
@@ -78,7 +80,8 @@ pub fn inputs(
     inputs_for(config, &owner, &proxy.spec, host, facts, created_at)
 }
 
-/// Builds both inputs for the Proxy `owner` with `spec` (what the provider calls).
+/// Builds both inputs for the Proxy `owner` with `spec`, with the preview network
+/// identity ([`InstanceNet::preview`]).
 pub fn inputs_for(
     config: &ValidConfig,
     owner: &ProxyRef,
@@ -86,6 +89,22 @@ pub fn inputs_for(
     host: Option<&str>,
     facts: &Facts,
     created_at: &str,
+) -> Result<Inputs, String> {
+    let net = InstanceNet::preview(&owner.uid);
+    inputs_with(config, owner, spec, host, facts, created_at, &net)
+}
+
+/// Builds both inputs for the Proxy `owner` with `spec` and the network identity `net`
+/// (what the provider calls: the MAC goes to the domain input and, with the address,
+/// into the mark).
+pub fn inputs_with(
+    config: &ValidConfig,
+    owner: &ProxyRef,
+    spec: &ProxySpec,
+    host: Option<&str>,
+    facts: &Facts,
+    created_at: &str,
+    net: &InstanceNet,
 ) -> Result<Inputs, String> {
     let host_name = host.or(spec.host.as_deref());
     let host = match host_name {
@@ -125,6 +144,8 @@ pub fn inputs_for(
         name: meta.name.clone(),
         uid: uid.clone(),
         created_at: created_at.to_string(),
+        mac: Some(net.mac.clone()),
+        address: net.address,
     };
     let firmware = match mt.firmware {
         ConfigFirmware::Bios => Firmware::Bios,
@@ -156,12 +177,14 @@ pub fn inputs_for(
                 pool: host.storage_pool.clone(),
                 volume: identity.seed_volume.clone(),
                 role: DiskRole::Seed,
-                bus: DiskBus::Sata,
+                // virtio, not SATA: cloud kernels (Debian's genericcloud among them) have no
+                // AHCI driver, so a SATA seed is invisible and cloud-init never runs.
+                bus: DiskBus::Virtio,
                 format: "raw".into(),
             },
         ],
         bridge: host.bridge.clone(),
-        mac: Some(identity.mac.clone()),
+        mac: Some(net.mac.clone()),
         metadata_mark: mark.to_xml(),
         host: host_facts.clone(),
         settings: String::new(),
@@ -181,6 +204,7 @@ pub fn inputs_for(
     };
     Ok(Inputs {
         identity,
+        net: net.clone(),
         host: host.clone(),
         image: image.clone(),
         machine_type: mt.clone(),

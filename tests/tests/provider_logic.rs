@@ -318,6 +318,8 @@ fn mark(cluster: &str, name: &str, uid: &str) -> MetadataMark {
         name: name.into(),
         uid: uid.into(),
         created_at: "2026-01-01T00:00:00Z".into(),
+        mac: None,
+        address: None,
     }
 }
 

@@ -95,9 +95,10 @@ fn default_plugins_render_the_samples_deterministically_and_match_snapshots() {
         vendor.render(&inputs.vendor_data).unwrap(),
         "two renders differ"
     );
-    check_snapshot("vendor-data-default.yaml", &vd);
-    let parsed: serde_json::Value = serde_yaml_ng::from_str(&vd).unwrap();
-    assert_eq!(parsed["packages"][0], "tinyproxy");
+    check_snapshot("vendor-data-default.mime", &vd);
+    // A MIME multipart whose essential part is a shell script (user-data cannot drop it).
+    assert!(vd.starts_with("Content-Type: multipart/mixed;"), "{vd}");
+    assert!(vd.contains("Content-Type: text/x-shellscript"), "{vd}");
 
     // A fresh engine gives the same bytes too: nothing depends on process state.
     let other = TemplateEngine::new(None).unwrap();

@@ -180,10 +180,18 @@ pub struct ProxyStatus {
     /// The guest's first address (IPv4 first); what consumers connect to.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub address: Option<String>,
+    /// Where `address` came from: `static` (allocated by the operator from the host's
+    /// address pool), `lease` (libvirt's DHCP lease), `agent` (the guest agent) or `arp`
+    /// (the host's neighbour table).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub address_source: Option<String>,
     /// Every address the provider found, best first.
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub addresses: Vec<String>,
-    /// `Ready` (the proxy runs and has an address) and `Provisioned` (an instance exists).
+    /// `Provisioned` (an instance exists), `Serving` (its proxy answered the last probe: an
+    /// HTTP CONNECT to its proxy port; the reason says how it failed, e.g. `SeedNotRead`
+    /// when the guest never read its cloud-init seed) and `Ready` (it runs, has an address
+    /// and serves). `phase` is about the VM only.
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     #[schemars(extend("x-kubernetes-list-type" = "map", "x-kubernetes-list-map-keys" = ["type"]))]
     pub conditions: Vec<Condition>,

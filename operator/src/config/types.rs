@@ -37,6 +37,58 @@ pub struct ProvidersConfig {
     /// Periodic provider health checks.
     #[serde(default)]
     pub health_check: HealthCheckConfig,
+    /// The proxy probe behind each Proxy's `Serving` condition (and so its `Ready`).
+    #[serde(default)]
+    pub serving: ServingConfig,
+}
+
+/// How the operator checks that a proxy VM actually proxies. `Ready` requires the last
+/// probe to have passed.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize, JsonSchema)]
+#[serde(rename_all = "camelCase", deny_unknown_fields)]
+pub struct ServingConfig {
+    /// The proxy's TCP port on the guest: must match the vendor-data plugin's listen port
+    /// (the default plugin's `listenPort`, 3128).
+    #[serde(default = "defaults::serving_port")]
+    #[schemars(range(min = 1, max = 65535))]
+    pub port: u16,
+    /// `host:port` the probe asks the proxy to CONNECT to; a 2xx answer passes. When
+    /// unset, any well-formed HTTP answer from the proxy to a CONNECT passes (it proves a
+    /// proxy listens, not that it reaches anything).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[schemars(length(min = 3, max = 261))]
+    pub target: Option<String>,
+    /// Budget of one probe (connect, request and answer).
+    #[serde(default = "defaults::serving_timeout_seconds")]
+    #[schemars(range(min = limits::SERVING_TIMEOUT_SECONDS.0, max = limits::SERVING_TIMEOUT_SECONDS.1))]
+    pub timeout_seconds: u32,
+    /// How often a serving proxy is probed again.
+    #[serde(default = "defaults::serving_period_seconds")]
+    #[schemars(range(min = limits::SERVING_PERIOD_SECONDS.0, max = limits::SERVING_PERIOD_SECONDS.1))]
+    pub period_seconds: u32,
+    /// Most probes in flight across all Proxies.
+    #[serde(default = "defaults::serving_concurrency")]
+    #[schemars(range(min = limits::SERVING_CONCURRENCY.0, max = limits::SERVING_CONCURRENCY.1))]
+    pub concurrency: u32,
+    /// A proxy that has not served for this long (since its instance started, or since it
+    /// last served) is replaced; 0 never replaces, it only stays not `Ready`. Shorter
+    /// failures (a flap, a slow first boot) never replace the VM.
+    #[serde(default = "defaults::serving_replace_after_seconds")]
+    #[schemars(range(min = limits::SERVING_REPLACE_AFTER_SECONDS.0, max = limits::SERVING_REPLACE_AFTER_SECONDS.1))]
+    pub replace_after_seconds: u32,
+}
+
+impl Default for ServingConfig {
+    fn default() -> Self {
+        Self {
+            port: defaults::serving_port(),
+            target: None,
+            timeout_seconds: defaults::serving_timeout_seconds(),
+            period_seconds: defaults::serving_period_seconds(),
+            concurrency: defaults::serving_concurrency(),
+            replace_after_seconds: defaults::serving_replace_after_seconds(),
+        }
+    }
 }
 
 /// The kvm2 provider: libvirt hosts reached over SSH.
@@ -140,6 +192,147 @@ pub struct HostConfig {
     /// nested hosts whose KVM is present but unusable, and for test hosts.
     #[serde(default)]
     pub disable_kvm: bool,
+    /// Static addressing: when set, the operator allocates each proxy's address from this
+    /// pool, writes it into the seed's cloud-init network-config and publishes it without
+    /// asking the guest. When unset, guests use DHCP and the address is detected (lease,
+    /// guest agent, ARP). Hosts whose bridges share one network need disjoint ranges.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub address_pool: Option<AddressPoolConfig>,
+}
+
+/// An IPv4 address pool on a host's bridge network.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize, JsonSchema)]
+#[serde(rename_all = "camelCase", deny_unknown_fields)]
+pub struct AddressPoolConfig {
+    /// The bridge network in CIDR notation, e.g. `10.203.0.0/24`; the guest gets this
+    /// prefix length.
+    #[schemars(length(min = 9, max = 18))]
+    pub cidr: String,
+    /// Default gateway handed to guests; none gives the guest no default route.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[schemars(length(min = 7, max = 15))]
+    pub gateway: Option<String>,
+    /// DNS servers handed to guests.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    #[schemars(length(max = 3))]
+    pub dns: Vec<String>,
+    /// First address the operator may hand out (inclusive), inside `cidr`.
+    #[schemars(length(min = 7, max = 15))]
+    pub range_start: String,
+    /// Last address the operator may hand out (inclusive), inside `cidr`.
+    #[schemars(length(min = 7, max = 15))]
+    pub range_end: String,
+}
+
+/// An [`AddressPoolConfig`] parsed and checked: what the allocator works with.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct AddressPool {
+    /// The bridge network.
+    pub net: ipnet::Ipv4Net,
+    /// Default gateway, inside `net`, outside the range.
+    pub gateway: Option<std::net::Ipv4Addr>,
+    /// DNS servers.
+    pub dns: Vec<std::net::Ipv4Addr>,
+    /// First address to hand out (inclusive).
+    pub first: std::net::Ipv4Addr,
+    /// Last address to hand out (inclusive).
+    pub last: std::net::Ipv4Addr,
+}
+
+impl AddressPool {
+    /// Whether `addr` is one the pool hands out.
+    pub fn contains(&self, addr: std::net::Ipv4Addr) -> bool {
+        self.first <= addr && addr <= self.last
+    }
+
+    /// Number of addresses in the range.
+    pub fn size(&self) -> u32 {
+        u32::from(self.last) - u32::from(self.first) + 1
+    }
+}
+
+impl AddressPoolConfig {
+    /// Parses and checks the pool. Errors name the field (camelCase, relative to the
+    /// pool) and why; config validation prefixes the host's path.
+    pub fn parse(&self) -> Result<AddressPool, (&'static str, String)> {
+        use std::net::Ipv4Addr;
+        let net: ipnet::Ipv4Net = self.cidr.parse().map_err(|_| {
+            (
+                "cidr",
+                format!(
+                    "{:?} is not an IPv4 network in CIDR notation (a.b.c.d/len)",
+                    self.cidr
+                ),
+            )
+        })?;
+        if net.network() != net.addr() {
+            return Err((
+                "cidr",
+                format!(
+                    "{:?} has host bits set; the network is {}",
+                    self.cidr,
+                    net.trunc()
+                ),
+            ));
+        }
+        if net.prefix_len() > 30 {
+            return Err((
+                "cidr",
+                format!(
+                    "/{} leaves no room for guests (at most /30)",
+                    net.prefix_len()
+                ),
+            ));
+        }
+        // Network and broadcast addresses are never handed out or used as gateway.
+        let usable = |field: &'static str, s: &str| -> Result<Ipv4Addr, (&'static str, String)> {
+            let a: Ipv4Addr = s
+                .parse()
+                .map_err(|_| (field, format!("{s:?} is not an IPv4 address")))?;
+            if !net.contains(&a) {
+                return Err((field, format!("{a} is outside {net}")));
+            }
+            if a == net.network() || a == net.broadcast() {
+                return Err((
+                    field,
+                    format!("{a} is the network or broadcast address of {net}"),
+                ));
+            }
+            Ok(a)
+        };
+        let first = usable("rangeStart", &self.range_start)?;
+        let last = usable("rangeEnd", &self.range_end)?;
+        if first > last {
+            return Err(("rangeEnd", format!("{last} is below rangeStart {first}")));
+        }
+        let gateway = match &self.gateway {
+            Some(g) => {
+                let g = usable("gateway", g)?;
+                if first <= g && g <= last {
+                    return Err(("gateway", format!("{g} is inside the range {first}-{last}")));
+                }
+                Some(g)
+            }
+            None => None,
+        };
+        let mut dns = Vec::with_capacity(self.dns.len());
+        for d in &self.dns {
+            let a: Ipv4Addr = d
+                .parse()
+                .map_err(|_| ("dns", format!("{d:?} is not an IPv4 address")))?;
+            if a.is_unspecified() || a.is_broadcast() || a.is_multicast() {
+                return Err(("dns", format!("{a} cannot be a DNS server")));
+            }
+            dns.push(a);
+        }
+        Ok(AddressPool {
+            net,
+            gateway,
+            dns,
+            first,
+            last,
+        })
+    }
 }
 
 /// Disk image format of a base image.
@@ -411,6 +604,28 @@ pub mod defaults {
     /// A day unused before a retired image is deleted.
     pub fn retired_images_unused_for_seconds() -> u32 {
         86_400
+    }
+    /// The default vendor-data plugin's listen port.
+    pub fn serving_port() -> u16 {
+        3128
+    }
+    /// A proxy on the same network answers a CONNECT within milliseconds; 5 s allows a
+    /// loaded guest under software emulation.
+    pub fn serving_timeout_seconds() -> u32 {
+        5
+    }
+    /// Probe serving proxies every 30 s: a dead proxy leaves `Ready` within a minute.
+    pub fn serving_period_seconds() -> u32 {
+        30
+    }
+    /// Enough to probe a large fleet within a period without a burst of sockets.
+    pub fn serving_concurrency() -> u32 {
+        32
+    }
+    /// Fifteen minutes: longer than a first boot under software emulation plus package
+    /// installation, much longer than a proxy restart.
+    pub fn serving_replace_after_seconds() -> u32 {
+        900
     }
     /// Check hosts every minute.
     pub fn health_period_seconds() -> u32 {

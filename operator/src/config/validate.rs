@@ -46,6 +46,14 @@ pub mod limits {
     pub const HEALTH_PERIOD_SECONDS: (u32, u32) = (5, 3_600);
     /// Health check timeout: 1 s to 5 min, and below the period.
     pub const HEALTH_TIMEOUT_SECONDS: (u32, u32) = (1, 300);
+    /// One proxy probe: 1 s to 2 min.
+    pub const SERVING_TIMEOUT_SECONDS: (u32, u32) = (1, 120);
+    /// Probe period: 5 s to an hour.
+    pub const SERVING_PERIOD_SECONDS: (u32, u32) = (5, 3_600);
+    /// Probes in flight: 1 to 1024.
+    pub const SERVING_CONCURRENCY: (u32, u32) = (1, 1024);
+    /// Replace a non-serving proxy after up to a day; 0 never replaces.
+    pub const SERVING_REPLACE_AFTER_SECONDS: (u32, u32) = (0, 86_400);
     /// Largest settings document handed to a plugin, serialised.
     pub const TEMPLATE_SETTINGS_BYTES: usize = 64 * 1024;
     /// Most entries of a plugin's `overridableSettings`: a plugin has a handful of
@@ -133,6 +141,50 @@ pub fn validate(config: &ProvidersConfig) -> Problems {
         ),
     );
 
+    let sv = &config.serving;
+    p.check("serving.port", range(sv.port, (1, u16::MAX), ""));
+    if let Some(t) = &sv.target {
+        p.check(
+            "serving.target",
+            rules::host_port(t, 0).and_then(|(_, port)| {
+                if port == 0 {
+                    Err(format!("{t:?} needs an explicit port (host:port)"))
+                } else {
+                    Ok(())
+                }
+            }),
+        );
+    }
+    p.check(
+        "serving.timeoutSeconds",
+        range(sv.timeout_seconds, limits::SERVING_TIMEOUT_SECONDS, "s"),
+    );
+    p.check(
+        "serving.periodSeconds",
+        range(sv.period_seconds, limits::SERVING_PERIOD_SECONDS, "s"),
+    );
+    p.check(
+        "serving.concurrency",
+        range(sv.concurrency, limits::SERVING_CONCURRENCY, ""),
+    );
+    p.check(
+        "serving.replaceAfterSeconds",
+        range(
+            sv.replace_after_seconds,
+            limits::SERVING_REPLACE_AFTER_SECONDS,
+            "s",
+        ),
+    );
+    if sv.timeout_seconds >= sv.period_seconds {
+        p.push(
+            "serving.timeoutSeconds",
+            format!(
+                "{} s must be shorter than serving.periodSeconds ({} s), or probes overlap",
+                sv.timeout_seconds, sv.period_seconds
+            ),
+        );
+    }
+
     let hc = &config.health_check;
     p.check(
         "healthCheck.periodSeconds",
@@ -190,6 +242,7 @@ fn validate_kvm2(k: &Kvm2Config, p: &mut Problems) {
         p.push("kvm2.hosts", "at least one host is required");
     }
     let mut addresses: HashMap<(String, u16), usize> = HashMap::new();
+    let mut pools: Vec<(usize, crate::config::types::AddressPool)> = Vec::new();
     for (i, h) in k.hosts.iter().enumerate() {
         let at = |f: &str| format!("kvm2.hosts[{i}].{f}");
         p.check(at("name"), rules::dns1123_label(&h.name));
@@ -225,6 +278,41 @@ fn validate_kvm2(k: &Kvm2Config, p: &mut Problems) {
             at("maxConcurrentCreates"),
             range(h.max_concurrent_creates, limits::MAX_CONCURRENT_CREATES, ""),
         );
+        if let Some(pool) = &h.address_pool {
+            match pool.parse() {
+                Ok(parsed) => {
+                    // Each host allocates on its own; two hosts handing out the same
+                    // address onto one network would be a conflict nobody sees.
+                    if let Some((j, _)) = pools
+                        .iter()
+                        .find(|(_, o)| o.first <= parsed.last && parsed.first <= o.last)
+                    {
+                        p.push(
+                            at("addressPool.rangeStart"),
+                            format!(
+                                "the range {}-{} overlaps kvm2.hosts[{j}]'s pool; hosts whose \
+                                 bridges share a network need disjoint ranges",
+                                parsed.first, parsed.last
+                            ),
+                        );
+                    }
+                    if u64::from(parsed.size()) < u64::from(h.max_domains) {
+                        p.push(
+                            at("addressPool.rangeEnd"),
+                            format!(
+                                "the range {}-{} holds {} addresses, fewer than maxDomains ({})",
+                                parsed.first,
+                                parsed.last,
+                                parsed.size(),
+                                h.max_domains
+                            ),
+                        );
+                    }
+                    pools.push((i, parsed));
+                }
+                Err((field, why)) => p.push(at(&format!("addressPool.{field}")), why),
+            }
+        }
     }
     duplicates("kvm2.hosts", k.hosts.iter().map(|h| h.name.as_str()), p);
 
@@ -468,6 +556,64 @@ kvm2:
             "{name}: expected `{path}: …{want}…`, got {:?}",
             got[0]
         );
+    }
+
+    /// An address pool on `cidr`; range ends starting with `.` are completed from it.
+    fn pool(cidr: &str, start: &str, end: &str) -> crate::config::types::AddressPoolConfig {
+        let prefix = cidr.rsplit_once('.').map(|(p, _)| p).unwrap_or(cidr);
+        let full = |a: &str| {
+            if a.starts_with('.') {
+                format!("{prefix}{a}")
+            } else {
+                a.to_string()
+            }
+        };
+        crate::config::types::AddressPoolConfig {
+            cidr: cidr.into(),
+            gateway: None,
+            dns: Vec::new(),
+            range_start: full(start),
+            range_end: full(end),
+        }
+    }
+
+    #[test]
+    fn address_pools_of_two_hosts_must_not_overlap() {
+        let problems = problems_of(|c| {
+            let mut second = c.kvm2.hosts[0].clone();
+            second.name = "kvm-b".into();
+            second.address = "kvm-b.example:22".into();
+            c.kvm2.hosts[0].address_pool = Some(pool("10.9.0.0/24", ".10", ".60"));
+            second.address_pool = Some(pool("10.9.0.0/24", ".60", ".99"));
+            c.kvm2.hosts.push(second);
+        });
+        assert!(
+            problems.iter().any(|p| p
+                .starts_with(&format!("kvm2.hosts[{}].addressPool.rangeStart", 2))
+                && p.contains("overlaps kvm2.hosts[0]")),
+            "{problems:?}"
+        );
+        let disjoint = problems_of(|c| {
+            let mut second = c.kvm2.hosts[0].clone();
+            second.name = "kvm-b".into();
+            second.address = "kvm-b.example:22".into();
+            c.kvm2.hosts[0].address_pool = Some(pool("10.9.0.0/24", ".10", ".59"));
+            second.address_pool = Some(pool("10.9.0.0/24", ".60", ".99"));
+            c.kvm2.hosts.push(second);
+        });
+        assert_eq!(disjoint, Vec::<String>::new());
+    }
+
+    #[test]
+    fn a_valid_pool_parses_to_what_the_allocator_uses() {
+        let mut p = pool("10.9.0.0/24", ".10", ".59");
+        p.gateway = Some("10.9.0.1".into());
+        p.dns = vec!["10.9.0.1".into()];
+        let parsed = p.parse().unwrap();
+        assert_eq!(parsed.size(), 50);
+        assert!(parsed.contains("10.9.0.10".parse().unwrap()));
+        assert!(!parsed.contains("10.9.0.60".parse().unwrap()));
+        assert_eq!(parsed.gateway, Some("10.9.0.1".parse().unwrap()));
     }
 
     #[test]
@@ -817,6 +963,80 @@ kvm2:
                 "gc grace",
                 |c| c.gc.grace_period_seconds = 8 * 86_400,
                 "gc.gracePeriodSeconds",
+                "out of range",
+            ),
+            (
+                "pool cidr",
+                |c| c.kvm2.hosts[0].address_pool = Some(pool("10.9.0.1/24", ".10", ".20")),
+                "kvm2.hosts[0].addressPool.cidr",
+                "host bits set",
+            ),
+            (
+                "pool cidr not v4",
+                |c| c.kvm2.hosts[0].address_pool = Some(pool("fd00::/64", ".10", ".20")),
+                "kvm2.hosts[0].addressPool.cidr",
+                "not an IPv4 network",
+            ),
+            (
+                "pool range outside",
+                |c| c.kvm2.hosts[0].address_pool = Some(pool("10.9.0.0/24", ".10", "10.9.1.5")),
+                "kvm2.hosts[0].addressPool.rangeEnd",
+                "outside 10.9.0.0/24",
+            ),
+            (
+                "pool range broadcast",
+                |c| c.kvm2.hosts[0].address_pool = Some(pool("10.9.0.0/24", ".10", ".255")),
+                "kvm2.hosts[0].addressPool.rangeEnd",
+                "broadcast",
+            ),
+            (
+                "pool range reversed",
+                |c| c.kvm2.hosts[0].address_pool = Some(pool("10.9.0.0/24", ".30", ".20")),
+                "kvm2.hosts[0].addressPool.rangeEnd",
+                "below rangeStart",
+            ),
+            (
+                "pool gateway in range",
+                |c| {
+                    let mut p = pool("10.9.0.0/24", ".10", ".60");
+                    p.gateway = Some("10.9.0.15".into());
+                    c.kvm2.hosts[0].address_pool = Some(p);
+                },
+                "kvm2.hosts[0].addressPool.gateway",
+                "inside the range",
+            ),
+            (
+                "pool dns",
+                |c| {
+                    let mut p = pool("10.9.0.0/24", ".10", ".60");
+                    p.dns = vec!["ns1".into()];
+                    c.kvm2.hosts[0].address_pool = Some(p);
+                },
+                "kvm2.hosts[0].addressPool.dns",
+                "not an IPv4 address",
+            ),
+            (
+                "pool smaller than maxDomains",
+                |c| c.kvm2.hosts[0].address_pool = Some(pool("10.9.0.0/24", ".10", ".12")),
+                "kvm2.hosts[0].addressPool.rangeEnd",
+                "fewer than maxDomains",
+            ),
+            (
+                "serving target without port",
+                |c| c.serving.target = Some("probe.example".into()),
+                "serving.target",
+                "explicit port",
+            ),
+            (
+                "serving timeout",
+                |c| c.serving.timeout_seconds = 30,
+                "serving.timeoutSeconds",
+                "shorter than serving.periodSeconds",
+            ),
+            (
+                "serving concurrency",
+                |c| c.serving.concurrency = 0,
+                "serving.concurrency",
                 "out of range",
             ),
             (

@@ -1,10 +1,13 @@
-//! Controller metrics: how reconciles end and what they did to instances.
+//! Controller metrics: how reconciles end, what they did to instances, and how the
+//! proxies' probes went.
 
 use prometheus_client::encoding::EncodeLabelSet;
 use prometheus_client::metrics::counter::Counter;
 use prometheus_client::metrics::family::Family;
 use prometheus_client::metrics::histogram::Histogram;
 use prometheus_client::registry::Registry;
+
+use crate::serving::ProbeMetrics;
 
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
 struct Outcome {
@@ -23,6 +26,8 @@ pub struct ControllerMetrics {
     duration: Family<Outcome, Histogram, fn() -> Histogram>,
     instances: Family<Action, Counter>,
     deferred: Counter,
+    /// The proxy probes behind the `Serving` condition.
+    pub probes: ProbeMetrics,
 }
 
 fn histogram() -> Histogram {
@@ -37,6 +42,7 @@ impl Default for ControllerMetrics {
             duration: Family::new_with_constructor(histogram as fn() -> Histogram),
             instances: Family::default(),
             deferred: Counter::default(),
+            probes: ProbeMetrics::default(),
         }
     }
 }
@@ -44,7 +50,10 @@ impl Default for ControllerMetrics {
 impl ControllerMetrics {
     /// Registered under `egress_controller_*`.
     pub fn register(registry: &mut Registry) -> Self {
-        let m = Self::default();
+        let m = Self {
+            probes: ProbeMetrics::register(registry, "egress_controller"),
+            ..Self::default()
+        };
         registry.register(
             "egress_controller_reconciles",
             "Proxy reconciles by outcome (ok or the error class)",
@@ -104,7 +113,7 @@ impl ControllerMetrics {
     }
 
     /// Instance actions counted (for tests): `created`, `replaced-lost`, `replaced-failed`,
-    /// `deleted`.
+    /// `replaced-not-serving`, `deleted`.
     pub fn instances(&self, action: &str) -> u64 {
         self.instances
             .get_or_create(&Action {

@@ -8,17 +8,20 @@
 //!   starting → refresh status; lost (not found) or failed (crashed, shut off) → replace it
 //!   (delete the old one first, then create); no instance → read the user-data Secret and
 //!   create. Every step is idempotent, so a crash anywhere converges on the next reconcile
-//!   (a Create of a Proxy whose domain exists adopts it).
+//!   (a Create of a Proxy whose domain exists adopts it). Then probe the instance's proxy
+//!   ([`serving`]): `Ready` requires that it answers; one that has not answered for
+//!   `serving.replaceAfterSeconds` is replaced the same way as a failed one.
 //! - **cleanup** (the finalizer): delete the instance status names and any other instance
 //!   a listing finds with this Proxy's UID; safe when nothing was ever created.
 //!
-//! Status is written whole with server-side apply; events mark state changes (a failure
-//! reason once per failure streak, not once per retry); the error class and the Proxy's
-//! failure count alone decide the requeue ([`requeue`]). The controller's own status
-//! writes come back as watch events; [`requeue::Attempts`] defers those to the requested
-//! delay, so a failing Proxy backs off whatever its status says. The user-data Secret is
-//! read at create time into [`UserData`], which cannot be printed, and no error names its
-//! content.
+//! Status is written whole with server-side apply, and only when it changed (apart from
+//! the probe latency), so probing a steady proxy writes nothing; events mark state
+//! changes (a failure reason once per failure streak, not once per retry); the error
+//! class and the Proxy's failure count alone decide the requeue ([`requeue`]). The
+//! controller's own status writes come back as watch events; [`requeue::Attempts`]
+//! defers those to the requested delay, so a failing Proxy backs off whatever its status
+//! says. The user-data Secret is read at create time into [`UserData`], which cannot be
+//! printed, and no error names its content.
 //!
 //! A replica that lost the leader lease ([`Context::fence`]) starts no reconcile, writes
 //! no status or event for a reconcile the loss cut short, and does not let a Proxy go
@@ -26,6 +29,7 @@
 
 pub mod metrics;
 pub mod requeue;
+pub mod serving;
 pub mod status;
 
 use std::sync::Arc;
@@ -48,6 +52,7 @@ use crate::provider::{
     CreateRequest, Fence, Instance, InstanceId, LeaseLost, ProviderError, ProxyRef, SharedProvider,
     UserData,
 };
+use crate::serving::Prober;
 use crate::validation::Problems;
 
 pub use metrics::ControllerMetrics;
@@ -163,6 +168,22 @@ pub struct Context {
     pub jitter: fn() -> f64,
     /// Held while this replica leads; unfenced without leader election.
     pub fence: Fence,
+    /// Probes the Proxies' proxies (bounded by `serving.concurrency` across all of them).
+    pub prober: Prober,
+    /// Per Proxy: probe failures, the instance last fetched, the status last written.
+    pub serving: serving::Memory,
+    /// The wall clock of condition times and the replacement grace; replaceable in tests.
+    pub clock: Clock,
+}
+
+/// A wall clock.
+pub type Clock = Arc<dyn Fn() -> jiff::Timestamp + Send + Sync>;
+
+impl Context {
+    /// Now, by [`Context::clock`].
+    pub fn now(&self) -> jiff::Timestamp {
+        (self.clock)()
+    }
 }
 
 impl std::fmt::Debug for Context {
@@ -190,6 +211,7 @@ impl Context {
                 instance,
             },
         );
+        let prober = Prober::new(&config.serving, metrics.probes.clone());
         Self {
             client,
             config,
@@ -200,6 +222,9 @@ impl Context {
             attempts: requeue::Attempts::default(),
             jitter: requeue::random_unit,
             fence: Fence::unfenced(),
+            prober,
+            serving: serving::Memory::default(),
+            clock: Arc::new(jiff::Timestamp::now),
         }
     }
 
@@ -310,6 +335,7 @@ enum Change {
     Created,
     ReplacedLost,
     ReplacedFailed,
+    ReplacedNotServing,
 }
 
 struct Target<'a> {
@@ -330,11 +356,13 @@ async fn apply(proxy: &Proxy, ctx: &Context) -> Result<Action, ControllerError> 
     // Proxy as provisioning. What follows builds on that, so a replacement moves the
     // conditions' transition times and a failed one does not advertise the lost address.
     let mut current = target.prev.clone();
-    match converge(&target, ctx, &mut current).await {
-        Ok((instance, change)) => {
-            let now = jiff::Timestamp::now();
-            let new = status::observed(&current, target.generation, &instance, now);
-            write_status(ctx, proxy, &new).await?;
+    match converge_serving(&target, ctx, &mut current).await {
+        Ok((instance, change, check, failures)) => {
+            let now = ctx.now();
+            let new = status::observed(&current, target.generation, &instance, &check, now);
+            if ctx.serving.needs_write(&target.owner.uid, &current, &new) {
+                write_status(ctx, proxy, &new).await?;
+            }
             if let Some(change) = change {
                 let (reason, action, note) = match change {
                     Change::Created => ("Created", "Create", "created"),
@@ -344,11 +372,17 @@ async fn apply(proxy: &Proxy, ctx: &Context) -> Result<Action, ControllerError> 
                     Change::ReplacedFailed => {
                         ("Replaced", "Replace", "replaced a failed instance with")
                     }
+                    Change::ReplacedNotServing => (
+                        "Replaced",
+                        "Replace",
+                        "replaced an instance whose proxy did not serve with",
+                    ),
                 };
                 ctx.metrics.instance(match change {
                     Change::Created => "created",
                     Change::ReplacedLost => "replaced-lost",
                     Change::ReplacedFailed => "replaced-failed",
+                    Change::ReplacedNotServing => "replaced-not-serving",
                 });
                 event(
                     ctx,
@@ -360,13 +394,37 @@ async fn apply(proxy: &Proxy, ctx: &Context) -> Result<Action, ControllerError> 
                 )
                 .await;
             }
+            // A proxy that stops serving (or a guest that never read its seed) is news
+            // once, when the condition changes, not at every failed probe.
+            // A paused VM says so in its phase; that is no proxy failure.
+            let stopped = status::is_serving(&current) && !check.serving && check.running;
+            let seed = check.seed_not_read()
+                && status::condition(&current, status::SERVING)
+                    .is_none_or(|c| c.reason != serving::SEED_NOT_READ);
+            if stopped || seed {
+                let reason = if seed { check.reason } else { "NotServing" };
+                event(
+                    ctx,
+                    proxy,
+                    EventType::Warning,
+                    reason,
+                    "Probe",
+                    check.message.clone(),
+                )
+                .await;
+            }
             let ready = status::is_ready(&new);
             if ready && !status::is_ready(&current) {
                 let note = format!("ready at {}", new.address.as_deref().unwrap_or("-"));
                 event(ctx, proxy, EventType::Normal, "Ready", "Refresh", note).await;
             }
+            let period = Duration::from_secs(u64::from(ctx.config.serving.period_seconds));
             let delay = if ready {
-                ctx.policy.ready_refresh
+                period
+            } else if instance.state == crate::provider::InstanceState::Running
+                && !instance.addresses.is_empty()
+            {
+                serving::retry_after(failures, period, ctx.policy.jitter, (ctx.jitter)())
             } else {
                 ctx.policy.not_ready_refresh
             };
@@ -380,7 +438,7 @@ async fn apply(proxy: &Proxy, ctx: &Context) -> Result<Action, ControllerError> 
         }
         Err(e) if e.is_lease_lost() => Err(e),
         Err(e) => {
-            let now = jiff::Timestamp::now();
+            let now = ctx.now();
             let class = e.class();
             let message = e.to_string();
             let new = status::errored(
@@ -423,6 +481,56 @@ fn forget_instance(current: &mut ProxyStatus) {
     current.instance_state = None;
 }
 
+/// [`converge`], then checks the instance's proxy and replaces an instance whose proxy
+/// has not served for longer than the grace. Returns the instance, what changed, the
+/// check and the probe failures before it (for the retry delay).
+async fn converge_serving(
+    t: &Target<'_>,
+    ctx: &Context,
+    current: &mut ProxyStatus,
+) -> Result<(Instance, Option<Change>, serving::Check, u32), ControllerError> {
+    let (instance, change) = converge(t, ctx, current).await?;
+    let check = serving::check(&ctx.prober, &instance).await;
+    // The probe took time: a replica that lost the lease meanwhile reports nothing.
+    ctx.fence.check("reporting the probe")?;
+    let failures = ctx.serving.checked(&t.owner.uid, check.serving);
+    let grace = Duration::from_secs(u64::from(ctx.config.serving.replace_after_seconds));
+    let Some(since) = serving::overdue(grace, current, &instance, &check, ctx.now()) else {
+        return Ok((instance, change, check, failures));
+    };
+    let id = instance.id.clone();
+    let note = format!(
+        "instance {id}'s proxy has not served since {since} (serving.replaceAfterSeconds is \
+         {}): {}; replacing it",
+        grace.as_secs(),
+        check.message
+    );
+    mark_provisioning(ctx, t, current, "Replacing", &note).await?;
+    if announce(ctx, &t.owner.uid, t.generation, "InstanceNotServing") {
+        event(
+            ctx,
+            t.proxy,
+            EventType::Warning,
+            "InstanceNotServing",
+            "Replace",
+            note,
+        )
+        .await;
+    }
+    let provider = provider_for(ctx, &t.proxy.spec.provider)?;
+    match provider.delete_owned(&id, &t.owner.uid).await {
+        Ok(()) => {}
+        Err(e) if e.is_not_found() => {}
+        Err(e) => return Err(e.into()),
+    }
+    forget_instance(current);
+    let instance = create(t, ctx, &provider).await?;
+    let check = serving::check(&ctx.prober, &instance).await;
+    ctx.fence.check("reporting the probe")?;
+    let failures = ctx.serving.checked(&t.owner.uid, check.serving);
+    Ok((instance, Some(Change::ReplacedNotServing), check, failures))
+}
+
 /// Brings the instance to "exists and is not failed"; returns it and what changed.
 async fn converge(
     t: &Target<'_>,
@@ -444,10 +552,21 @@ async fn converge(
     let provider = provider_for(ctx, &spec.provider)?;
 
     let mut change = Change::Created;
+    let trigger = requeue::trigger_of(&t.proxy.metadata);
     if let Some(text) = &t.prev.instance_id {
+        // Served at the last probe and fetched recently: the probe is the check.
+        if let Some(instance) = InstanceId::parse(text).ok().and_then(|id| {
+            ctx.serving
+                .fresh(&t.owner.uid, &id, trigger, ctx.policy.ready_refresh)
+        }) {
+            return Ok((instance, None));
+        }
         match InstanceId::parse(text) {
             Ok(id) => match provider.get_owned(&id, &t.owner.uid).await {
-                Ok(instance) if !instance.state.is_failed() => return Ok((instance, None)),
+                Ok(instance) if !instance.state.is_failed() => {
+                    ctx.serving.fetched(&t.owner.uid, trigger, &instance);
+                    return Ok((instance, None));
+                }
                 Ok(instance) => {
                     let note = format!("instance {id} is {}; replacing it", instance.state);
                     mark_provisioning(ctx, t, current, "Replacing", &note).await?;
@@ -494,14 +613,7 @@ async fn converge(
         mark_provisioning(ctx, t, current, "Creating", "creating the instance").await?;
     }
 
-    let user_data = read_user_data(ctx, t.proxy, &t.owner.namespace).await?;
-    let req = CreateRequest {
-        proxy: t.owner.clone(),
-        spec: spec.clone(),
-        user_data,
-        fence: ctx.fence.clone(),
-    };
-    let instance = provider.create(&req).await?;
+    let instance = create(t, ctx, &provider).await?;
     tracing::info!(
         proxy = %format!("{}/{}", t.owner.namespace, t.owner.name),
         instance = %instance.id,
@@ -509,6 +621,28 @@ async fn converge(
         "instance ready for the Proxy"
     );
     Ok((instance, Some(change)))
+}
+
+/// Reads the user-data and creates (or adopts) the Proxy's instance.
+async fn create(
+    t: &Target<'_>,
+    ctx: &Context,
+    provider: &SharedProvider,
+) -> Result<Instance, ControllerError> {
+    let user_data = read_user_data(ctx, t.proxy, &t.owner.namespace).await?;
+    let req = CreateRequest {
+        proxy: t.owner.clone(),
+        spec: t.proxy.spec.clone(),
+        user_data,
+        fence: ctx.fence.clone(),
+    };
+    let instance = provider.create(&req).await?;
+    ctx.serving.fetched(
+        &t.owner.uid,
+        requeue::trigger_of(&t.proxy.metadata),
+        &instance,
+    );
+    Ok(instance)
 }
 
 /// Writes the provisioning status; `current` becomes it once the API server has it.
@@ -519,13 +653,7 @@ async fn mark_provisioning(
     reason: &str,
     message: &str,
 ) -> Result<(), ControllerError> {
-    let s = status::provisioning(
-        current,
-        t.generation,
-        reason,
-        message,
-        jiff::Timestamp::now(),
-    );
+    let s = status::provisioning(current, t.generation, reason, message, ctx.now());
     write_status(ctx, t.proxy, &s).await?;
     *current = s;
     Ok(())
@@ -534,7 +662,7 @@ async fn mark_provisioning(
 async fn cleanup(proxy: &Proxy, ctx: &Context) -> Result<Action, ControllerError> {
     let owner = owner_of(proxy)?;
     let prev = proxy.status.clone().unwrap_or_default();
-    let s = status::deleting(&prev, proxy.metadata.generation, jiff::Timestamp::now());
+    let s = status::deleting(&prev, proxy.metadata.generation, ctx.now());
     if let Err(e) = write_status(ctx, proxy, &s).await {
         // The object may already be half gone; the deletion itself is what matters.
         tracing::debug!(error = %e, "could not mark the Proxy as deleting");
@@ -545,6 +673,7 @@ async fn cleanup(proxy: &Proxy, ctx: &Context) -> Result<Action, ControllerError
             let note = format!("nothing to delete: {e}");
             event(ctx, proxy, EventType::Warning, "NotDeleted", "Delete", note).await;
             ctx.attempts.forget(&owner.uid);
+            ctx.serving.forget(&owner.uid);
             return Ok(Action::await_change());
         }
     };
@@ -594,6 +723,7 @@ async fn cleanup(proxy: &Proxy, ctx: &Context) -> Result<Action, ControllerError
     };
     event(ctx, proxy, EventType::Normal, "Deleted", "Delete", note).await;
     ctx.attempts.forget(&owner.uid);
+    ctx.serving.forget(&owner.uid);
     Ok(Action::await_change())
 }
 
@@ -709,13 +839,24 @@ async fn write_status(
         "kind": Proxy::kind(&()),
         "status": status,
     });
-    api.patch_status(
-        &proxy.name_any(),
-        &PatchParams::apply(FIELD_MANAGER).force(),
-        &Patch::Apply(&body),
-    )
-    .await?;
-    Ok(())
+    let uid = proxy.uid().unwrap_or_default();
+    match api
+        .patch_status(
+            &proxy.name_any(),
+            &PatchParams::apply(FIELD_MANAGER).force(),
+            &Patch::Apply(&body),
+        )
+        .await
+    {
+        Ok(_) => {
+            ctx.serving.written(&uid, Some(status));
+            Ok(())
+        }
+        Err(e) => {
+            ctx.serving.written(&uid, None);
+            Err(e.into())
+        }
+    }
 }
 
 /// Publishes an event; a failure is logged, never fails the reconcile.

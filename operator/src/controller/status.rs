@@ -3,8 +3,11 @@
 //! of them and a field it no longer sets disappears).
 //!
 //! Conditions follow the Kubernetes shape: `Provisioned` says whether an instance exists,
-//! `Ready` whether it serves (running with an address). `lastTransitionTime` only moves
-//! when a condition's status flips, so watchers can tell how long something has been so.
+//! `Serving` whether its proxy answered the last probe (see [`super::serving`]), `Ready`
+//! whether it serves: running, with an address, and `Serving`. `phase` stays about the VM
+//! (a running VM whose proxy fails is `Running`, not `Ready`). `lastTransitionTime` only
+//! moves when a condition's status flips, so watchers can tell how long something has
+//! been so (and the controller, how long a proxy has not served).
 
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::{Condition, Time};
 
@@ -12,10 +15,14 @@ use crate::api::proxy::{ProxyPhase, ProxyStatus};
 use crate::error::ErrorClass;
 use crate::provider::{Instance, InstanceState};
 
+use super::serving::Check;
+
 /// Condition type: an instance exists for this Proxy.
 pub const PROVISIONED: &str = "Provisioned";
-/// Condition type: the instance runs and has an address.
+/// Condition type: the instance runs, has an address and its proxy serves.
 pub const READY: &str = "Ready";
+/// Condition type: the instance's proxy answered the last probe.
+pub const SERVING: &str = "Serving";
 
 /// Longest condition message we write; provider errors can be long.
 const MAX_MESSAGE: usize = 1024;
@@ -32,6 +39,9 @@ pub fn set_condition(
 ) {
     let status = if status { "True" } else { "False" };
     let message = truncate(message);
+    // The API server keeps whole seconds: a status must compare equal to its round trip,
+    // or an unchanged status would look changed and be written again.
+    let now = jiff::Timestamp::from_second(now.as_second()).unwrap_or(now);
     match conditions.iter_mut().find(|c| c.type_ == type_) {
         Some(c) => {
             if c.status != status {
@@ -63,6 +73,28 @@ pub fn is_ready(status: &ProxyStatus) -> bool {
     condition(status, READY).is_some_and(|c| c.status == "True")
 }
 
+/// Whether `Serving` is `True`.
+pub fn is_serving(status: &ProxyStatus) -> bool {
+    condition(status, SERVING).is_some_and(|c| c.status == "True")
+}
+
+/// Whether two statuses differ at most in the probe latency, which only a passing
+/// probe's `Serving` message carries: a steady proxy must not cost a status write per
+/// probe. The message then shows the latency of the probe that last changed the status
+/// (the live figure is the probe latency metric).
+pub fn same_apart_from_latency(a: &ProxyStatus, b: &ProxyStatus) -> bool {
+    let strip = |s: &ProxyStatus| {
+        let mut s = s.clone();
+        for c in &mut s.conditions {
+            if c.type_ == SERVING && c.status == "True" {
+                c.message.clear();
+            }
+        }
+        s
+    };
+    strip(a) == strip(b)
+}
+
 fn truncate(message: &str) -> String {
     if message.len() <= MAX_MESSAGE {
         return message.to_string();
@@ -74,11 +106,12 @@ fn truncate(message: &str) -> String {
     format!("{}...", &message[..end])
 }
 
-/// Status after the provider reported the instance.
+/// Status after the provider reported the instance and the controller checked its proxy.
 pub fn observed(
     prev: &ProxyStatus,
     generation: Option<i64>,
     instance: &Instance,
+    serving: &Check,
     now: jiff::Timestamp,
 ) -> ProxyStatus {
     let mut s = prev.clone();
@@ -94,6 +127,10 @@ pub fn observed(
     s.instance_state = Some(instance.state.as_str().to_string());
     s.addresses = instance.addresses.iter().map(ToString::to_string).collect();
     s.address = address.clone();
+    s.address_source = instance
+        .address_source
+        .filter(|_| address.is_some())
+        .map(|o| o.as_str().to_string());
     s.observed_generation = generation;
     s.last_error_class = None;
     set_condition(
@@ -105,8 +142,21 @@ pub fn observed(
         generation,
         now,
     );
+    set_condition(
+        &mut s.conditions,
+        SERVING,
+        serving.serving,
+        serving.reason,
+        &serving.message,
+        generation,
+        now,
+    );
     let (ready, reason, message) = match (running, &address) {
-        (true, Some(a)) => (true, "Running", format!("running at {a}")),
+        (true, Some(a)) if serving.serving => (true, "Serving", format!("serving at {a}")),
+        (true, Some(_)) if serving.seed_not_read() => {
+            (false, serving.reason, serving.message.clone())
+        }
+        (true, Some(_)) => (false, "NotServing", serving.message.clone()),
         (true, None) => (
             false,
             "WaitingForAddress",
@@ -130,7 +180,8 @@ pub fn observed(
     s
 }
 
-/// Status while an instance is being created or replaced.
+/// Status while an instance is being created or replaced. `Serving` starts over: the
+/// new instance's replacement grace counts from here.
 pub fn provisioning(
     prev: &ProxyStatus,
     generation: Option<i64>,
@@ -142,11 +193,22 @@ pub fn provisioning(
     s.phase = Some(ProxyPhase::Provisioning);
     s.instance_state = None;
     s.address = None;
+    s.address_source = None;
     s.addresses.clear();
     s.observed_generation = generation;
     set_condition(
         &mut s.conditions,
         PROVISIONED,
+        false,
+        reason,
+        message,
+        generation,
+        now,
+    );
+    s.conditions.retain(|c| c.type_ != SERVING);
+    set_condition(
+        &mut s.conditions,
+        SERVING,
         false,
         reason,
         message,
@@ -257,8 +319,138 @@ mod tests {
             } else {
                 vec![]
             },
+            address_source: addr.then_some(crate::provider::AddressOrigin::Agent),
+            seed_applied: None,
             created_at: "2026-01-01T00:00:00Z".into(),
         }
+    }
+
+    fn passing() -> Check {
+        Check {
+            serving: true,
+            reason: "Serving",
+            message: "192.0.2.7:3128 answered CONNECT probe.invalid:443 with 500 in 3 ms".into(),
+            running: true,
+        }
+    }
+
+    fn failing(reason: &'static str) -> Check {
+        Check {
+            serving: false,
+            reason,
+            message: format!("failed: {reason}"),
+            running: true,
+        }
+    }
+
+    #[test]
+    fn ready_requires_serving_and_serving_flips_on_its_own_time() {
+        let running = instance(InstanceState::Running, true);
+        let s1 = observed(
+            &ProxyStatus::default(),
+            Some(1),
+            &running,
+            &failing("ConnectionRefused"),
+            at(0),
+        );
+        assert!(!is_ready(&s1));
+        assert!(!is_serving(&s1));
+        assert_eq!(
+            s1.phase,
+            Some(ProxyPhase::Running),
+            "phase stays about the VM"
+        );
+        assert_eq!(condition(&s1, READY).unwrap().reason, "NotServing");
+        assert_eq!(
+            condition(&s1, READY).unwrap().message,
+            "failed: ConnectionRefused"
+        );
+        assert_eq!(condition(&s1, SERVING).unwrap().reason, "ConnectionRefused");
+
+        // Still failing, another way: the reason follows, the time stays.
+        let s2 = observed(&s1, Some(1), &running, &failing("Timeout"), at(10));
+        let c = condition(&s2, SERVING).unwrap();
+        assert_eq!(
+            (c.reason.as_str(), c.last_transition_time.clone()),
+            ("Timeout", Time(at(0)))
+        );
+
+        let s3 = observed(&s2, Some(1), &running, &passing(), at(20));
+        assert!(is_ready(&s3) && is_serving(&s3));
+        assert_eq!(condition(&s3, READY).unwrap().reason, "Serving");
+        assert_eq!(
+            condition(&s3, READY).unwrap().message,
+            "serving at 192.0.2.7"
+        );
+        assert_eq!(
+            condition(&s3, SERVING).unwrap().last_transition_time,
+            Time(at(20))
+        );
+
+        let seed = Check {
+            reason: crate::controller::serving::SEED_NOT_READ,
+            ..failing("x")
+        };
+        let s4 = observed(&s3, Some(1), &running, &seed, at(30));
+        assert_eq!(condition(&s4, READY).unwrap().reason, "SeedNotRead");
+        assert_eq!(
+            condition(&s4, SERVING).unwrap().last_transition_time,
+            Time(at(30))
+        );
+    }
+
+    #[test]
+    fn only_the_latency_of_a_pass_is_left_out_of_the_comparison() {
+        let running = instance(InstanceState::Running, true);
+        let a = observed(
+            &ProxyStatus::default(),
+            Some(1),
+            &running,
+            &passing(),
+            at(0),
+        );
+        let slower = Check {
+            message: "192.0.2.7:3128 answered CONNECT probe.invalid:443 with 500 in 950 ms".into(),
+            ..passing()
+        };
+        let b = observed(&a, Some(1), &running, &slower, at(30));
+        assert_ne!(a, b);
+        assert!(same_apart_from_latency(&a, &b));
+        let c = observed(&b, Some(1), &running, &failing("Timeout"), at(60));
+        assert!(!same_apart_from_latency(&b, &c));
+        let d = observed(
+            &c,
+            Some(1),
+            &running,
+            &Check {
+                message: "other".into(),
+                ..failing("Timeout")
+            },
+            at(90),
+        );
+        assert!(
+            !same_apart_from_latency(&c, &d),
+            "a failure's message counts"
+        );
+    }
+
+    #[test]
+    fn provisioning_starts_serving_over() {
+        let running = instance(InstanceState::Running, true);
+        let old = observed(
+            &ProxyStatus::default(),
+            Some(1),
+            &running,
+            &failing("Timeout"),
+            at(0),
+        );
+        let p = provisioning(&old, Some(1), "Replacing", "replacing it", at(500));
+        let c = condition(&p, SERVING).unwrap();
+        assert_eq!(
+            (c.status.as_str(), c.reason.as_str()),
+            ("False", "Replacing")
+        );
+        assert_eq!(c.last_transition_time, Time(at(500)));
     }
 
     #[test]
@@ -267,6 +459,7 @@ mod tests {
             &ProxyStatus::default(),
             Some(1),
             &instance(InstanceState::Running, false),
+            &passing(),
             at(0),
         );
         assert!(!is_ready(&s1));
@@ -278,6 +471,7 @@ mod tests {
             &s1,
             Some(1),
             &instance(InstanceState::Running, true),
+            &passing(),
             at(10),
         );
         assert!(is_ready(&s2));
@@ -298,6 +492,7 @@ mod tests {
             &s2,
             Some(1),
             &instance(InstanceState::Running, true),
+            &passing(),
             at(20),
         );
         assert_eq!(
@@ -305,7 +500,13 @@ mod tests {
             Time(at(10))
         );
 
-        let s4 = observed(&s3, Some(1), &instance(InstanceState::Paused, true), at(30));
+        let s4 = observed(
+            &s3,
+            Some(1),
+            &instance(InstanceState::Paused, true),
+            &passing(),
+            at(30),
+        );
         assert!(!is_ready(&s4));
         assert_eq!(s4.phase, Some(ProxyPhase::Degraded));
         assert_eq!(condition(&s4, READY).unwrap().reason, "NotRunning");
@@ -317,6 +518,7 @@ mod tests {
             &ProxyStatus::default(),
             Some(1),
             &instance(InstanceState::Running, true),
+            &passing(),
             at(0),
         );
         let e = errored(
@@ -345,7 +547,13 @@ mod tests {
         assert_eq!(condition(&p, PROVISIONED).unwrap().reason, "InvalidSpec");
         assert_eq!(p.observed_generation, Some(2));
 
-        let back = observed(&e, Some(1), &instance(InstanceState::Running, true), at(9));
+        let back = observed(
+            &e,
+            Some(1),
+            &instance(InstanceState::Running, true),
+            &passing(),
+            at(9),
+        );
         assert_eq!(back.last_error_class, None);
     }
 

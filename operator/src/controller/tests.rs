@@ -9,9 +9,11 @@
 //! (paths, server-side apply parameters, JSON patch bodies, status fields) are checked
 //! where they matter.
 
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, HashMap};
 use std::future::Future;
+use std::net::{IpAddr, SocketAddr};
 use std::path::Path;
+use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
@@ -27,6 +29,7 @@ use super::*;
 use crate::api::proxy::{ProxySpec, SecretKeyRef, UserDataSource};
 use crate::provider::fake::FakeProvider;
 use crate::provider::{BoxFuture, InstanceState, Provider, TargetListing};
+use crate::serving::{Dialer, ProbeStream};
 
 const NS: &str = "ns";
 const NAME: &str = "p";
@@ -383,6 +386,100 @@ impl Provider for Logged {
     }
 }
 
+// ---- The proxies, in memory --------------------------------------------------------------
+
+/// How an in-memory proxy answers the probe.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Answer {
+    /// `HTTP/1.1 200 Connection established`.
+    Serve,
+    /// The connection is refused (nothing listens).
+    Refuse,
+    /// Accepts and never answers (only in tests with paused time: the probe times out).
+    Hang,
+}
+
+/// The guests' proxies: every probe lands here, in memory, never on a network. Each
+/// address answers [`Answer::Serve`] until told otherwise; dials are counted.
+#[derive(Debug, Clone, Default)]
+struct Proxies(Arc<ProxiesInner>);
+
+#[derive(Debug, Default)]
+struct ProxiesInner {
+    answers: Mutex<HashMap<IpAddr, Answer>>,
+    dials: AtomicUsize,
+}
+
+impl Proxies {
+    fn set(&self, ip: &str, answer: Answer) {
+        self.0
+            .answers
+            .lock()
+            .unwrap()
+            .insert(ip.parse().unwrap(), answer);
+    }
+
+    fn dials(&self) -> usize {
+        self.0.dials.load(Ordering::SeqCst)
+    }
+
+    /// Probes go to these proxies from now on (and the clock follows paused time).
+    fn install(&self, ctx: &mut Context) {
+        ctx.prober = crate::serving::Prober::with_dialer(
+            &ctx.config.serving,
+            Arc::new(self.clone()),
+            ctx.metrics.probes.clone(),
+        );
+        ctx.clock = paused_clock();
+    }
+}
+
+impl Dialer for Proxies {
+    fn dial(
+        &self,
+        addr: SocketAddr,
+    ) -> crate::serving::BoxFuture<'_, std::io::Result<Box<dyn ProbeStream>>> {
+        self.0.dials.fetch_add(1, Ordering::SeqCst);
+        let answer = self
+            .0
+            .answers
+            .lock()
+            .unwrap()
+            .get(&addr.ip())
+            .copied()
+            .unwrap_or(Answer::Serve);
+        Box::pin(async move {
+            use tokio::io::{AsyncReadExt, AsyncWriteExt};
+            if answer == Answer::Refuse {
+                return Err(std::io::ErrorKind::ConnectionRefused.into());
+            }
+            let (client, mut proxy) = tokio::io::duplex(4096);
+            tokio::spawn(async move {
+                let mut head = [0u8; 512];
+                let _ = proxy.read(&mut head).await;
+                if answer == Answer::Serve {
+                    let _ = proxy
+                        .write_all(b"HTTP/1.1 200 Connection established\r\n\r\n")
+                        .await;
+                }
+                let mut rest = Vec::new();
+                let _ = proxy.read_to_end(&mut rest).await;
+            });
+            Ok(Box::new(client) as Box<dyn ProbeStream>)
+        })
+    }
+}
+
+/// A wall clock that moves with tokio's (paused) time: starts at the real now.
+fn paused_clock() -> Clock {
+    let base = jiff::Timestamp::now();
+    let t0 = tokio::time::Instant::now();
+    Arc::new(move || {
+        let elapsed = jiff::SignedDuration::try_from(t0.elapsed()).unwrap();
+        base.checked_add(elapsed).unwrap()
+    })
+}
+
 // ---- Fixtures ----------------------------------------------------------------------------
 
 fn config() -> Arc<ValidConfig> {
@@ -461,6 +558,8 @@ fn instance(id: InstanceId, uid: &str, state: InstanceState, address: Option<&st
         proxy: owner(uid),
         state,
         addresses: address.map(|a| a.parse().unwrap()).into_iter().collect(),
+        address_source: address.map(|_| crate::provider::AddressOrigin::Agent),
+        seed_applied: None,
         created_at: "2026-01-01T00:00:00Z".into(),
     }
 }
@@ -472,9 +571,45 @@ fn long_ago() -> jiff::Timestamp {
 
 const LONG_AGO: &str = "2020-09-13T12:26:40Z";
 
-/// The status a reconcile wrote when it last saw `i` (long ago).
+/// What the controller concludes about `i`'s proxy when it serves.
+fn check_of(i: &Instance) -> serving::Check {
+    let (serving, reason, message) = match (i.state, i.addresses.first()) {
+        (InstanceState::Running, Some(a)) => (
+            true,
+            "Serving",
+            format!("{a}:3128 answered CONNECT probe.invalid:443 with 200 in 0 ms"),
+        ),
+        (InstanceState::Running, None) => (
+            false,
+            "NoAddress",
+            "the instance reports no address to probe".to_string(),
+        ),
+        (state, _) => (false, "NotRunning", format!("instance is {state}")),
+    };
+    serving::Check {
+        serving,
+        reason,
+        message,
+        running: i.state == InstanceState::Running,
+    }
+}
+
+/// The status a reconcile wrote when it last saw `i` (long ago), its proxy serving.
 fn status_seeing(i: &Instance) -> ProxyStatus {
-    status::observed(&ProxyStatus::default(), Some(GENERATION), i, long_ago())
+    status::observed(
+        &ProxyStatus::default(),
+        Some(GENERATION),
+        i,
+        &check_of(i),
+        long_ago(),
+    )
+}
+
+/// The same, as an operator that did not probe yet wrote it: no `Serving` condition.
+fn status_before_probes(i: &Instance) -> ProxyStatus {
+    let mut s = status_seeing(i);
+    s.conditions.retain(|c| c.type_ != status::SERVING);
+    s
 }
 
 fn with_status(mut p: Proxy, s: ProxyStatus) -> Proxy {
@@ -487,6 +622,7 @@ struct World {
     ctx: Arc<Context>,
     fake: Arc<FakeProvider>,
     timeline: Timeline,
+    proxies: Proxies,
 }
 
 impl World {
@@ -512,10 +648,13 @@ impl World {
         );
         // The middle of the jitter band: delays are exactly the ladder's.
         ctx.jitter = || 0.5;
+        let proxies = Proxies::default();
+        proxies.install(&mut ctx);
         Self {
             ctx: Arc::new(ctx),
             fake,
             timeline,
+            proxies,
         }
     }
 
@@ -723,8 +862,14 @@ async fn create_reads_the_user_data_creates_and_reports_the_instance() {
             "event:Normal:Ready",
         ])
     );
-    assert_eq!(action, requeue(300));
-    assert_eq!(action, Action::requeue(w.ctx.policy.ready_refresh));
+    // Serving: probed again every serving.periodSeconds.
+    assert_eq!(action, requeue(30));
+    assert_eq!(
+        action,
+        Action::requeue(Duration::from_secs(u64::from(
+            w.ctx.config.serving.period_seconds
+        )))
+    );
     assert_status_applies_are_ssa(&w.timeline);
     assert_events_regard_the_proxy(&w.timeline);
 
@@ -756,8 +901,20 @@ async fn create_reads_the_user_data_creates_and_reports_the_instance() {
     assert_eq!(provisioned["observedGeneration"], GENERATION);
     let ready = condition(s, "Ready");
     assert_eq!(ready["status"], "True");
-    assert_eq!(ready["reason"], "Running");
-    assert_eq!(ready["message"], format!("running at {FAKE_ADDRESS}"));
+    assert_eq!(ready["reason"], "Serving");
+    assert_eq!(ready["message"], format!("serving at {FAKE_ADDRESS}"));
+    let serving = condition(s, "Serving");
+    assert_eq!(serving["status"], "True");
+    assert_eq!(serving["reason"], "Serving");
+    let message = serving["message"].as_str().unwrap();
+    assert!(
+        message.starts_with(&format!(
+            "{FAKE_ADDRESS}:3128 answered CONNECT probe.invalid:443 with 200 in "
+        )) && message.ends_with(" ms"),
+        "{message}"
+    );
+    assert_eq!(w.proxies.dials(), 1);
+    assert_eq!(w.ctx.metrics.probes.outcomes("Serving"), 1);
 
     // Events: Created names the instance, Ready the address.
     assert_eq!(
@@ -872,7 +1029,7 @@ async fn events_that_cannot_be_published_do_not_fail_the_reconcile() {
 
     let action = w.reconcile(&p).await.unwrap();
 
-    assert_eq!(action, requeue(300));
+    assert_eq!(action, requeue(30));
     assert_eq!(w.timeline.last_status()["phase"], "Running");
     assert_eq!(w.timeline.events().len(), 2, "both were attempted");
 }
@@ -887,8 +1044,9 @@ async fn a_running_instance_is_only_refreshed() {
         InstanceState::Running,
         Some("198.51.100.4"),
     );
-    // User-data is set, but a refresh has no reason to read it.
-    let p = with_status(with_user_data(proxy()), status_seeing(&running));
+    // User-data is set, but a refresh has no reason to read it. The status is one an
+    // operator wrote before it probed: the probe adds `Serving`, so it is written.
+    let p = with_status(with_user_data(proxy()), status_before_probes(&running));
     let w = World::build(&p, &[user_data_secret()], None);
     w.fake.insert(running.clone());
 
@@ -898,21 +1056,65 @@ async fn a_running_instance_is_only_refreshed() {
     assert_eq!(w.fake.calls(), vec!["get"]);
     assert!(w.fake.create_requests().is_empty());
     assert!(w.timeline.events().is_empty(), "{:?}", w.timeline.events());
-    assert_eq!(action, requeue(300));
+    assert_eq!(action, requeue(30));
     let s = w.timeline.last_status();
     assert_eq!(s["instanceId"], format!("h2/{}", our_name()));
     assert_eq!(s["address"], "198.51.100.4");
     // Ready stayed True: its transition time is the old one.
     assert_eq!(condition(&s, "Ready")["lastTransitionTime"], LONG_AGO);
     assert_eq!(condition(&s, "Provisioned")["lastTransitionTime"], LONG_AGO);
+    assert_eq!(condition(&s, "Serving")["status"], "True");
     assert_eq!(w.ctx.metrics.instances("created"), 0);
     assert_status_applies_are_ssa(&w.timeline);
+
+    // The next probe of the steady proxy: no provider call (it served and was fetched
+    // moments ago), no status write (only the latency could differ).
+    let echoed = after_our_write(&p, &w);
+    w.timeline.clear();
+    let action = w.reconcile(&echoed).await.unwrap();
+    assert!(w.labels().is_empty(), "{:?}", w.labels());
+    assert_eq!(w.fake.calls(), vec!["get"], "no second get");
+    assert_eq!(w.proxies.dials(), 2, "probed again");
+    assert_eq!(action, requeue(30));
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_serving_proxy_is_fetched_again_after_the_refresh_period_and_after_a_failed_probe() {
+    let running = instance(
+        id("h1", &our_name()),
+        UID,
+        InstanceState::Running,
+        Some(FAKE_ADDRESS),
+    );
+    let p = with_status(proxy(), status_seeing(&running));
+    let w = World::new(&p);
+    w.fake.insert(running.clone());
+
+    w.reconcile(&p).await.unwrap();
+    tokio::time::advance(Duration::from_secs(30)).await;
+    w.reconcile(&p).await.unwrap();
+    assert_eq!(w.fake.calls(), vec!["get"], "the cached instance is fresh");
+    tokio::time::advance(w.ctx.policy.ready_refresh).await;
+    w.reconcile(&p).await.unwrap();
+    assert_eq!(
+        w.fake.calls(),
+        vec!["get", "get"],
+        "refreshed after ready_refresh"
+    );
+
+    // A failed probe: the next reconcile asks the provider (the VM may be gone).
+    w.proxies.set(FAKE_ADDRESS, Answer::Refuse);
+    w.reconcile(&p).await.unwrap();
+    assert_eq!(w.fake.calls(), vec!["get", "get"]);
+    w.reconcile(&p).await.unwrap();
+    assert_eq!(w.fake.calls(), vec!["get", "get", "get"]);
+    assert_eq!(w.proxies.dials(), 5);
 }
 
 #[tokio::test]
 async fn a_refresh_that_finds_the_address_reports_ready_once() {
     let no_address = instance(id("h1", &our_name()), UID, InstanceState::Running, None);
-    let p = with_status(proxy(), status_seeing(&no_address));
+    let p = with_status(proxy(), status_before_probes(&no_address));
     let w = World::new(&p);
     w.fake.insert(no_address.clone());
 
@@ -934,7 +1136,7 @@ async fn a_refresh_that_finds_the_address_reports_ready_once() {
         Some("192.0.2.99"),
     ));
     let action = w.reconcile(&p).await.unwrap();
-    assert_eq!(action, requeue(300));
+    assert_eq!(action, requeue(30));
     assert_eq!(
         w.labels(),
         labels(&["provider:get", "status:Running", "event:Normal:Ready"])
@@ -1038,7 +1240,7 @@ async fn a_lost_instance_is_replaced() {
             "event:Normal:Ready",
         ])
     );
-    assert_eq!(action, requeue(300));
+    assert_eq!(action, requeue(30));
     let name = our_name();
     let events = w.timeline.event_summary();
     assert_eq!(
@@ -1129,7 +1331,7 @@ async fn a_crashed_instance_is_deleted_then_replaced() {
             "event:Normal:Ready",
         ])
     );
-    assert_eq!(action, requeue(300));
+    assert_eq!(action, requeue(30));
     let name = our_name();
     let events = w.timeline.event_summary();
     assert_eq!(
@@ -1458,7 +1660,9 @@ async fn a_transient_create_failure_is_recorded_and_backs_off() {
     let (_, action) = w.reconcile_err(&p).await;
     assert_eq!(action, requeue(20));
 
-    // A success forgets the failures: the next one starts over at 5 s.
+    // A success forgets the failures: the next one starts over at 5 s. (Its proxy does
+    // not answer yet, so the next reconcile asks the provider again.)
+    w.proxies.set(FAKE_ADDRESS, Answer::Refuse);
     w.reconcile(&p).await.unwrap();
     w.fake.fail_next("get", ErrorClass::Transient);
     let p = with_status(p, serde_json::from_value(w.timeline.last_status()).unwrap());
@@ -1693,7 +1897,8 @@ async fn kubernetes_api_errors_on_the_status_write_are_classified() {
         (403, "Forbidden", ErrorClass::Permanent, 3600),
         (422, "Invalid", ErrorClass::Permanent, 3600),
     ] {
-        let p = with_status(proxy(), status_seeing(&running));
+        // Written before probes: this status must be written again, and that fails.
+        let p = with_status(proxy(), status_before_probes(&running));
         let w = failing_status(&p, code, reason);
         w.fake.insert(running.clone());
 
@@ -2024,6 +2229,7 @@ impl World {
         )
         .with_fence(fence);
         ctx.jitter = || 0.5;
+        w.proxies.install(&mut ctx);
         w.ctx = Arc::new(ctx);
         (w, lease)
     }
@@ -2233,13 +2439,15 @@ async fn shutdown_waits_for_a_create_in_flight_and_its_status() {
         entered: entered.clone(),
         release: release.clone(),
     }));
-    let ctx = Arc::new(Context::new(
+    let mut ctx = Context::new(
         client,
         config(),
         Arc::new(providers),
         ControllerMetrics::default(),
         None,
-    ));
+    );
+    Proxies::default().install(&mut ctx);
+    let ctx = Arc::new(ctx);
     let (stop_tx, stop_rx) = tokio::sync::oneshot::channel::<()>();
     let runner = tokio::spawn(run(ctx, 2, async move {
         let _ = stop_rx.await;
@@ -2265,6 +2473,341 @@ async fn shutdown_waits_for_a_create_in_flight_and_its_status() {
         json!(fake.instances()[0].id.to_string()),
         "the status names the instance before run returns"
     );
+}
+
+// ---- 11. Serving: Ready means it proxies ---------------------------------------------------
+
+/// The Proxy as the API server holds it now: `p` with the status last written (if any).
+fn as_stored(p: &Proxy, w: &World) -> Proxy {
+    match w.timeline.statuses().pop() {
+        Some(s) => with_status(p.clone(), serde_json::from_value(s).unwrap()),
+        None => p.clone(),
+    }
+}
+
+/// Lets `secs` of (paused) time pass, then reconciles the Proxy as stored.
+async fn later(w: &World, p: &Proxy, secs: u64) -> Action {
+    tokio::time::advance(Duration::from_secs(secs)).await;
+    w.reconcile(&as_stored(p, w)).await.unwrap()
+}
+
+/// The delay of a requeue (whole seconds: the tests' jitter sits mid-band).
+fn delay_of(a: &Action) -> u64 {
+    (1..=3600)
+        .find(|s| *a == requeue(*s))
+        .unwrap_or_else(|| panic!("{a:?} is no whole-second requeue"))
+}
+
+fn warnings(w: &World) -> Vec<String> {
+    w.timeline
+        .event_summary()
+        .into_iter()
+        .filter(|(t, _, _)| t == "Warning")
+        .map(|(_, r, _)| r)
+        .collect()
+}
+
+#[tokio::test(start_paused = true)]
+async fn ready_waits_for_the_probe_and_serving_flips_with_its_own_time() {
+    let p = proxy();
+    let w = World::new(&p);
+    // The new VM's proxy is not up yet.
+    w.proxies.set(FAKE_ADDRESS, Answer::Refuse);
+
+    let action = w.reconcile(&p).await.unwrap();
+
+    assert_eq!(action, requeue(5), "not serving: probed again soon");
+    let s = w.timeline.last_status();
+    assert_eq!(s["phase"], "Running", "phase is about the VM");
+    assert_eq!(s["address"], FAKE_ADDRESS);
+    assert_eq!(condition(&s, "Ready")["status"], "False");
+    assert_eq!(condition(&s, "Ready")["reason"], "NotServing");
+    let serving = condition(&s, "Serving").clone();
+    assert_eq!(serving["status"], "False");
+    assert_eq!(serving["reason"], "ConnectionRefused");
+    assert_eq!(
+        serving["message"],
+        format!("{FAKE_ADDRESS}:3128 refused the connection: nothing listens on the proxy port")
+    );
+    assert_eq!(
+        w.timeline.event_summary(),
+        vec![(
+            "Normal".into(),
+            "Created".into(),
+            format!("created instance h1/{}", our_name())
+        )],
+        "no Ready event, and no warning for a proxy that never served yet"
+    );
+
+    // Still refused: backs off, writes nothing (nothing changed), announces nothing.
+    w.timeline.clear();
+    let stored = with_status(p.clone(), serde_json::from_value(s.clone()).unwrap());
+    tokio::time::advance(Duration::from_secs(5)).await;
+    let action = w.reconcile(&stored).await.unwrap();
+    assert_eq!(action, requeue(10));
+    assert_eq!(w.labels(), labels(&["provider:get"]));
+
+    // It answers: Ready, one Ready event, the probe period; Serving's time moved.
+    w.timeline.clear();
+    tokio::time::advance(Duration::from_secs(10)).await;
+    w.proxies.set(FAKE_ADDRESS, Answer::Serve);
+    let action = w.reconcile(&stored).await.unwrap();
+    assert_eq!(action, requeue(30));
+    assert_eq!(
+        w.labels(),
+        labels(&["provider:get", "status:Running", "event:Normal:Ready"])
+    );
+    let s2 = w.timeline.last_status();
+    assert_eq!(condition(&s2, "Ready")["status"], "True");
+    assert_eq!(condition(&s2, "Serving")["status"], "True");
+    assert_ne!(
+        condition(&s2, "Serving")["lastTransitionTime"],
+        serving["lastTransitionTime"]
+    );
+    assert_eq!(
+        condition(&s2, "Provisioned")["lastTransitionTime"],
+        condition(&s, "Provisioned")["lastTransitionTime"]
+    );
+    assert_eq!(w.ctx.metrics.probes.outcomes("ConnectionRefused"), 2);
+    assert_eq!(w.ctx.metrics.probes.outcomes("Serving"), 1);
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_proxy_that_hangs_times_out_within_the_probe_budget() {
+    let running = instance(
+        id("h1", &our_name()),
+        UID,
+        InstanceState::Running,
+        Some(FAKE_ADDRESS),
+    );
+    let p = with_status(proxy(), status_seeing(&running));
+    let w = World::new(&p);
+    w.fake.insert(running);
+    w.proxies.set(FAKE_ADDRESS, Answer::Hang);
+    let started = tokio::time::Instant::now();
+
+    let action = w.reconcile(&p).await.unwrap();
+
+    assert_eq!(
+        started.elapsed(),
+        Duration::from_secs(u64::from(w.ctx.config.serving.timeout_seconds))
+    );
+    assert_eq!(action, requeue(5));
+    let s = w.timeline.last_status();
+    assert_eq!(condition(&s, "Serving")["reason"], "Timeout");
+    assert_eq!(condition(&s, "Ready")["status"], "False");
+    assert_eq!(warnings(&w), ["NotServing"], "it served before: news once");
+}
+
+#[tokio::test]
+async fn a_guest_that_never_read_its_seed_is_not_probed_and_says_so() {
+    let mut unseeded = instance(
+        id("h1", &our_name()),
+        UID,
+        InstanceState::Running,
+        Some(FAKE_ADDRESS),
+    );
+    unseeded.seed_applied = Some(false);
+    let p = with_status(proxy(), status_before_probes(&unseeded));
+    let w = World::new(&p);
+    w.fake.insert(unseeded);
+
+    w.reconcile(&p).await.unwrap();
+
+    assert_eq!(
+        w.proxies.dials(),
+        0,
+        "nothing to probe: the proxy was never configured"
+    );
+    let s = w.timeline.last_status();
+    let serving = condition(&s, "Serving");
+    assert_eq!(serving["status"], "False");
+    assert_eq!(serving["reason"], "SeedNotRead");
+    assert!(
+        serving["message"]
+            .as_str()
+            .unwrap()
+            .contains("never read its cloud-init seed"),
+        "{serving:#}"
+    );
+    assert_eq!(condition(&s, "Ready")["reason"], "SeedNotRead");
+    assert_eq!(warnings(&w), ["SeedNotRead"]);
+
+    // Again: nothing new to say or write.
+    let stored = as_stored(&p, &w);
+    w.timeline.clear();
+    w.reconcile(&stored).await.unwrap();
+    assert!(w.timeline.events().is_empty(), "{:?}", w.labels());
+    assert!(w.timeline.statuses().is_empty(), "{:?}", w.labels());
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_flapping_proxy_is_never_replaced_and_one_that_stays_down_is_replaced_once() {
+    let grace: u64 = 900;
+    let running = instance(
+        id("h1", &our_name()),
+        UID,
+        InstanceState::Running,
+        Some(FAKE_ADDRESS),
+    );
+    let p = with_status(proxy(), status_seeing(&running));
+    let w = World::new(&p);
+    assert_eq!(u64::from(w.ctx.config.serving.replace_after_seconds), grace);
+    w.fake.insert(running);
+    assert_eq!(later(&w, &p, 0).await, requeue(30));
+
+    // Down for most of the grace, retried on a doubling delay up to the period.
+    w.proxies.set(FAKE_ADDRESS, Answer::Refuse);
+    let (mut next, mut down, mut delays) = (30, 0, Vec::new());
+    while down + next < grace - 60 {
+        down += next;
+        next = delay_of(&later(&w, &p, next).await);
+        delays.push(next);
+    }
+    assert_eq!(&delays[..5], [5, 10, 20, 30, 30]);
+    // Back before the grace ran out: nothing was replaced.
+    w.proxies.set(FAKE_ADDRESS, Answer::Serve);
+    assert_eq!(later(&w, &p, next).await, requeue(30));
+    assert!(
+        !w.fake
+            .calls()
+            .iter()
+            .any(|c| *c == "delete" || *c == "create"),
+        "{:?}",
+        w.fake.calls()
+    );
+    assert!(is_ready_value(&as_stored(&p, &w)));
+
+    // Down again: the grace starts over at this flip, and runs out once.
+    w.proxies.set(FAKE_ADDRESS, Answer::Refuse);
+    let mut down = 0;
+    let mut next = 30;
+    let mut replaced_after = None;
+    // Until just before the new instance's own grace could run out.
+    while down < 2 * grace - 60 {
+        down += next;
+        next = delay_of(&later(&w, &p, next).await);
+        if replaced_after.is_none() && w.fake.calls().contains(&"create") {
+            replaced_after = Some(down);
+        }
+    }
+    let replaced_after = replaced_after.expect("never replaced");
+    // The first failed probe came 30 s after the flip's last pass; the grace counts from
+    // that failure (the condition's transition), and the retries are at most 30 s apart.
+    assert!(
+        (grace..grace + 30 + 30).contains(&replaced_after),
+        "replaced {replaced_after} s after the proxy went down"
+    );
+    let calls = w.fake.calls();
+    assert_eq!(
+        calls.iter().filter(|c| **c == "delete").count(),
+        1,
+        "{calls:?}"
+    );
+    assert_eq!(
+        calls.iter().filter(|c| **c == "create").count(),
+        1,
+        "{calls:?}"
+    );
+    assert_eq!(w.ctx.metrics.instances("replaced-not-serving"), 1);
+    let reasons: Vec<(String, String)> = w
+        .timeline
+        .event_summary()
+        .into_iter()
+        .map(|(t, r, _)| (t, r))
+        .collect();
+    let count = |r: &str| reasons.iter().filter(|(_, x)| x == r).count();
+    assert_eq!(count("NotServing"), 2, "one per flip: {reasons:?}");
+    assert_eq!(count("InstanceNotServing"), 1, "{reasons:?}");
+    assert_eq!(count("Replaced"), 1, "{reasons:?}");
+    let why = w
+        .timeline
+        .event_summary()
+        .into_iter()
+        .find(|(_, r, _)| r == "InstanceNotServing")
+        .unwrap()
+        .2;
+    assert!(
+        why.contains("has not served since") && why.contains("refused the connection"),
+        "{why}"
+    );
+}
+
+#[tokio::test(start_paused = true)]
+async fn replacement_counts_from_status_so_a_restart_does_not_shorten_or_reset_the_grace() {
+    let running = instance(
+        id("h1", &our_name()),
+        UID,
+        InstanceState::Running,
+        Some(FAKE_ADDRESS),
+    );
+    let p = with_status(proxy(), status_seeing(&running));
+    let w = World::new(&p);
+    w.fake.insert(running.clone());
+    w.proxies.set(FAKE_ADDRESS, Answer::Refuse);
+    later(&w, &p, 0).await;
+    let down = as_stored(&p, &w);
+
+    // A new replica (nothing in memory) 800 s later: not yet.
+    let w2 = World::new(&down);
+    w2.fake.insert(running.clone());
+    w2.proxies.set(FAKE_ADDRESS, Answer::Refuse);
+    tokio::time::advance(Duration::from_secs(800)).await;
+    w2.reconcile(&down).await.unwrap();
+    assert_eq!(w2.fake.calls(), vec!["get"]);
+    // ... at 900 s from the flip (the clock of the first replica; both follow paused
+    // time from nearly the same real instant): replaced.
+    tokio::time::advance(Duration::from_secs(101)).await;
+    w2.reconcile(&down).await.unwrap();
+    assert_eq!(w2.fake.calls(), vec!["get", "get", "delete", "create"]);
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_zero_grace_never_replaces() {
+    let running = instance(
+        id("h1", &our_name()),
+        UID,
+        InstanceState::Running,
+        Some(FAKE_ADDRESS),
+    );
+    let p = with_status(proxy(), status_seeing(&running));
+    let w = World::new(&p);
+    let config = crate::config::parse(
+        &format!("{CONFIG}serving: {{replaceAfterSeconds: 0}}\n"),
+        "controller-test.yaml",
+        Path::new("/"),
+    )
+    .unwrap();
+    assert_eq!(config.serving.replace_after_seconds, 0);
+    let mut ctx = Context::new(
+        w.ctx.client.clone(),
+        Arc::new(config),
+        w.ctx.providers.clone(),
+        ControllerMetrics::default(),
+        None,
+    );
+    w.proxies.install(&mut ctx);
+    let w = World {
+        ctx: Arc::new(ctx),
+        ..w
+    };
+    w.fake.insert(running);
+    w.proxies.set(FAKE_ADDRESS, Answer::Refuse);
+
+    for _ in 0..100 {
+        later(&w, &p, 60).await;
+    }
+
+    assert!(
+        w.fake.calls().iter().all(|c| *c == "get"),
+        "{:?}",
+        w.fake.calls()
+    );
+    assert!(!is_ready_value(&as_stored(&p, &w)));
+}
+
+fn is_ready_value(p: &Proxy) -> bool {
+    status::is_ready(p.status.as_ref().unwrap())
 }
 
 mod churn;

@@ -199,6 +199,8 @@ impl Provider for FakeProvider {
                 proxy: req.proxy.clone(),
                 state: InstanceState::ShutOff,
                 addresses: vec![std::net::IpAddr::V4(std::net::Ipv4Addr::new(192, 0, 2, 10))],
+                address_source: Some(crate::provider::AddressOrigin::Lease),
+                seed_applied: None,
                 created_at: humantime::format_rfc3339_seconds(std::time::SystemTime::now())
                     .to_string(),
             };

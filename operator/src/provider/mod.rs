@@ -255,8 +255,50 @@ pub struct Instance {
     pub state: InstanceState,
     /// Guest addresses, best first (IPv4 before IPv6); empty when not running or unknown.
     pub addresses: Vec<IpAddr>,
+    /// Which source answered for `addresses`; `None` when they are empty. Published in
+    /// status so a consumer (and an operator debugging a fleet) can judge how fresh and
+    /// how authoritative the address is.
+    pub address_source: Option<AddressOrigin>,
+    /// Whether the guest applied its cloud-init seed: `Some(false)` when the guest agent
+    /// answers with a host name other than the seed's `local-hostname` (the guest never
+    /// read its seed, e.g. a kernel that cannot see the seed's disk), `Some(true)` when it
+    /// matches, `None` when nobody can tell (no agent). A guest that never read its seed
+    /// runs but was never configured as a proxy.
+    pub seed_applied: Option<bool>,
     /// When it was created (RFC 3339), from the ownership mark.
     pub created_at: String,
+}
+
+/// Where a published guest address came from, most authoritative first.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum AddressOrigin {
+    /// Allocated by the operator from the host's address pool and written into the seed's
+    /// network-config: known without asking the guest.
+    Static,
+    /// The DHCP lease of a libvirt-managed network.
+    Lease,
+    /// The QEMU guest agent inside the VM.
+    Agent,
+    /// The host's neighbour (ARP) table.
+    Arp,
+}
+
+impl AddressOrigin {
+    /// Stable lower-case label for status, logs and metrics.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            AddressOrigin::Static => "static",
+            AddressOrigin::Lease => "lease",
+            AddressOrigin::Agent => "agent",
+            AddressOrigin::Arp => "arp",
+        }
+    }
+}
+
+impl fmt::Display for AddressOrigin {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(self.as_str())
+    }
 }
 
 /// A provider failure: a class the controller acts on, and the typed error underneath.

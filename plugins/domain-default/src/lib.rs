@@ -1,9 +1,10 @@
 //! The default domain plugin: libvirt domain XML for an egress proxy VM.
 //!
 //! KVM when the host has it, else QEMU emulation; BIOS or UEFI; a virtio root disk on the
-//! operator's overlay volume; the seed ISO as a read-only SATA cdrom; one virtio NIC on the
-//! configured bridge; serial console; QEMU guest agent channel; virtio-rng; the operator's
-//! metadata mark. Everything a site may want to change is a setting.
+//! operator's overlay volume; the seed ISO read-only on the bus the operator suggests
+//! (virtio: a read-only disk; other buses: a cdrom); one virtio NIC on the configured
+//! bridge; serial console; QEMU guest agent channel; virtio-rng; the operator's metadata
+//! mark. Everything a site may want to change is a setting.
 #![forbid(unsafe_code)]
 
 use schemars::JsonSchema;
@@ -266,15 +267,16 @@ impl DomainPlugin for DefaultDomain {
 }
 
 fn render_disk(disk: &Disk, virtio: &mut u8, sata: &mut u8) -> Result<Element, String> {
-    let (device, readonly) = match disk.role {
-        DiskRole::Root => ("disk", false),
-        DiskRole::Seed => ("cdrom", true),
+    // The seed follows the operator's bus hint. On virtio (the default hint) it is a
+    // read-only disk, not a cdrom (virtio-blk has no cdrom): cloud-init's NoCloud finds it
+    // by its `cidata` file-system label on any block device, and every Linux kernel has
+    // virtio-blk, while cloud kernels lack the AHCI driver a SATA cdrom needs.
+    let (device, readonly) = match (disk.role, disk.bus) {
+        (DiskRole::Root, _) => ("disk", false),
+        (DiskRole::Seed, DiskBus::Virtio) => ("disk", true),
+        (DiskRole::Seed, _) => ("cdrom", true),
     };
-    // A cdrom cannot sit on virtio-blk; the seed ISO goes on SATA whatever the hint says.
-    let bus = match (disk.role, disk.bus) {
-        (DiskRole::Seed, _) => DiskBus::Sata,
-        (_, bus) => bus,
-    };
+    let bus = disk.bus;
     let (bus_name, dev) = match bus {
         DiskBus::Virtio => ("virtio", next_dev("vd", virtio)?),
         DiskBus::Sata => ("sata", next_dev("sd", sata)?),

@@ -25,6 +25,7 @@
 
 mod libvirtd;
 mod process;
+mod route;
 mod skip;
 mod sshd;
 
@@ -34,6 +35,7 @@ use anyhow::{Context, Result};
 use tempfile::TempDir;
 
 pub use libvirtd::Libvirtd;
+pub use route::{NamespaceRoute, subnet_index};
 pub use skip::{Need, cannot_run, in_ci, skip, skip_reason};
 pub use sshd::Sshd;
 

@@ -311,6 +311,7 @@ async fn a_replacement_that_keeps_failing_makes_a_handful_of_provider_calls_an_h
     );
     // The bottom of the jitter band: the shortest delays, the most calls.
     ctx.jitter = || 0.0;
+    Proxies::default().install(&mut ctx);
     let ctx = Arc::new(ctx);
     let (stop_tx, stop_rx) = tokio::sync::oneshot::channel::<()>();
     let t0 = Instant::now();
@@ -380,6 +381,74 @@ async fn a_replacement_that_keeps_failing_makes_a_handful_of_provider_calls_an_h
     );
     assert!(cluster.proxy().is_none(), "the finalizer was not removed");
     assert!(fake.instances().is_empty());
+
+    stop_tx.send(()).unwrap();
+    runner.await.unwrap();
+}
+
+/// Probing a proxy that keeps serving costs no status write and no event: hours of
+/// probes every period leave the object as it was, and the provider is asked only every
+/// `ready_refresh`.
+#[tokio::test(start_paused = true)]
+async fn a_steady_proxy_is_probed_every_period_without_writing_status() {
+    let running = instance(
+        id("h1", &our_name()),
+        UID,
+        InstanceState::Running,
+        Some(FAKE_ADDRESS),
+    );
+    let p = with_status(proxy(), status_seeing(&running));
+    let cluster = Cluster::new(&p);
+    let fake = Arc::new(FakeProvider::named("kvm2", &["h1", "h2"]));
+    fake.insert(running);
+    let provider = Arc::new(Stamped {
+        inner: fake.clone(),
+        at: Mutex::new(Vec::new()),
+        count: AtomicUsize::new(0),
+        looping: Notify::new(),
+    });
+    let mut registry = Registry::new();
+    registry.insert(provider.clone());
+    let mut ctx = Context::new(
+        cluster.client(),
+        config(),
+        Arc::new(registry),
+        ControllerMetrics::default(),
+        Some("egress-operator-0".into()),
+    );
+    ctx.jitter = || 0.0;
+    let proxies = Proxies::default();
+    proxies.install(&mut ctx);
+    let ctx = Arc::new(ctx);
+    let (stop_tx, stop_rx) = tokio::sync::oneshot::channel::<()>();
+    let t0 = Instant::now();
+    let runner = tokio::spawn(run(ctx.clone(), 2, async move {
+        let _ = stop_rx.await;
+    }));
+
+    let_pass(&provider, 3 * HOUR).await;
+
+    let period = u64::from(ctx.config.serving.period_seconds);
+    let probes = (3 * HOUR.as_secs() / period) as usize;
+    assert!(
+        (probes - 2..=probes + 2).contains(&proxies.dials()),
+        "{} probes in 3 h at one per {period} s",
+        proxies.dials()
+    );
+    assert_eq!(
+        cluster.status_writes(),
+        0,
+        "a steady proxy's status is left alone"
+    );
+    assert!(cluster.state.lock().unwrap().events.is_empty());
+    let refreshes = (HOUR.as_secs() / ctx.policy.ready_refresh.as_secs()) as usize;
+    for hour in 0..3 {
+        let calls = provider.between(t0, hour * HOUR, (hour + 1) * HOUR);
+        assert!(
+            calls.iter().all(|c| *c == "get") && calls.len() <= refreshes + 1,
+            "hour {hour}: {calls:?}"
+        );
+    }
 
     stop_tx.send(()).unwrap();
     runner.await.unwrap();

@@ -18,6 +18,8 @@ fn mark() -> String {
         name: "office".into(),
         uid: UUID.into(),
         created_at: "2026-12-03T07:00:00Z".into(),
+        mac: None,
+        address: None,
     }
     .to_xml()
 }
@@ -1601,6 +1603,8 @@ fn libvirts_reading_is_accepted(file: &str, firmware: Firmware) {
         name: proxy.attr("name").unwrap_or_default().into(),
         uid: proxy.attr("uid").unwrap_or_default().into(),
         created_at: field("createdAt"),
+        mac: mark.child("mac").map(|c| c.text.clone()),
+        address: mark.child("address").and_then(|c| c.text.parse().ok()),
     }
     .to_xml();
     let nic = doc

@@ -1,34 +1,58 @@
 //! Choosing the guest addresses to publish in a Proxy's status.
 //!
-//! libvirt knows a guest's addresses from three sources of differing trust and
-//! availability: the DHCP lease of a libvirt network, the guest agent, and the host's ARP
-//! table. They are asked in that order ([`AddressSource::ORDER`]), and the first one that
-//! gives a usable address wins, so the answer does not flap between sources. Only the
-//! operator's own NIC counts (matched by MAC): a guest may have other interfaces (Docker
-//! bridges, loopback via the agent) whose addresses a consumer must not be sent to.
+//! An instance with a static address (allocated from its host's pool and recorded in its
+//! mark) is reported with that address and [`AddressOrigin::Static`], and no source is
+//! asked. Otherwise libvirt knows a guest's addresses from three sources of differing trust
+//! and availability; they are asked in [`AddressSource::ORDER`], and the first one that
+//! gives a usable address wins, so the answer does not flap between sources.
+//!
+//! What keeps a stale address out of status (an address that belongs, or belonged, to
+//! another VM, or to this one no longer):
+//!
+//! 1. **The guest's own view first.** The guest agent reports the addresses the guest has
+//!    configured now; a lease or a neighbour entry is somebody else's memory of the past.
+//!    So the agent is asked first, then the lease database, then the ARP table.
+//! 2. **Only this incarnation's MAC.** Only the operator's NIC counts, matched by MAC (a
+//!    guest may have other interfaces, Docker bridges or loopback via the agent, whose
+//!    addresses a consumer must not be sent to). The MAC is new for every domain a Create
+//!    defines ([`crate::instance::derive_mac`]), so a lease or ARP entry that an earlier VM
+//!    of the same Proxy left behind carries another MAC and never matches.
+//! 3. **No address by a shared MAC.** When another domain on the host carries the same MAC
+//!    (a collision the Create-time check should have prevented, or a hand-made domain), no
+//!    detected address is published: nobody can tell whose it is.
+//! 4. **Expired leases are not reported.** libvirt's lease source skips leases whose expiry
+//!    is past (its network driver filters them before they reach
+//!    `virDomainInterfaceAddresses`); leases of the previous incarnation that have not
+//!    expired carry its MAC (rule 2).
+//! 5. **Inside the bridge's network.** When the host's bridge network is known (its
+//!    `addressPool.cidr`), an IPv4 address outside it is dropped (an entry from another
+//!    segment, or a guest that configured itself wrongly).
+//! 6. **Usable, and only while running.** Loopback, link-local, unspecified, multicast and
+//!    broadcast addresses are dropped, and an instance that is not running has none.
 
 use std::net::{IpAddr, Ipv4Addr, Ipv6Addr};
 
 use virt::sys;
 
-use crate::provider::InstanceState;
+use crate::provider::{AddressOrigin, InstanceState};
 
 /// Where libvirt got an interface list from.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
 pub enum AddressSource {
-    /// DHCP leases of a libvirt-managed network.
-    Lease,
     /// The QEMU guest agent inside the VM.
     Agent,
+    /// DHCP leases of a libvirt-managed network.
+    Lease,
     /// The host's ARP table (bridged networks without libvirt's DHCP).
     Arp,
 }
 
 impl AddressSource {
-    /// The order sources are tried in: most authoritative and cheapest first.
+    /// The order sources are tried in: the guest's own view (the agent), then the DHCP
+    /// server's, then the host's neighbour table (see the module's rules).
     pub const ORDER: [AddressSource; 3] = [
-        AddressSource::Lease,
         AddressSource::Agent,
+        AddressSource::Lease,
         AddressSource::Arp,
     ];
 
@@ -38,6 +62,15 @@ impl AddressSource {
             AddressSource::Lease => sys::VIR_DOMAIN_INTERFACE_ADDRESSES_SRC_LEASE,
             AddressSource::Agent => sys::VIR_DOMAIN_INTERFACE_ADDRESSES_SRC_AGENT,
             AddressSource::Arp => sys::VIR_DOMAIN_INTERFACE_ADDRESSES_SRC_ARP,
+        }
+    }
+
+    /// The provider-level name of this source, as status publishes it.
+    pub fn origin(self) -> AddressOrigin {
+        match self {
+            AddressSource::Lease => AddressOrigin::Lease,
+            AddressSource::Agent => AddressOrigin::Agent,
+            AddressSource::Arp => AddressOrigin::Arp,
         }
     }
 
@@ -105,6 +138,21 @@ pub fn pick_addresses(
         return out;
     }
     Vec::new()
+}
+
+/// `addrs` without the IPv4 addresses outside `net` (rule 5); all of them when the
+/// network is not known. IPv6 addresses are kept: the pool says nothing about them.
+pub fn within(net: Option<&ipnet::Ipv4Net>, addrs: Vec<IpAddr>) -> Vec<IpAddr> {
+    match net {
+        None => addrs,
+        Some(net) => addrs
+            .into_iter()
+            .filter(|ip| match ip {
+                IpAddr::V4(v4) => net.contains(v4),
+                IpAddr::V6(v6) => v6.to_ipv4_mapped().is_none_or(|v4| net.contains(&v4)),
+            })
+            .collect(),
+    }
 }
 
 /// The addresses of an instance in `state`: none unless it runs. A stopped domain's lease
@@ -209,14 +257,24 @@ mod tests {
                 want: vec![],
             },
             Case {
-                what: "lease wins",
+                what: "the agent (the guest's own view) wins",
                 mac: Some(MAC),
                 results: vec![
                     (Lease, vec![nic(MAC, &["192.0.2.10"])]),
                     (Agent, vec![nic(MAC, &["192.0.2.20"])]),
                     (Arp, vec![nic(MAC, &["192.0.2.30"])]),
                 ],
-                want: vec!["192.0.2.10"],
+                want: vec!["192.0.2.20"],
+            },
+            Case {
+                what: "an earlier VM's lease and ARP entry (another MAC) are not ours",
+                mac: Some(MAC),
+                results: vec![
+                    (Lease, vec![nic("52:54:00:00:00:01", &["192.0.2.10"])]),
+                    (Arp, vec![nic("52:54:00:00:00:01", &["192.0.2.11"])]),
+                    (Arp, vec![nic(MAC, &["192.0.2.30"])]),
+                ],
+                want: vec!["192.0.2.30"],
             },
             Case {
                 what: "source order, not slice order",
@@ -228,20 +286,17 @@ mod tests {
                 want: vec!["192.0.2.20"],
             },
             Case {
-                what: "agent when lease has only unusable addresses",
+                what: "lease when the agent has only unusable addresses",
                 mac: Some(MAC),
                 results: vec![
-                    (
-                        Lease,
-                        vec![nic(MAC, &["169.254.3.4", "fe80::5054:ff:feab:cdef"])],
-                    ),
                     (
                         Agent,
                         vec![
                             nic("00:00:00:00:00:00", &["127.0.0.1", "::1"]),
-                            nic(MAC, &["192.0.2.20"]),
+                            nic(MAC, &["169.254.3.4", "fe80::5054:ff:feab:cdef"]),
                         ],
                     ),
+                    (Lease, vec![nic(MAC, &["192.0.2.20"])]),
                 ],
                 want: vec!["192.0.2.20"],
             },
@@ -376,6 +431,17 @@ mod tests {
     }
 
     #[test]
+    fn outside_the_bridge_network_is_dropped() {
+        let net: ipnet::Ipv4Net = "10.203.0.0/24".parse().unwrap();
+        let found = ips(&["10.203.0.17", "192.0.2.10", "2001:db8::1", "::ffff:192.0.2.1"]);
+        assert_eq!(
+            within(Some(&net), found.clone()),
+            ips(&["10.203.0.17", "2001:db8::1"])
+        );
+        assert_eq!(within(None, found.clone()), found);
+    }
+
+    #[test]
     fn only_running_instances_have_addresses() {
         let addrs = ips(&["192.0.2.10", "2001:db8::1"]);
         let table = [
@@ -398,11 +464,11 @@ mod tests {
     fn sources() {
         assert_eq!(
             AddressSource::ORDER.map(AddressSource::virt_source),
-            [0, 1, 2]
+            [1, 0, 2]
         );
         assert_eq!(
             AddressSource::ORDER.map(AddressSource::as_str),
-            ["lease", "agent", "arp"]
+            ["agent", "lease", "arp"]
         );
         let mut sorted = AddressSource::ORDER;
         sorted.sort();

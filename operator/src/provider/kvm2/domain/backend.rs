@@ -24,19 +24,20 @@ use futures_util::stream::{FuturesUnordered, StreamExt as _};
 use tokio::sync::Semaphore;
 
 use super::addresses::{self, AddressSource};
+use super::ippool::{AddressBook, AllocError};
 use super::ops::{Created, DomainRecord, HostOps, OpsError, VolumeEntry};
-use super::seed::{self, SeedError, SeedFiles};
+use super::seed::{self, SeedError, SeedFiles, StaticNet};
 use super::volume;
 use crate::config::{HostConfig, ValidConfig};
 use crate::error::{Classified, ErrorClass};
 use crate::gc::{VolumeCandidate, VolumeCollector, VolumeDeleteOutcome, VolumeKind, VolumeListing};
-use crate::instance::{InstanceIdentity, MetadataMark, VolumeName};
+use crate::instance::{InstanceIdentity, MetadataMark, VolumeName, fresh_incarnation};
 use crate::provider::health::HealthBoard;
 use crate::provider::kvm2::image::{ImageCache, ImageCacheOptions, ImageError, ImageMetrics};
 use crate::provider::kvm2::locks::KeyedLocks;
 use crate::provider::{
-    BoxFuture, CreateRequest, HealthCheck, Instance, InstanceId, InstanceState, Provider,
-    ProviderError, ProxyRef, TargetHealth, TargetListing,
+    AddressOrigin, BoxFuture, CreateRequest, HealthCheck, Instance, InstanceId, InstanceState,
+    Provider, ProviderError, ProxyRef, TargetHealth, TargetListing,
 };
 use crate::templates::check::check_defined_domain_xml;
 use crate::templates::{
@@ -148,6 +149,9 @@ pub enum Kvm2Error {
     /// The seed ISO could not be built.
     #[error(transparent)]
     Seed(#[from] SeedError),
+    /// No MAC or static address could be allocated (a full address pool is quota).
+    #[error(transparent)]
+    Allocation(#[from] AllocError),
     /// The domain did not reach running in time.
     #[error("domain {domain:?} on host {host:?} is {state} after {waited:?}, not running")]
     StartTimeout {
@@ -184,6 +188,7 @@ impl Classified for Kvm2Error {
             Kvm2Error::Plugin(e) => e.class(),
             Kvm2Error::Template(e) => e.class(),
             Kvm2Error::Seed(e) => e.class(),
+            Kvm2Error::Allocation(e) => e.class(),
             Kvm2Error::LeaseLost(e) => e.class(),
             Kvm2Error::StartTimeout { .. } | Kvm2Error::Runtime(_) | Kvm2Error::Unreachable(_) => {
                 ErrorClass::Transient
@@ -196,6 +201,22 @@ impl From<ImageError> for Kvm2Error {
     fn from(e: ImageError) -> Self {
         Kvm2Error::Image(Box::new(e))
     }
+}
+
+/// The host's address pool, parsed (config validation checked it already, so an error
+/// here means a config that skipped validation).
+fn address_pool(host: &HostConfig) -> Result<Option<crate::config::AddressPool>, Kvm2Error> {
+    host.address_pool
+        .as_ref()
+        .map(|p| {
+            p.parse().map_err(|(field, why)| {
+                Kvm2Error::InvalidRequest(format!(
+                    "host {:?} addressPool.{field}: {why}",
+                    host.name
+                ))
+            })
+        })
+        .transpose()
 }
 
 /// [`Kvm2Error::DefinedRefused`]'s origin for a domain this Create defined (and removes).
@@ -289,6 +310,8 @@ pub struct Kvm2Provider {
     /// Creates in flight per host that have passed the room check: they count against
     /// `maxDomains` before their domain exists.
     reserved: Arc<std::sync::Mutex<BTreeMap<String, usize>>>,
+    /// MACs and static addresses: per-host allocation and the MAC census.
+    book: AddressBook,
     options: Kvm2Options,
 }
 
@@ -352,6 +375,7 @@ impl Kvm2Provider {
             names: KeyedLocks::new(),
             creates,
             reserved: Arc::default(),
+            book: AddressBook::new(),
             options,
         }
     }
@@ -389,6 +413,8 @@ impl Kvm2Provider {
             },
             state: rec.state,
             addresses: Vec::new(),
+            address_source: None,
+            seed_applied: None,
             created_at: mark.created_at.clone(),
         }
     }
@@ -681,15 +707,19 @@ impl Kvm2Provider {
             name: mark.name.clone(),
             uid: req.proxy.uid.clone(),
         };
-        let inputs = crate::render::inputs_for(
+        // The MAC and address the mark records: what the domain was rendered with.
+        let mut inputs = crate::render::inputs_with(
             &self.config,
             &owner,
             &req.spec,
             Some(h),
             &facts,
             &mark.created_at,
+            &mark.net(),
         )
         .map_err(Kvm2Error::InvalidRequest)?;
+        // The mark exactly as recorded: one written before MACs were recorded has none.
+        inputs.domain.metadata_mark = mark.to_xml();
         let xml = self
             .ops
             .inactive_xml(h, &identity.domain_name)
@@ -738,6 +768,7 @@ impl Kvm2Provider {
             .list_domains(&host.name)
             .await
             .map_err(step("domain list"))?;
+        self.book.census().note(&host.name, &list);
         let defined = list
             .iter()
             .filter(|d| d.mark.as_ref().is_some_and(|m| self.is_ours(m)))
@@ -770,17 +801,33 @@ impl Kvm2Provider {
         made: &mut Made,
     ) -> Result<Instance, Kvm2Error> {
         let (h, pool) = (host.name.as_str(), host.storage_pool.as_str());
+        // The network identity first: a full address pool fails the Create before an image
+        // is downloaded. The claim is held until this Create ends; by then the domain's
+        // mark records the identity (or the Create failed and nothing uses it).
+        let address_pool = address_pool(host)?;
+        let allocation = self
+            .book
+            .allocate(
+                self.ops.as_ref(),
+                h,
+                &identity.uid,
+                address_pool.as_ref(),
+                fresh_incarnation(),
+            )
+            .await?;
+        let net = allocation.net.clone();
         let mut facts = self.ops.facts(h).await.map_err(step("host facts"))?;
         facts.kvm &= !host.disable_kvm;
         // Provisional: the mark that is defined is stamped again right before the define.
         let created_at = self.options.clock.rfc3339();
-        let inputs = crate::render::inputs_for(
+        let inputs = crate::render::inputs_with(
             &self.config,
             &req.proxy,
             &req.spec,
             Some(h),
             &facts,
             &created_at,
+            &net,
         )
         .map_err(Kvm2Error::InvalidRequest)?;
 
@@ -831,11 +878,24 @@ impl Kvm2Provider {
                     .render_with(&vendor_input, vendor_overrides.as_ref())?)
             })
             .await?;
+        let network_config = match (net.address, &address_pool) {
+            (Some(address), Some(p)) => Some(
+                seed::network_config(&StaticNet {
+                    mac: net.mac.clone(),
+                    address,
+                    prefix: p.net.prefix_len(),
+                    gateway: p.gateway,
+                    dns: p.dns.clone(),
+                })?
+                .into_bytes(),
+            ),
+            _ => None,
+        };
         let files = SeedFiles {
             meta_data: seed::meta_data(&identity.uid, &req.proxy.name),
             user_data: req.user_data.as_ref().map(|u| u.expose().to_vec()),
             vendor_data: vendor_data.into_bytes(),
-            network_config: None,
+            network_config,
         };
         let iso = tokio::task::spawn_blocking(move || seed::build(&files))
             .await
@@ -857,6 +917,8 @@ impl Kvm2Provider {
             name: req.proxy.name.clone(),
             uid: req.proxy.uid.clone(),
             created_at: self.options.clock.rfc3339(),
+            mac: Some(net.mac.clone()),
+            address: net.address,
         }
         .to_xml();
         let domain_input = stamped.clone();
@@ -908,7 +970,9 @@ impl Kvm2Provider {
             )
         })?;
         req.fence.check("domain start")?;
-        self.finish_start(host, identity, rec, mark).await
+        let started = self.finish_start(host, identity, rec, mark).await;
+        drop(allocation);
+        started
     }
 
     /// Brings the domain to running, waits (bounded by the start timeout) and reports it.
@@ -971,9 +1035,7 @@ impl Kvm2Provider {
             last = now.state;
             if matches!(last, InstanceState::Running | InstanceState::Blocked) {
                 let mut inst = self.instance(h, &now, &mark);
-                inst.addresses = self
-                    .addresses(h, &identity.domain_name, Some(&identity.mac))
-                    .await;
+                self.report(host, &mark, &mut inst).await;
                 return Ok(inst);
             }
             if started.elapsed() >= self.options.start_timeout {
@@ -989,19 +1051,57 @@ impl Kvm2Provider {
         })
     }
 
-    /// Addresses from the lease, then the guest agent, then ARP; best effort (an address
-    /// is a report, not a condition of success).
-    async fn addresses(&self, host: &str, name: &str, mac: Option<&str>) -> Vec<std::net::IpAddr> {
-        for source in [
-            AddressSource::Lease,
-            AddressSource::Agent,
-            AddressSource::Arp,
-        ] {
+    /// Fills in what a running instance reports beyond its state: its addresses and their
+    /// source, and whether the guest applied its seed. Best effort: a report, not a
+    /// condition of success.
+    ///
+    /// A static address (recorded in the mark) is reported as it is, without asking any
+    /// source. Otherwise the sources are asked in [`AddressSource::ORDER`] for the mark's
+    /// MAC, under the rules of [`addresses`]. Then the guest agent is asked for the host
+    /// name, unless it already failed to answer in this call.
+    async fn report(&self, host: &HostConfig, mark: &MetadataMark, inst: &mut Instance) {
+        let (h, name) = (host.name.as_str(), inst.id.name.clone());
+        let mut agent_answered = true;
+        if let Some(address) = mark.address {
+            inst.addresses = vec![std::net::IpAddr::V4(address)];
+            inst.address_source = Some(AddressOrigin::Static);
+        } else {
+            let mac = mark.mac_or_legacy();
+            let net = address_pool(host).ok().flatten().map(|p| p.net);
+            let (found, source, agent) = self.detect(h, &name, &mac, net.as_ref()).await;
+            agent_answered = agent;
+            if !found.is_empty() && self.mac_shared(h, &mac, &name).await {
+                tracing::warn!(host = h, domain = %name, %mac,
+                    "another domain on the host carries this MAC; its addresses are not published");
+            } else {
+                inst.address_source = source.filter(|_| !found.is_empty());
+                inst.addresses = found;
+            }
+        }
+        if agent_answered {
+            inst.seed_applied = self.seed_applied(h, &name, &mark.name).await;
+        }
+    }
+
+    /// The first source (in [`AddressSource::ORDER`]) with a usable address of `mac`
+    /// inside `net` (when known), and whether the guest agent answered at all.
+    async fn detect(
+        &self,
+        host: &str,
+        name: &str,
+        mac: &str,
+        net: Option<&ipnet::Ipv4Net>,
+    ) -> (Vec<std::net::IpAddr>, Option<AddressOrigin>, bool) {
+        let mut agent_answered = false;
+        for source in AddressSource::ORDER {
             match self.ops.addresses(host, name, source).await {
                 Ok(nics) => {
-                    let picked = addresses::pick_addresses(mac, &[(source, nics)]);
+                    // A running agent always reports at least the guest's loopback.
+                    agent_answered |= source == AddressSource::Agent && !nics.is_empty();
+                    let picked =
+                        addresses::within(net, addresses::pick_addresses(Some(mac), &[(source, nics)]));
                     if !picked.is_empty() {
-                        return picked;
+                        return (picked, Some(source.origin()), agent_answered);
                     }
                 }
                 Err(e) => {
@@ -1009,7 +1109,46 @@ impl Kvm2Provider {
                 }
             }
         }
-        Vec::new()
+        (Vec::new(), None, agent_answered)
+    }
+
+    /// Whether another domain on `host` carries `mac`, by the census (listing the host
+    /// when the census is missing or old). A listing that fails counts as "no": the
+    /// Create-time check screened the MAC already.
+    async fn mac_shared(&self, host: &str, mac: &str, name: &str) -> bool {
+        if let Some(shared) = self.book.census().shared(host, mac, name) {
+            return shared;
+        }
+        match self.ops.list_domains(host).await {
+            Ok(list) => {
+                self.book.census().note(host, &list);
+                self.book
+                    .census()
+                    .shared(host, mac, name)
+                    .unwrap_or_default()
+            }
+            Err(e) => {
+                tracing::debug!(host, domain = name, error = %e, "MAC census listing failed");
+                false
+            }
+        }
+    }
+
+    /// Whether the guest applied its seed: the agent's host name against the seed's
+    /// `local-hostname` (the Proxy's name); `None` when the agent does not answer.
+    async fn seed_applied(&self, host: &str, name: &str, local_hostname: &str) -> Option<bool> {
+        match self.ops.guest_hostname(host, name).await {
+            Ok(Some(reported)) => {
+                let applied = seed::hostname_applied(&reported, local_hostname);
+                tracing::debug!(host, domain = name, applied, "guest host name checked against the seed");
+                Some(applied)
+            }
+            Ok(None) => None,
+            Err(e) => {
+                tracing::debug!(host, domain = name, error = %e, "guest host name not read");
+                None
+            }
+        }
     }
 
     /// Removes what a failed Create made; what remains (cleanup failed) is adopted or
@@ -1066,10 +1205,11 @@ impl Kvm2Provider {
             });
         };
         let mut inst = self.instance(&id.host, &rec, &mark);
+        // Only a running instance has addresses: a stopped domain's lease or ARP entry
+        // can outlive it, and its static address answers nothing.
         if rec.state == InstanceState::Running {
-            let mac = InstanceIdentity::for_uid(&mark.uid).ok().map(|i| i.mac);
-            let found = self.addresses(&id.host, &id.name, mac.as_deref()).await;
-            inst.addresses = addresses::running_only(rec.state, found);
+            let host = self.host(&id.host)?.clone();
+            self.report(&host, &mark, &mut inst).await;
         }
         Ok(inst)
     }
@@ -1151,6 +1291,7 @@ impl Kvm2Provider {
                 .list_domains(&host.name)
                 .await
                 .map(|list| {
+                    self.book.census().note(&host.name, &list);
                     list.iter()
                         .filter_map(|rec| {
                             let mark = rec.mark.as_ref().filter(|m| self.is_ours(m))?;

@@ -31,6 +31,21 @@ struct FakeVolume {
 struct FakeDomain {
     xml: String,
     state: InstanceState,
+    /// What each address source reports (nothing unless a test says).
+    nics: BTreeMap<AddressSource, Vec<NicAddrs>>,
+    /// The host name the guest agent answers; `None`: no agent.
+    agent_hostname: Option<String>,
+}
+
+impl FakeDomain {
+    fn new(xml: String, state: InstanceState) -> Self {
+        Self {
+            xml,
+            state,
+            nics: BTreeMap::new(),
+            agent_hostname: None,
+        }
+    }
 }
 
 #[derive(Debug, Default)]
@@ -190,13 +205,26 @@ impl FakeOps {
         if let Ok(mut hosts) = self.hosts.lock()
             && let Some(h) = hosts.get_mut(host)
         {
-            h.domains.insert(
-                name.into(),
-                FakeDomain {
-                    xml: xml.into(),
-                    state,
-                },
-            );
+            h.domains
+                .insert(name.into(), FakeDomain::new(xml.into(), state));
+        }
+    }
+
+    /// What address source `source` reports for domain `name` from now on.
+    pub fn set_addresses(&self, host: &str, name: &str, source: AddressSource, nics: Vec<NicAddrs>) {
+        if let Ok(mut hosts) = self.hosts.lock()
+            && let Some(d) = hosts.get_mut(host).and_then(|h| h.domains.get_mut(name))
+        {
+            d.nics.insert(source, nics);
+        }
+    }
+
+    /// The host name domain `name`'s guest agent answers from now on; `None`: no agent.
+    pub fn set_agent_hostname(&self, host: &str, name: &str, hostname: Option<&str>) {
+        if let Ok(mut hosts) = self.hosts.lock()
+            && let Some(d) = hosts.get_mut(host).and_then(|h| h.domains.get_mut(name))
+        {
+            d.agent_hostname = hostname.map(str::to_string);
         }
     }
 
@@ -525,13 +553,8 @@ impl HostOps for FakeOps {
                     .domains
                     .get(&name)
                     .map_or(InstanceState::ShutOff, |d| d.state);
-                h.domains.insert(
-                    name.clone(),
-                    FakeDomain {
-                        xml: xml.clone(),
-                        state,
-                    },
-                );
+                h.domains
+                    .insert(name.clone(), FakeDomain::new(xml.clone(), state));
                 DefinedDomain {
                     name,
                     inactive_xml: xml,
@@ -587,10 +610,32 @@ impl HostOps for FakeOps {
     fn addresses<'a>(
         &'a self,
         host: &'a str,
-        _name: &'a str,
-        _source: AddressSource,
+        name: &'a str,
+        source: AddressSource,
     ) -> BoxFuture<'a, Result<Vec<NicAddrs>, OpsError>> {
-        Box::pin(async move { self.with(host, "domain-addresses", |_| Vec::new()) })
+        Box::pin(async move {
+            self.with(host, "domain-addresses", |h| {
+                h.domains
+                    .get(name)
+                    .and_then(|d| d.nics.get(&source).cloned())
+                    .unwrap_or_default()
+            })
+        })
+    }
+
+    fn guest_hostname<'a>(
+        &'a self,
+        host: &'a str,
+        name: &'a str,
+    ) -> BoxFuture<'a, Result<Option<String>, OpsError>> {
+        Box::pin(async move {
+            self.with(host, "domain-hostname", |h| {
+                h.domains
+                    .get(name)
+                    .filter(|d| d.state == InstanceState::Running)
+                    .and_then(|d| d.agent_hostname.clone())
+            })
+        })
     }
 
     fn list_domains<'a>(
@@ -956,6 +1001,19 @@ impl<H: OpHook> HostOps for Hooked<H> {
             host,
             Some(name),
             self.inner.addresses(host, name, source)
+        )
+    }
+    fn guest_hostname<'a>(
+        &'a self,
+        host: &'a str,
+        name: &'a str,
+    ) -> BoxFuture<'a, Result<Option<String>, OpsError>> {
+        hooked!(
+            self,
+            "domain-hostname",
+            host,
+            Some(name),
+            self.inner.guest_hostname(host, name)
         )
     }
     fn list_domains<'a>(

@@ -94,6 +94,8 @@ struct RawMark {
     name: String,
     uid: String,
     created_at: String,
+    mac: Option<String>,
+    address: Option<String>,
 }
 
 /// Applies the rules the operator used when it wrote the mark.
@@ -112,12 +114,31 @@ fn validate(raw: RawMark) -> Result<MetadataMark, MarkError> {
     field("proxy name", rules::dns1123_label(&raw.name))?;
     field("proxy uid", instance::check_uid(&raw.uid))?;
     field("createdAt", check_created_at(&raw.created_at))?;
+    if let Some(mac) = &raw.mac {
+        field("mac", instance::check_mac(mac))?;
+    }
+    let address = raw
+        .address
+        .as_deref()
+        .map(|a| {
+            // Four dotted decimals only: the standard parser refuses leading zeros and
+            // other spellings, so what is accepted is what `to_xml` writes.
+            a.parse::<std::net::Ipv4Addr>().map_err(|_| {
+                MarkError::new(format!(
+                    "address: {} is not an IPv4 address",
+                    rules::show(a)
+                ))
+            })
+        })
+        .transpose()?;
     Ok(MetadataMark {
         cluster_id: raw.cluster,
         namespace: raw.namespace,
         name: raw.name,
         uid: raw.uid,
         created_at: raw.created_at,
+        mac: raw.mac,
+        address,
     })
 }
 
@@ -322,6 +343,8 @@ fn read_instance(reader: &mut Reader<'_>, start: &BytesStart<'_>) -> Result<RawM
     let mut cluster = None;
     let mut proxy = None;
     let mut created_at = None;
+    let mut mac = None;
+    let mut address = None;
     loop {
         let (ours, event) = next(reader)?;
         let empty = matches!(event, Event::Empty(_));
@@ -339,6 +362,8 @@ fn read_instance(reader: &mut Reader<'_>, start: &BytesStart<'_>) -> Result<RawM
                     b"createdAt" => {
                         set_once(&mut created_at, "createdAt", read_text(reader, empty)?)?
                     }
+                    b"mac" => set_once(&mut mac, "mac", read_text(reader, empty)?)?,
+                    b"address" => set_once(&mut address, "address", read_text(reader, empty)?)?,
                     b"proxy" => {
                         let attrs = proxy_attributes(reader, &e)?;
                         if !empty {
@@ -373,6 +398,8 @@ fn read_instance(reader: &mut Reader<'_>, start: &BytesStart<'_>) -> Result<RawM
         name,
         uid,
         created_at: created_at.ok_or_else(|| missing("createdAt"))?,
+        mac,
+        address,
     })
 }
 
@@ -524,6 +551,8 @@ mod tests {
             name: "office-egress".into(),
             uid: UID.into(),
             created_at: "2026-01-01T12:34:56Z".into(),
+            mac: None,
+            address: None,
         }
     }
 
@@ -543,6 +572,9 @@ mod tests {
         assert_eq!(rules::dns1123_label(&m.name), Ok(()), "{m:?}");
         assert_eq!(instance::check_uid(&m.uid), Ok(()), "{m:?}");
         assert!(humantime::parse_rfc3339(&m.created_at).is_ok(), "{m:?}");
+        if let Some(mac) = &m.mac {
+            assert_eq!(instance::check_mac(mac), Ok(()), "{m:?}");
+        }
         // What we accept, we could have written: it round-trips.
         assert_eq!(parse_mark(&m.to_xml()).as_ref(), Ok(m));
     }
@@ -562,6 +594,50 @@ mod tests {
         assert_eq!(parse_mark(&fractional.to_xml()), Ok(fractional));
     }
 
+    /// The network identity round-trips; a bad, repeated or empty value is refused with
+    /// the field named, and a mark without it (written before MACs were recorded) still
+    /// reads, its MAC the legacy derivation.
+    #[test]
+    fn mac_and_address() {
+        let with = MetadataMark {
+            mac: Some("02:11:22:33:44:55".into()),
+            address: Some(std::net::Ipv4Addr::new(10, 203, 0, 17)),
+            ..mark()
+        };
+        assert_eq!(parse_mark(&with.to_xml()), Ok(with.clone()));
+        assert_eq!(
+            mark_from_domain_xml(&domain(&with.to_xml())),
+            Ok(Some(with.clone()))
+        );
+        assert_eq!(with.mac_or_legacy(), "02:11:22:33:44:55");
+        assert_eq!(mark().mac_or_legacy(), instance::legacy_mac(UID));
+        let good = with.to_xml();
+        let cases = [
+            ("02:11:22:33:44:55", "03:11:22:33:44:55", "mac: "),
+            ("02:11:22:33:44:55", "02:11:22:33:44:5G", "mac: "),
+            ("02:11:22:33:44:55", "", "mac: "),
+            ("10.203.0.17", "10.203.0.017", "address: "),
+            ("10.203.0.17", "10.203.0.256", "address: "),
+            ("10.203.0.17", "fd00::1", "address: "),
+            ("10.203.0.17", " 10.203.0.17", "address: "),
+            (
+                "<eo:mac>02:11:22:33:44:55</eo:mac>",
+                "<eo:mac>02:11:22:33:44:55</eo:mac><eo:mac>02:11:22:33:44:56</eo:mac>",
+                "more than one mac",
+            ),
+            (
+                "<eo:address>10.203.0.17</eo:address>",
+                "<eo:address>10.203.0.17</eo:address><eo:address>10.203.0.18</eo:address>",
+                "more than one address",
+            ),
+        ];
+        for (from, to, reason) in cases {
+            let xml = good.replacen(from, to, 1);
+            let err = parse_mark(&xml).unwrap_err();
+            assert!(err.reason.contains(reason), "{to}: {err}");
+        }
+    }
+
     #[test]
     fn escaped_values_are_unescaped() {
         // Values that need escaping fail validation, so check the unescaping itself on the
@@ -572,6 +648,8 @@ mod tests {
             name: "a\"<b>&'".into(),
             uid: "u&amp;".into(),
             created_at: "]]> <![CDATA[".into(),
+            mac: None,
+            address: None,
         };
         let raw = parse_raw(&m.to_xml()).unwrap();
         assert_eq!(
@@ -583,6 +661,8 @@ mod tests {
                 name: m.name.clone(),
                 uid: m.uid.clone(),
                 created_at: m.created_at.clone(),
+                mac: None,
+                address: None,
             }
         );
         let err = parse_mark(&m.to_xml()).unwrap_err();
@@ -1079,16 +1159,22 @@ mod tests {
                 0u32..60,
                 0u32..60,
             ),
+            proptest::option::of("[0-9a-f][02468ace](:[0-9a-f]{2}){5}"),
+            proptest::option::of(any::<[u8; 4]>()),
         )
-            .prop_map(|(cluster_id, namespace, name, uid, (y, mo, d, h, mi, s))| {
-                MetadataMark {
-                    cluster_id,
-                    namespace,
-                    name,
-                    uid,
-                    created_at: format!("{y:04}-{mo:02}-{d:02}T{h:02}:{mi:02}:{s:02}Z"),
-                }
-            })
+            .prop_map(
+                |(cluster_id, namespace, name, uid, (y, mo, d, h, mi, s), mac, address)| {
+                    MetadataMark {
+                        cluster_id,
+                        namespace,
+                        name,
+                        uid,
+                        created_at: format!("{y:04}-{mo:02}-{d:02}T{h:02}:{mi:02}:{s:02}Z"),
+                        mac,
+                        address: address.map(std::net::Ipv4Addr::from),
+                    }
+                },
+            )
     }
 
     /// One edit of a byte string.

@@ -1,12 +1,14 @@
 //! The lifecycle of a proxy VM: [`backend`] implements Create/Get/Delete/List over the
 //! host operations of [`ops`] (real libvirt, or [`fake`] for tests); [`metadata`] reads
 //! the ownership mark back, [`state`] maps libvirt's states, [`addresses`] picks the
-//! addresses to publish, [`volume`] makes the VM's overlay and seed volumes and [`seed`]
-//! builds the NoCloud seed ISO.
+//! addresses to publish, [`ippool`] allocates a new instance's MAC and static address,
+//! [`volume`] makes the VM's overlay and seed volumes and [`seed`] builds the NoCloud seed
+//! ISO.
 
 pub mod addresses;
 pub mod backend;
 pub mod fake;
+pub mod ippool;
 pub mod metadata;
 pub mod ops;
 pub mod seed;

@@ -272,6 +272,15 @@ pub trait HostOps: Send + Sync {
         name: &'a str,
         source: AddressSource,
     ) -> BoxFuture<'a, Result<Vec<NicAddrs>, OpsError>>;
+    /// The guest's host name as the QEMU guest agent reports it
+    /// (`virDomainGetHostname` with `VIR_DOMAIN_GET_HOSTNAME_AGENT`); `None` when no agent
+    /// answers (none configured or connected, the domain not running). An error only for
+    /// a failed link or a domain that is gone.
+    fn guest_hostname<'a>(
+        &'a self,
+        host: &'a str,
+        name: &'a str,
+    ) -> BoxFuture<'a, Result<Option<String>, OpsError>>;
     /// Every domain on the host whose name has our prefix, with its mark if valid.
     fn list_domains<'a>(
         &'a self,
@@ -989,6 +998,31 @@ impl HostOps for LibvirtOps {
                 Ok(n) => Ok(n),
                 Err(e) => Err(e.into()),
             }
+        })
+    }
+
+    fn guest_hostname<'a>(
+        &'a self,
+        host: &'a str,
+        name: &'a str,
+    ) -> BoxFuture<'a, Result<Option<String>, OpsError>> {
+        let name = name.to_string();
+        Box::pin(async move {
+            // On the blocking pool with the table's deadline, like every call; libvirt
+            // bounds the agent's answer itself as well.
+            Ok(self
+                .hosts
+                .call(host, "domain-hostname", move |c| {
+                    let d = Domain::lookup_by_name(c, &name)?;
+                    match d.get_hostname(virt::sys::VIR_DOMAIN_GET_HOSTNAME_AGENT) {
+                        Ok(h) => Ok(Some(h)),
+                        // No agent configured or connected, not running, an old libvirt:
+                        // nobody can tell.
+                        Err(e) if !absent(&e) && !is_transport(&e) => Ok(None),
+                        Err(e) => Err(e),
+                    }
+                })
+                .await?)
         })
     }
 

@@ -129,13 +129,28 @@ pub enum SeedError {
         /// What the writer said (names and sizes, never file content).
         reason: String,
     },
+    /// A value for the network-config is not what the operator writes there.
+    #[error("cannot write the seed's network-config: {reason}")]
+    NetworkConfig {
+        /// Which value and why.
+        reason: String,
+    },
+    /// An image read back ([`read_files`]) is not a seed as [`build`] writes it.
+    #[error("cannot read the seed image: {reason}")]
+    Unreadable {
+        /// What is wrong.
+        reason: String,
+    },
 }
 
 impl Classified for SeedError {
     fn class(&self) -> ErrorClass {
         match self {
             // The same input fails the same way.
-            SeedError::TooLarge { .. } | SeedError::Iso { .. } => ErrorClass::Permanent,
+            SeedError::TooLarge { .. }
+            | SeedError::Iso { .. }
+            | SeedError::NetworkConfig { .. }
+            | SeedError::Unreadable { .. } => ErrorClass::Permanent,
         }
     }
 }
@@ -156,6 +171,75 @@ pub fn meta_data(instance_id: &str, local_hostname: &str) -> String {
         yaml_quoted(instance_id),
         yaml_quoted(local_hostname)
     )
+}
+
+/// Whether the host name a guest reports (through its agent) says it applied a seed whose
+/// `local-hostname` is `local_hostname`: equal, ignoring ASCII case, either whole or as
+/// the first label of a fully qualified name (cloud-init may add the domain).
+pub fn hostname_applied(reported: &str, local_hostname: &str) -> bool {
+    let reported = reported.trim();
+    let short = reported.split('.').next().unwrap_or(reported);
+    !local_hostname.is_empty()
+        && (reported.eq_ignore_ascii_case(local_hostname)
+            || short.eq_ignore_ascii_case(local_hostname))
+}
+
+/// The static network of one guest NIC, for [`network_config`].
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct StaticNet {
+    /// The NIC's MAC: the network-config matches the interface by it, whatever the
+    /// guest's kernel names it.
+    pub mac: String,
+    /// The guest's address.
+    pub address: std::net::Ipv4Addr,
+    /// Prefix length of the bridge network.
+    pub prefix: u8,
+    /// Default gateway; none gives the guest no default route.
+    pub gateway: Option<std::net::Ipv4Addr>,
+    /// DNS servers.
+    pub dns: Vec<std::net::Ipv4Addr>,
+}
+
+/// The cloud-init `network-config` (version 2) for `net`: one ethernet matched by MAC,
+/// DHCP off, the address with its prefix, a default route via the gateway when there is
+/// one (`routes` with `to: 0.0.0.0/0`, which every cloud-init renderer reads; `gateway4`
+/// is deprecated), and the nameservers. Every value is typed or checked here and written
+/// as a double-quoted YAML scalar, so nothing can change the document's structure.
+pub fn network_config(net: &StaticNet) -> Result<String, SeedError> {
+    let bad = |reason: String| SeedError::NetworkConfig { reason };
+    crate::instance::check_mac(&net.mac).map_err(|e| bad(format!("mac: {e}")))?;
+    if net.prefix == 0 || net.prefix > 30 {
+        return Err(bad(format!(
+            "prefix /{} is not one of /1 to /30",
+            net.prefix
+        )));
+    }
+    if net.address.is_unspecified() || net.address.is_broadcast() || net.address.is_multicast() {
+        return Err(bad(format!("{} cannot be a guest address", net.address)));
+    }
+    let mut out = String::from("version: 2\nethernets:\n  primary:\n");
+    out.push_str(&format!(
+        "    match:\n      macaddress: {}\n",
+        yaml_quoted(&net.mac)
+    ));
+    out.push_str("    dhcp4: false\n    dhcp6: false\n");
+    out.push_str(&format!(
+        "    addresses:\n      - {}\n",
+        yaml_quoted(&format!("{}/{}", net.address, net.prefix))
+    ));
+    if let Some(gw) = net.gateway {
+        out.push_str(&format!(
+            "    routes:\n      - to: \"0.0.0.0/0\"\n        via: {}\n",
+            yaml_quoted(&gw.to_string())
+        ));
+    }
+    if !net.dns.is_empty() {
+        out.push_str("    nameservers:\n      addresses:\n");
+        for d in &net.dns {
+            out.push_str(&format!("        - {}\n", yaml_quoted(&d.to_string())));
+        }
+    }
+    Ok(out)
 }
 
 /// `value` as a YAML double-quoted scalar. Quotes and backslashes are escaped, and so is
@@ -241,6 +325,85 @@ pub fn build(files: &SeedFiles) -> Result<Vec<u8>, SeedError> {
         });
     }
     Ok(image)
+}
+
+/// Size of an ISO 9660 logical sector.
+const SECTOR: usize = 2048;
+
+/// The files of a seed image, by name, read through its Joliet tree (the tree Linux
+/// reads names from when Rock Ridge is absent). For tests and diagnostics: it reads the
+/// flat, single-directory images [`build`] writes, and refuses anything else.
+pub fn read_files(iso: &[u8]) -> Result<std::collections::BTreeMap<String, Vec<u8>>, SeedError> {
+    let bad = |reason: &str| SeedError::Unreadable {
+        reason: reason.into(),
+    };
+    let sector = |n: usize| {
+        iso.get(n * SECTOR..(n + 1) * SECTOR)
+            .ok_or_else(|| bad("a sector lies beyond the end of the image"))
+    };
+    let u32_le = |b: &[u8], at: usize| -> Result<usize, SeedError> {
+        b.get(at..at + 4)
+            .and_then(|x| <[u8; 4]>::try_from(x).ok())
+            .map(|x| u32::from_le_bytes(x) as usize)
+            .ok_or_else(|| bad("truncated record"))
+    };
+    // Volume descriptors from sector 16 up to the terminator (type 255).
+    let mut root = None;
+    for n in 16..64 {
+        let d = sector(n)?;
+        if &d[1..6] != b"CD001" {
+            return Err(bad("no ISO 9660 volume descriptor"));
+        }
+        match d[0] {
+            // Joliet: a supplementary descriptor with a UCS-2 escape sequence.
+            2 if [b"%/@", b"%/C", b"%/E"].iter().any(|e| &d[88..91] == *e) => {
+                root = Some((u32_le(d, 156 + 2)?, u32_le(d, 156 + 10)?));
+                break;
+            }
+            255 => break,
+            _ => {}
+        }
+    }
+    let (extent, size) = root.ok_or_else(|| bad("no Joliet tree"))?;
+    let dir = iso
+        .get(extent * SECTOR..extent * SECTOR + size)
+        .ok_or_else(|| bad("the root directory lies beyond the end of the image"))?;
+    let mut files = std::collections::BTreeMap::new();
+    let mut at = 0;
+    while at < dir.len() {
+        let len = usize::from(dir[at]);
+        if len == 0 {
+            // Records do not cross sectors: the rest of this one is padding.
+            at = (at / SECTOR + 1) * SECTOR;
+            continue;
+        }
+        let rec = dir
+            .get(at..at + len)
+            .ok_or_else(|| bad("truncated directory record"))?;
+        at += len;
+        let name_len = usize::from(*rec.get(32).ok_or_else(|| bad("short record"))?);
+        let name = rec
+            .get(33..33 + name_len)
+            .ok_or_else(|| bad("truncated name"))?;
+        if name == [0] || name == [1] {
+            continue; // `.` and `..`
+        }
+        if rec[25] & 0x02 != 0 {
+            return Err(bad("a seed has no subdirectories"));
+        }
+        let units: Vec<u16> = name
+            .chunks_exact(2)
+            .map(|c| u16::from_be_bytes([c[0], c[1]]))
+            .collect();
+        let name = String::from_utf16(&units).map_err(|_| bad("a name is not UCS-2"))?;
+        let name = name.strip_suffix(";1").unwrap_or(&name).to_string();
+        let (start, length) = (u32_le(rec, 2)?, u32_le(rec, 10)?);
+        let data = iso
+            .get(start * SECTOR..start * SECTOR + length)
+            .ok_or_else(|| bad("a file lies beyond the end of the image"))?;
+        files.insert(name, data.to_vec());
+    }
+    Ok(files)
 }
 
 #[cfg(test)]
@@ -344,6 +507,98 @@ mod tests {
         assert!(debug.contains("proxy-1"), "{debug}");
         let pretty = format!("{seed:#?}");
         assert!(!pretty.contains("hunter2"), "{pretty}");
+    }
+
+    fn static_net() -> StaticNet {
+        StaticNet {
+            mac: "02:11:22:33:44:55".into(),
+            address: "10.203.0.17".parse().unwrap(),
+            prefix: 24,
+            gateway: Some("10.203.0.1".parse().unwrap()),
+            dns: vec!["10.203.0.1".parse().unwrap(), "192.0.2.53".parse().unwrap()],
+        }
+    }
+
+    #[test]
+    fn network_config_is_v2_matched_by_mac() {
+        let yaml = network_config(&static_net()).unwrap();
+        let doc: serde_yaml_ng::Value = serde_yaml_ng::from_str(&yaml).unwrap();
+        assert_eq!(doc["version"], 2);
+        let nic = &doc["ethernets"]["primary"];
+        assert_eq!(nic["match"]["macaddress"], "02:11:22:33:44:55");
+        assert_eq!(nic["dhcp4"], false);
+        assert_eq!(nic["addresses"][0], "10.203.0.17/24");
+        assert_eq!(nic["routes"][0]["to"], "0.0.0.0/0");
+        assert_eq!(nic["routes"][0]["via"], "10.203.0.1");
+        assert_eq!(nic["nameservers"]["addresses"][1], "192.0.2.53");
+
+        let bare = StaticNet {
+            gateway: None,
+            dns: vec![],
+            ..static_net()
+        };
+        let doc: serde_yaml_ng::Value =
+            serde_yaml_ng::from_str(&network_config(&bare).unwrap()).unwrap();
+        let nic = &doc["ethernets"]["primary"];
+        assert!(nic.get("routes").is_none(), "{nic:?}");
+        assert!(nic.get("nameservers").is_none(), "{nic:?}");
+
+        for bad in [
+            StaticNet {
+                mac: "02:11:22:33:44:55\nversion: 1".into(),
+                ..static_net()
+            },
+            StaticNet {
+                mac: "01:00:5e:00:00:01".into(),
+                ..static_net()
+            },
+            StaticNet {
+                prefix: 31,
+                ..static_net()
+            },
+            StaticNet {
+                address: std::net::Ipv4Addr::BROADCAST,
+                ..static_net()
+            },
+        ] {
+            let err = network_config(&bad).unwrap_err();
+            assert_eq!(err.class(), ErrorClass::Permanent, "{err}");
+        }
+    }
+
+    #[test]
+    fn hostname_check() {
+        for (reported, want) in [
+            ("office-egress", true),
+            ("Office-Egress\n", true),
+            ("office-egress.example.com", true),
+            ("debian", false),
+            ("localhost", false),
+            ("office-egress-2", false),
+            ("", false),
+        ] {
+            assert_eq!(hostname_applied(reported, "office-egress"), want, "{reported:?}");
+        }
+        assert!(!hostname_applied("", ""));
+    }
+
+    #[test]
+    fn files_read_back() {
+        let mut seed = files();
+        seed.network_config = Some(network_config(&static_net()).unwrap().into_bytes());
+        let back = read_files(&build(&seed).unwrap()).unwrap();
+        let names: Vec<&str> = back.keys().map(String::as_str).collect();
+        assert_eq!(
+            names,
+            ["meta-data", "network-config", "user-data", "vendor-data"]
+        );
+        assert_eq!(back["network-config"], seed.network_config.clone().unwrap());
+        assert_eq!(back["meta-data"], seed.meta_data.as_bytes());
+        assert_eq!(back["user-data"], seed.user_data.clone().unwrap());
+        let without = read_files(&build(&files()).unwrap()).unwrap();
+        assert!(!without.contains_key("network-config"));
+        assert!(read_files(&[0u8; 4096]).is_err());
+        assert!(read_files(&build(&files()).unwrap()[..17 * 2048]).is_err());
     }
 
     #[test]

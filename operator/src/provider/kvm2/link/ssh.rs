@@ -883,6 +883,7 @@ mod tests {
             max_concurrent_creates: 1,
             insecure_ignore_host_key: false,
             disable_kvm: false,
+            address_pool: None,
         }
     }
 
