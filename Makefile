@@ -50,30 +50,34 @@ generate:
 	set -o pipefail; $(BIN) crd | bash scripts/split-crds.sh config/crd/bases
 	$(BIN) allow-list > templates-sdk/src/allow_list.md
 
-## test: setup, lint, docs, then every test
-test: setup lint plugins
+## test: setup, lint, docs, the guest image, then every test (tests/tests/guest_e2e.rs boots it)
+test: setup lint plugins guest-image
 	RUSTDOCFLAGS="-D warnings" $(CARGO) doc --workspace --no-deps --locked --quiet
 	@mkdir -p $(TARGET_DIR)
 	set -o pipefail; $(CARGO) test --workspace --locked --no-fail-fast 2>&1 | tee $(TARGET_DIR)/test.log
 	@bash scripts/test-summary.sh $(TARGET_DIR)/test.log
 
-## demo: the main job on local defaults: start a local sshd and an isolated libvirtd
-## (network namespace, bridge with DHCP and no route out), serve a tiny bootable image
-## from a loopback HTTP server, provision one proxy VM with `egress-operator provision`,
-## show its domain XML, state and address, delete it, and show that nothing is left
-DEMO_IMAGE := $(TARGET_DIR)/demo/demo.qcow2
-demo: setup plugins
-	$(CARGO) build --locked -p egress-operator --bin egress-operator
-	$(CARGO) build --locked -p integration-tests --bin egress-demo
-	bash scripts/demo-image.sh $(DEMO_IMAGE)
-	$(TARGET_DIR)/debug/egress-demo $(DEMO_IMAGE) $(BIN)
-
 ## guest-image: build the real Debian 12 guest (cloud kernel, cloud-init NoCloud, qemu-guest-agent,
 ## tinyproxy) from Debian packages; cached, rebuilt only when its recipe changes (scripts/guest-image.sh)
 GUEST_IMAGE := $(TARGET_DIR)/guest/debian-12.qcow2
-.PHONY: guest-image
+.PHONY: guest-image demo-image
 guest-image:
 	bash scripts/guest-image.sh $(GUEST_IMAGE)
+
+## demo-image: the tiny busybox guest (boots in seconds, no cloud-init) for quick manual tries
+DEMO_IMAGE := $(TARGET_DIR)/demo/demo.qcow2
+demo-image:
+	bash scripts/demo-image.sh $(DEMO_IMAGE)
+
+## demo: the main job on local defaults: start a local sshd and an isolated libvirtd
+## (network namespace, bridge with no route out, an HTTP server inside), serve the Debian
+## guest image from a loopback HTTP server, provision one proxy VM with a static address
+## with `egress-operator provision` until its proxy serves, fetch a page through it, show
+## a refused client, delete it, and show that nothing is left
+demo: setup plugins guest-image
+	$(CARGO) build --locked -p egress-operator --bin egress-operator
+	$(CARGO) build --locked -p integration-tests --bin egress-demo
+	$(TARGET_DIR)/debug/egress-demo $(GUEST_IMAGE) $(BIN)
 
 ## bench: timings printed as ratios against a peer measured in the same run
 bench: setup plugins

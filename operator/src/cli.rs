@@ -81,6 +81,10 @@ pub struct ProvisionCliArgs {
     /// After the VM runs, wait up to this many seconds for its address.
     #[arg(long, default_value_t = 0)]
     pub wait_address_seconds: u64,
+    /// After the VM runs, wait up to this many seconds until its proxy answers the probe
+    /// of the config's `serving` section; exit non-zero if it does not.
+    #[arg(long, default_value_t = 0)]
+    pub wait_serving_seconds: u64,
     /// Do not draw the upload progress bar.
     #[arg(long)]
     pub no_progress: bool,
@@ -407,6 +411,7 @@ fn provision(
         cache_dir: args.cache_dir.clone(),
         show_xml: args.show_xml,
         wait_address: std::time::Duration::from_secs(args.wait_address_seconds),
+        wait_serving: std::time::Duration::from_secs(args.wait_serving_seconds),
         progress: !args.no_progress,
         shutdown_timeout: std::time::Duration::from_secs(args.shutdown_timeout_seconds),
     };

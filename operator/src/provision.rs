@@ -41,6 +41,9 @@ pub struct ProvisionArgs {
     pub show_xml: bool,
     /// After the VM runs, wait this long for a guest address.
     pub wait_address: Duration,
+    /// After the VM runs, wait this long for its proxy to answer the probe (zero: do not
+    /// probe).
+    pub wait_serving: Duration,
     /// Draw a progress bar for image uploads.
     pub progress: bool,
     /// How long a guest may take to shut down on delete before it is destroyed.
@@ -170,7 +173,7 @@ pub async fn provision(args: &ProvisionArgs, out: &mut dyn Write) -> Result<(), 
     let result = if args.delete {
         delete(&provider, ops.as_ref(), &config, &owner, out).await
     } else {
-        create(&provider, ops.as_ref(), &owner, &manifest, args, out).await
+        create(&provider, ops.as_ref(), &config, &owner, &manifest, args, out).await
     };
     hosts.close().await;
     result
@@ -181,6 +184,7 @@ pub async fn provision(args: &ProvisionArgs, out: &mut dyn Write) -> Result<(), 
 async fn create(
     provider: &dyn Provider,
     ops: &dyn HostOps,
+    config: &ValidConfig,
     owner: &ProxyRef,
     manifest: &ProxyManifest,
     args: &ProvisionArgs,
@@ -209,8 +213,9 @@ async fn create(
         )
     })?;
     let took = started.elapsed();
-    if instance.addresses.is_empty() && !args.wait_address.is_zero() {
-        let until = Instant::now() + args.wait_address;
+    let wait_address = args.wait_address.max(args.wait_serving);
+    if instance.addresses.is_empty() && !wait_address.is_zero() {
+        let until = Instant::now() + wait_address;
         while Instant::now() < until {
             tokio::time::sleep(Duration::from_secs(2)).await;
             match provider.get(&instance.id).await {
@@ -223,6 +228,11 @@ async fn create(
             }
         }
     }
+    let serving = if args.wait_serving.is_zero() {
+        None
+    } else {
+        Some(wait_serving(provider, &config.serving, &mut instance, args.wait_serving).await?)
+    };
     let xml = if args.show_xml {
         ops.domain_xml(&instance.id.host, &instance.id.name)
             .await
@@ -236,6 +246,10 @@ async fn create(
             writeln!(out, "{}", xml.trim_end())?;
         }
         print_instance(out, &instance)?;
+        if let Some((outcome, description)) = &serving {
+            let verdict = if outcome.is_serving() { "yes" } else { "no" };
+            writeln!(out, "serving:   {verdict} ({description})")?;
+        }
         match &before {
             Existing::Found(host) => writeln!(
                 out,
@@ -250,6 +264,64 @@ async fn create(
             ),
         }
     })())
+    .and_then(|printed| match &serving {
+        Some((outcome, description)) if !outcome.is_serving() => Err(format!(
+            "the proxy did not serve within {} s: {description}",
+            args.wait_serving.as_secs()
+        )),
+        _ => Ok(printed),
+    })
+}
+
+/// Probes the instance's proxy (as the controller's `Serving` condition does) until it
+/// serves or `wait` is over; refreshes the instance between tries, since the address and
+/// whether the guest read its seed may change while it boots. Returns the last outcome
+/// and its description.
+async fn wait_serving(
+    provider: &dyn Provider,
+    serving: &crate::config::ServingConfig,
+    instance: &mut Instance,
+    wait: Duration,
+) -> Result<(crate::serving::ProbeOutcome, String), ProvisionError> {
+    use crate::serving::{ProbeOutcome, probe};
+    let until = Instant::now() + wait;
+    let timeout = Duration::from_secs(u64::from(serving.timeout_seconds));
+    let target = serving.target.as_deref();
+    loop {
+        let outcome = match instance.addresses.first() {
+            Some(ip) => {
+                let addr = std::net::SocketAddr::new(*ip, serving.port);
+                let outcome = probe(addr, target, timeout).await;
+                let description = outcome.describe(Some(addr), target);
+                (outcome, description)
+            }
+            None => (
+                ProbeOutcome::NoAddress,
+                ProbeOutcome::NoAddress.describe(None, target),
+            ),
+        };
+        if outcome.0.is_serving() {
+            return Ok(outcome);
+        }
+        if Instant::now() >= until {
+            // Say why when the guest itself shows it: a seed it never read means the
+            // proxy was never configured, whatever the probe saw.
+            if instance.seed_applied == Some(false) {
+                let why = format!(
+                    "{}; the guest never read its cloud-init seed, so the proxy was never \
+                     configured",
+                    outcome.1
+                );
+                return Ok((outcome.0, why));
+            }
+            return Ok(outcome);
+        }
+        tokio::time::sleep(Duration::from_secs(3)).await;
+        match provider.get(&instance.id).await {
+            Ok(i) => *instance = i,
+            Err(e) => return Err(format!("get failed: {e}")),
+        }
+    }
 }
 
 /// Whether a Proxy's instance existed before a Create.
