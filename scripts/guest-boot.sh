@@ -22,6 +22,10 @@
 #   --disk-gib N    the overlay's virtual size (default: the image's; growpart fills it)
 #   --timeout S     how long to wait for cloud-init (default 900)
 #   --keep          leave the VM running even when the wait fails (for debugging)
+#   --seed-bus B    virtio (default) or sata: a SATA CD-ROM, which Debian's cloud kernel
+#                   cannot see (no AHCI driver); shows what a guest without its seed does
+# Exit status: 0 booted and read the seed (or SEED_DIR is none); 3 booted and left
+# running, but cloud-init found no seed although one was attached; 1 failed.
 #
 # SEED_DIR holds meta-data (required), user-data (default: an empty #cloud-config),
 # vendor-data and network-config (optional). They become a NoCloud ISO (label
@@ -233,6 +237,7 @@ ACCEL=auto
 DISK_GIB=""
 TIMEOUT=900
 KEEP=0
+SEED_BUS=virtio
 while [ $# -gt 0 ]; do
   case "$1" in
   --name) NAME=${2:?--name needs a value}; shift 2 ;;
@@ -244,6 +249,7 @@ while [ $# -gt 0 ]; do
   --disk-gib) DISK_GIB=${2:?--disk-gib needs a value}; shift 2 ;;
   --timeout) TIMEOUT=${2:?--timeout needs a value}; shift 2 ;;
   --keep) KEEP=1; shift ;;
+  --seed-bus) SEED_BUS=${2:?--seed-bus needs a value}; shift 2 ;;
   --) shift; break ;;
   -*) die "unknown option $1 (see the header of $0)" ;;
   *) break ;;
@@ -257,6 +263,7 @@ valid_name "$NAME" || die "bad --name '$NAME' ([a-z0-9-], at most 12)"
 [[ $MEMORY =~ ^[0-9]+$ && $CPUS =~ ^[0-9]+$ && $TIMEOUT =~ ^[0-9]+$ ]] || die "--memory, --cpus and --timeout take numbers"
 [ -z "$DISK_GIB" ] || [[ $DISK_GIB =~ ^[0-9]+$ ]] || die "--disk-gib takes a number"
 case "$ACCEL" in tcg | kvm | auto) ;; *) die "--accel is tcg, kvm or auto" ;; esac
+case "$SEED_BUS" in virtio | sata) ;; *) die "--seed-bus is virtio or sata" ;; esac
 [ "$SEED_DIR" = none ] || [ -f "$SEED_DIR/meta-data" ] || die "$SEED_DIR/meta-data missing (NoCloud needs it: instance-id, local-hostname)"
 [ "$(id -u)" -eq 0 ] || die "needs root (network namespace, tap device)"
 for t in qemu-system-x86_64 qemu-img ip; do command -v "$t" >/dev/null || die "$t not found (packages qemu-system-x86, qemu-utils, iproute2)"; done
@@ -303,8 +310,13 @@ else
     cat "$STATE/mkiso.out" >&2
     die "making the seed ISO failed"
   }
-  SEED_ARGS=(-drive "if=none,id=seed,file=$STATE/seed.iso,format=raw,readonly=on" -device "virtio-blk-pci,drive=seed")
-  log "seed: $(cd "$STATE/seed" && echo *) (NoCloud ISO on virtio)"
+  if [ "$SEED_BUS" = virtio ]; then
+    SEED_ARGS=(-drive "if=none,id=seed,file=$STATE/seed.iso,format=raw,readonly=on" -device "virtio-blk-pci,drive=seed")
+  else
+    # q35's built-in AHCI controller (buses ide.0 to ide.5).
+    SEED_ARGS=(-drive "if=none,id=seed,file=$STATE/seed.iso,format=raw,readonly=on,media=cdrom" -device "ide-cd,drive=seed,bus=ide.0")
+  fi
+  log "seed: $(cd "$STATE/seed" && echo *) (NoCloud ISO on $SEED_BUS)"
 fi
 
 qemu-img create -q -f qcow2 -F qcow2 -b "$IMAGE" "$STATE/overlay.qcow2" ${DISK_GIB:+"${DISK_GIB}G"} ||
@@ -330,11 +342,12 @@ fi
 if [ "$ACCEL" = auto ]; then
   ACCEL=tcg
   if [ -w /dev/kvm ]; then
-    set +e
-    timeout 4 qemu-system-x86_64 -accel kvm -cpu host -machine q35 -nodefaults -display none \
-      -monitor none -serial none -m 64 >"$STATE/kvm-probe.out" 2>&1
-    [ $? -eq 124 ] && ACCEL=kvm
-    set -e
+    # Still running when timeout stops it (124): KVM works. The subshell keeps bash's
+    # "Aborted" report of a crashed probe out of the output.
+    probe_rc=0
+    (timeout 4 qemu-system-x86_64 -accel kvm -cpu host -machine q35 -nodefaults -display none \
+      -monitor none -serial none -m 64; exit $?) >"$STATE/kvm-probe.out" 2>&1 || probe_rc=$?
+    if [ "$probe_rc" -eq 124 ]; then ACCEL=kvm; else log "KVM probe failed (exit $probe_rc; $STATE/kvm-probe.out); using TCG"; fi
   fi
 fi
 if [ "$ACCEL" = kvm ]; then CPU=(-cpu host); else CPU=(-cpu max); fi
@@ -389,7 +402,10 @@ final=$(grep -aE "$DONE_RE" "$LOG" | tail -n1 | tr -d '\r')
 uptime=$(sed -n 's/.*Up \([0-9.]*\) seconds.*/\1/p' <<<"$final")
 datasource=$(sed -n 's/.*Datasource \(.*\)\.  Up.*/\1/p' <<<"$final")
 log "cloud-init done after ${elapsed}s (guest uptime ${uptime:-?}s, accel $ACCEL); datasource: ${datasource:-?}"
-grep -aqE "$DONE_RE.*DataSourceNone" "$LOG" && log "WARNING: cloud-init found no seed (DataSourceNone)"
+NO_SEED=0
+if grep -aqE "$DONE_RE.*DataSourceNone" "$LOG"; then
+  if [ "$SEED_DIR" = none ]; then log "cloud-init found no seed, as expected (DataSourceNone)"; else NO_SEED=1; fi
+fi
 
 ping_out=$(qga "$STATE/qga.sock" "$QGA_TIMEOUT" guest-ping 2>&1) || die "the guest agent does not answer: $ping_out"
 
@@ -415,3 +431,7 @@ log "  $0 --exec $NAME ip -4 addr"
 log "  ip netns exec $NS curl ..."
 log "variables: $STATE/info.env"
 log "stop: $0 --stop $NAME"
+if [ "$NO_SEED" -eq 1 ]; then
+  printf 'guest-boot: error: cloud-init found no seed (DataSourceNone) although one was attached on %s; the VM is left running\n' "$SEED_BUS" >&2
+  exit 3
+fi
