@@ -162,18 +162,21 @@ SECURITY_URI=$(source_uri "$SUITE-security")
 
 # ---------------------------------------------------------------- inputs
 
-# candidate_version PKG: apt's candidate version on this host, empty when apt knows none.
-candidate_version() {
-  apt-cache policy "$1" 2>/dev/null | sed -n 's/^ *Candidate: *//p' | grep -vx '(none)' || true
+# candidates PKG...: "PKG VERSION" for each PKG apt has a candidate for on this host
+# (one apt-cache call: each loads the whole cache, seconds apiece).
+candidates() {
+  apt-cache policy "$@" 2>/dev/null |
+    awk '/^[^ ]/ { pkg = $1; sub(/:$/, "", pkg) } /^ +Candidate:/ && $2 != "(none)" { print pkg, $2 }'
 }
 
 # compute_inputs: the recipe, one line per input, into INPUTS.
 compute_inputs() {
-  local p v lines
+  local p v lines cands
   lines="script-sha256=$(sha256sum "${BASH_SOURCE[0]}" | cut -d' ' -f1)
 suite=$SUITE mirror=$MIRROR updates=${UPDATES_URI:-none} security=${SECURITY_URI:-none}"
+  cands=$(candidates "${GUEST_PKGS[@]}")
   for p in "${GUEST_PKGS[@]}"; do
-    v=$(candidate_version "$p")
+    v=$(awk -v p="$p" '$1 == p { print $2; exit }' <<<"$cands")
     [ -n "$v" ] || return 1
     lines+=$'\n'"guest:$p=$v"
   done
