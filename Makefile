@@ -50,11 +50,20 @@ generate:
 	set -o pipefail; $(BIN) crd | bash scripts/split-crds.sh config/crd/bases
 	$(BIN) allow-list > templates-sdk/src/allow_list.md
 
-## test: setup, lint, docs, the guest image, then every test (tests/tests/guest_e2e.rs boots it)
-test: setup lint plugins guest-image
-	RUSTDOCFLAGS="-D warnings" $(CARGO) doc --workspace --no-deps --locked --quiet
+## test: setup, lint, docs, the guest image, then every test (tests/tests/guest_e2e.rs
+## boots the guest). The guest image (mostly downloads and dpkg) builds in the background
+## while the code compiles; its log is $(TARGET_DIR)/guest-image.log.
+test: setup
 	@mkdir -p $(TARGET_DIR)
-	set -o pipefail; $(CARGO) test --workspace --locked --no-fail-fast 2>&1 | tee $(TARGET_DIR)/test.log
+	set -euo pipefail; \
+	bash scripts/guest-image.sh $(GUEST_IMAGE) > $(TARGET_DIR)/guest-image.log 2>&1 & image=$$!; \
+	trap 'kill $$image 2>/dev/null || true' EXIT; \
+	$(MAKE) --no-print-directory lint plugins; \
+	RUSTDOCFLAGS="-D warnings" $(CARGO) doc --workspace --no-deps --locked --quiet; \
+	$(CARGO) test --workspace --locked --no-run --quiet; \
+	if ! wait $$image; then tail -n 40 $(TARGET_DIR)/guest-image.log; echo "make test: the guest image build failed (log above)" >&2; exit 1; fi; \
+	tail -n 3 $(TARGET_DIR)/guest-image.log; \
+	$(CARGO) test --workspace --locked --no-fail-fast 2>&1 | tee $(TARGET_DIR)/test.log
 	@bash scripts/test-summary.sh $(TARGET_DIR)/test.log
 
 ## guest-image: build the real Debian 12 guest (cloud kernel, cloud-init NoCloud, qemu-guest-agent,

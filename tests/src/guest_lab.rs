@@ -250,7 +250,9 @@ serving:
     }
 
     /// `curl` inside the namespace from `from` through the proxy at `proxy`: the HTTP
-    /// status and body. `connect` uses a CONNECT tunnel (`-p`) to `url`'s host and port.
+    /// status and body. `connect` uses a CONNECT tunnel (`-p`) to `url`'s host and port,
+    /// and the status is then the proxy's answer to the CONNECT (200: the tunnel is up),
+    /// not the tunnelled request's: what a test of the proxy's refusals must look at.
     pub fn curl_via(
         &self,
         proxy: Ipv4Addr,
@@ -259,8 +261,13 @@ serving:
         connect: bool,
     ) -> Result<(u16, String)> {
         let mut cmd = self.libvirtd.in_netns("curl");
+        let status = if connect {
+            "\n%{http_connect}"
+        } else {
+            "\n%{http_code}"
+        };
         cmd.args(["-sS", "--max-time", "30", "--noproxy", "", "-o", "-"])
-            .args(["-w", "\n%{http_code}", "--interface", &from.to_string()])
+            .args(["-w", status, "--interface", &from.to_string()])
             .args(["-x", &format!("http://{proxy}:{PROXY_PORT}")]);
         if connect {
             cmd.arg("-p");
