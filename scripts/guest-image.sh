@@ -41,7 +41,7 @@
 # and the output's sha256 are recorded in OUT.inputs; when they still match, the
 # script does nothing. OUT.manifest lists every package in the image.
 #
-# Needs root (debootstrap, chroot). Mounts made by debootstrap and for the chroot
+# Needs root (debootstrap, chroot). Concurrent runs take turns (flock on the cache). Mounts made by debootstrap and for the chroot
 # (/proc) live in a private mount namespace (unshare), so they vanish with it on every
 # exit path; the work directory is removed by an EXIT trap.
 set -Eeuo pipefail
@@ -187,6 +187,14 @@ suite=$SUITE mirror=$MIRROR updates=${UPDATES_URI:-none} security=${SECURITY_URI
 }
 
 ensure_tools
+# One build at a time per cache (make test and make demo may both ask for the image):
+# the second waits, then finds the image up to date.
+mkdir -p "$DEB_CACHE"
+exec 9>"$CACHE/.lock"
+if ! flock -n 9; then
+  log "another build holds $CACHE/.lock; waiting (up to 30 min)"
+  flock -w 1800 9 || die "gave up waiting for $CACHE/.lock after 30 min"
+fi
 if ! compute_inputs; then
   apt_update
   compute_inputs || die "apt has no candidate for one of: ${GUEST_PKGS[*]}; check the Debian sources"
@@ -207,7 +215,6 @@ TMP=$(mktemp -d "${TMPDIR:-/tmp}/guest-image.XXXXXX")
 cleanup() { rm -rf --one-file-system "$TMP"; }
 trap cleanup EXIT
 ROOT="$TMP/root"
-mkdir -p "$DEB_CACHE"
 
 # ---------------------------------------------------------------- root file system
 
