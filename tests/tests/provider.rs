@@ -242,6 +242,7 @@ fn provision_command_creates_and_deletes() {
         cache_dir: None,
         show_xml: !delete,
         wait_address_seconds: 0,
+        wait_serving_seconds: 0,
         no_progress: true,
         shutdown_timeout_seconds: 1,
     };
