@@ -176,13 +176,13 @@ fn rule(out: &mut String, matcher: &str, verdict: &str, comment: &str) {
 /// guards: exemptions first, then the VM's own addresses, the default and configured
 /// denials. The on-link networks follow at run time.
 pub fn static_rules(plan: &Plan) -> Result<String, String> {
-    const REJECT: &str = "reject with tcp reset";
+    const REJECT: &str = "counter reject with tcp reset";
     let mut r = String::new();
     for (i, c) in &plan.allowed_destinations {
         rule(
             &mut r,
             &c.nft_daddr(),
-            "accept",
+            "counter accept",
             &format!("allowedDestinationCidrs/{i}"),
         );
     }
@@ -284,10 +284,10 @@ EGRESS_RULES_HEAD
 		ct state != new return comment "only new connections"
 {rules}EGRESS_RULES_STATIC
 	for net in $link4; do
-		echo "		ip daddr $net reject with tcp reset comment \"a network this VM sits on\""
+		echo "		ip daddr $net counter reject with tcp reset comment \"a network this VM sits on\""
 	done
 	for net in $link6; do
-		echo "		ip6 daddr $net reject with tcp reset comment \"a network this VM sits on\""
+		echo "		ip6 daddr $net counter reject with tcp reset comment \"a network this VM sits on\""
 	done
 	echo '	}}'
 	echo '}}'

@@ -148,22 +148,22 @@ fn empty_settings_render_a_safe_proxy_in_a_script_part() {
         "meta skuid != $uid return",
         "meta l4proto != tcp return",
         "ct state != new return",
-        "fib daddr type local reject with tcp reset",
-        "ip daddr 127.0.0.0/8 reject with tcp reset",
-        "ip daddr 169.254.0.0/16 reject with tcp reset",
-        "ip daddr 0.0.0.0/8 reject with tcp reset",
-        "ip daddr 100.100.100.200/32 reject with tcp reset",
-        "ip6 daddr ::1/128 reject with tcp reset",
-        "ip6 daddr fe80::/10 reject with tcp reset",
-        "ip6 daddr fd00:ec2::254/128 reject with tcp reset",
-        "ip daddr $net reject with tcp reset",
-        "ip6 daddr $net reject with tcp reset",
+        "fib daddr type local counter reject with tcp reset",
+        "ip daddr 127.0.0.0/8 counter reject with tcp reset",
+        "ip daddr 169.254.0.0/16 counter reject with tcp reset",
+        "ip daddr 0.0.0.0/8 counter reject with tcp reset",
+        "ip daddr 100.100.100.200/32 counter reject with tcp reset",
+        "ip6 daddr ::1/128 counter reject with tcp reset",
+        "ip6 daddr fe80::/10 counter reject with tcp reset",
+        "ip6 daddr fd00:ec2::254/128 counter reject with tcp reset",
+        "ip daddr $net counter reject with tcp reset",
+        "ip6 daddr $net counter reject with tcp reset",
         "ip \"$1\" -o route show table main",
     ] {
         assert!(fw.contains(rule), "{rule:?} missing:\n{fw}");
     }
     assert!(
-        !fw.contains(" accept comment"),
+        !fw.contains("accept comment"),
         "no exemption by default:\n{fw}"
     );
 
@@ -225,11 +225,11 @@ fn full_settings_render_every_value_with_exemptions_first() {
     let fw = embedded(script, FIREWALL_SCRIPT);
     let accept1 = line_of(
         fw,
-        "ip daddr 10.203.0.1/32 accept comment \"allowedDestinationCidrs/0\"",
+        "ip daddr 10.203.0.1/32 counter accept comment \"allowedDestinationCidrs/0\"",
     );
     let accept2 = line_of(
         fw,
-        "ip daddr 127.0.0.53/32 accept comment \"allowedDestinationCidrs/1\"",
+        "ip daddr 127.0.0.53/32 counter accept comment \"allowedDestinationCidrs/1\"",
     );
     let first_reject = fw.lines().position(|l| l.contains("reject")).unwrap();
     assert!(
@@ -237,17 +237,17 @@ fn full_settings_render_every_value_with_exemptions_first() {
         "exemptions come first:\n{fw}"
     );
     assert!(
-        first_reject == line_of(fw, "fib daddr type local reject"),
+        first_reject == line_of(fw, "fib daddr type local counter reject"),
         "{fw}"
     );
     assert!(line_of(fw, "ct state != new return") < accept1, "{fw}");
     line_of(
         fw,
-        "ip daddr 192.0.2.0/24 reject with tcp reset comment \"deniedDestinationCidrs/0\"",
+        "ip daddr 192.0.2.0/24 counter reject with tcp reset comment \"deniedDestinationCidrs/0\"",
     );
     line_of(
         fw,
-        "ip6 daddr 2001:db8::/32 reject with tcp reset comment \"deniedDestinationCidrs/1\"",
+        "ip6 daddr 2001:db8::/32 counter reject with tcp reset comment \"deniedDestinationCidrs/1\"",
     );
     // The on-link networks are appended after the static rules at run time.
     assert!(line_of(fw, "for net in $link4") > line_of(fw, "deniedDestinationCidrs/1"));
@@ -506,7 +506,7 @@ fn tempfile_dir(tag: &str) -> std::path::PathBuf {
 }
 
 /// Runs the rendered firewall script in a network and mount namespace of its own (a
-/// veth link with 10.77.0.2/24 and fd77::2/64 as "the network this VM sits on", a
+/// veth link with 10.77.0.2/24 and fd77::2/64 (and a lone 10.99.0.1/32) as "the network this VM sits on", a
 /// default route into it, /run on a tmpfs), with root as the filtered user instead of
 /// tinyproxy, around an HTTP server listening on every address. It dials as root before
 /// and after the firewall, and as another user after it. curl's exit code tells the
@@ -547,6 +547,7 @@ ip link add d0 type veth peer name d1
 ip link set d1 up
 ip addr add 10.77.0.2/24 dev d0
 ip addr add 10.77.0.9/24 dev d0
+ip addr add 10.99.0.1/32 dev d0
 ip addr add fd77::2/64 dev d0 nodad
 ip link set d0 up
 ip route add default via 10.77.0.1
@@ -558,12 +559,12 @@ until curl -s -o /dev/null http://127.0.0.1:8000/; do
 	tries=$((tries + 1)); [ $tries -lt 100 ] || exit 91; sleep 0.1
 done
 dial() {{ curl -s -o /dev/null --max-time 5 "http://$2/"; echo "$1 $2 $?"; }}
-for a in 127.0.0.1:8000 '[::1]:8000' 10.77.0.2:8000 10.77.0.9:8000 '[fd77::2]:8000'; do
+for a in 127.0.0.1:8000 '[::1]:8000' 10.77.0.2:8000 10.77.0.9:8000 '[fd77::2]:8000' 10.99.0.1:8000; do
 	dial before "$a"
 done
 /bin/sh {fw} || exit 90
 nft list table inet egress_proxy >&2
-for a in 127.0.0.1:8000 127.1:8000 0.0.0.0:8000 '[::1]:8000' 10.77.0.2:8000 '[fd77::2]:8000' \
+for a in 127.0.0.1:8000 127.1:8000 0.0.0.0:8000 '[::1]:8000' 10.77.0.2:8000 '[fd77::2]:8000' 10.99.0.1:8000 \
 	10.77.0.5:80 '[fd77::5]:80' 10.88.1.1:80 169.254.169.254:80 10.77.0.9:8000; do
 	dial after "$a"
 done
@@ -597,6 +598,7 @@ done
         "before 10.77.0.2:8000 0",
         "before 10.77.0.9:8000 0",
         "before [fd77::2]:8000 0",
+        "before 10.99.0.1:8000 0",
         // The VM's own addresses, whatever their spelling.
         "after 127.0.0.1:8000 7",
         "after 127.1:8000 7",
@@ -604,6 +606,8 @@ done
         "after [::1]:8000 7",
         "after 10.77.0.2:8000 7",
         "after [fd77::2]:8000 7",
+        // An address of the VM in no on-link network (a /32): only `fib daddr type local`.
+        "after 10.99.0.1:8000 7",
         // The on-link networks learnt from the routes, both families.
         "after 10.77.0.5:80 7",
         "after [fd77::5]:80 7",
@@ -617,7 +621,13 @@ done
         "other 10.77.0.2:8000 0",
     ];
     assert_eq!(got, want, "{stderr}");
-    assert!(stderr.contains("ip daddr 10.77.0.0/24 reject"), "{stderr}");
-    assert!(stderr.contains("ip6 daddr fd77::/64 reject"), "{stderr}");
+    assert!(
+        stderr.contains("ip daddr 10.77.0.0/24 counter packets"),
+        "{stderr}"
+    );
+    assert!(
+        stderr.contains("ip6 daddr fd77::/64 counter packets"),
+        "{stderr}"
+    );
     let _ = std::fs::remove_dir_all(&dir);
 }
