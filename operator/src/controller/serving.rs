@@ -360,6 +360,34 @@ mod tests {
     }
 
     #[test]
+    fn a_status_is_written_when_the_object_or_our_last_write_differs() {
+        let i = instance(0);
+        let pass = Check {
+            serving: true,
+            reason: "Serving",
+            message: "answered in 3 ms".into(),
+            running: true,
+        };
+        let serving = status::observed(&ProxyStatus::default(), None, &i, &pass, at(0));
+        let down = status::observed(&serving, None, &i, &failing(), at(30));
+        let m = Memory::default();
+        // Nothing written yet: the object's status decides.
+        assert!(!m.needs_write("u1", &serving, &serving));
+        assert!(m.needs_write("u1", &serving, &down));
+        // We wrote `down`, but the object still shows `serving` (the watch lags): a
+        // status like `serving` again must be written, or `down` would stay.
+        m.written("u1", Some(&down));
+        assert!(m.needs_write("u1", &serving, &serving));
+        // Once the object shows our write, only a change is written.
+        assert!(!m.needs_write("u1", &down, &down));
+        m.written("u1", None);
+        assert!(
+            !m.needs_write("u1", &down, &down),
+            "a failed write: the object decides"
+        );
+    }
+
+    #[test]
     fn failures_count_until_a_pass_and_a_cached_instance_needs_a_pass() {
         let m = Memory::default();
         let i = instance(0);
