@@ -95,7 +95,37 @@ kvm2:
   templates:
     domain: {path: /nonexistent/domain.wasm}
     vendorData: {path: /nonexistent/vendor-data.wasm}
+serving: {periodSeconds: 5, timeoutSeconds: 2}
 "#;
+
+/// The fake's proxies, in memory: every probe is answered `200` without any network (the
+/// fake's addresses are documentation addresses nothing may be sent to).
+struct InMemoryProxies;
+
+impl egress_operator::serving::Dialer for InMemoryProxies {
+    fn dial(
+        &self,
+        _: std::net::SocketAddr,
+    ) -> egress_operator::serving::BoxFuture<
+        '_,
+        std::io::Result<Box<dyn egress_operator::serving::ProbeStream>>,
+    > {
+        Box::pin(async {
+            use tokio::io::{AsyncReadExt, AsyncWriteExt};
+            let (client, mut proxy) = tokio::io::duplex(4096);
+            tokio::spawn(async move {
+                let mut head = [0u8; 512];
+                let _ = proxy.read(&mut head).await;
+                let _ = proxy
+                    .write_all(b"HTTP/1.1 200 Connection established\r\n\r\n")
+                    .await;
+                let mut rest = Vec::new();
+                let _ = proxy.read_to_end(&mut rest).await;
+            });
+            Ok(Box::new(client) as Box<dyn egress_operator::serving::ProbeStream>)
+        })
+    }
+}
 
 /// An error and its sources, on one line ("client error (Connect): connection refused").
 fn chain(e: &dyn std::error::Error) -> String {
@@ -417,9 +447,15 @@ async fn proxy_lifecycle_on_a_real_cluster() {
         ControllerMetrics::default(),
         Some("cluster-e2e".into()),
     );
-    // A ready Proxy is looked at again every few seconds instead of every few minutes,
-    // so the loss in step 5 is noticed quickly.
+    // A ready Proxy is looked at again every few seconds instead of every few minutes
+    // (probed every `serving.periodSeconds`, asked of the provider at most every
+    // `ready_refresh`), so the loss in step 5 is noticed quickly. Its probes stay in memory.
     ctx.policy.ready_refresh = Duration::from_secs(2);
+    ctx.prober = egress_operator::serving::Prober::with_dialer(
+        &ctx.config.serving,
+        Arc::new(InMemoryProxies),
+        ctx.metrics.probes.clone(),
+    );
     let controller_task = tokio::spawn(controller::run(Arc::new(ctx), 2, async move {
         let _ = shutdown_rx.await;
     }));
