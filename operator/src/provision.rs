@@ -173,7 +173,16 @@ pub async fn provision(args: &ProvisionArgs, out: &mut dyn Write) -> Result<(), 
     let result = if args.delete {
         delete(&provider, ops.as_ref(), &config, &owner, out).await
     } else {
-        create(&provider, ops.as_ref(), &config, &owner, &manifest, args, out).await
+        create(
+            &provider,
+            ops.as_ref(),
+            &config,
+            &owner,
+            &manifest,
+            args,
+            out,
+        )
+        .await
     };
     hosts.close().await;
     result
