@@ -149,8 +149,7 @@ pub fn check_mac(mac: &str) -> Result<(), String> {
     let ok = parts.len() == 6
         && parts.iter().all(|p| {
             p.len() == 2
-                && p
-                    .bytes()
+                && p.bytes()
                     .all(|b| b.is_ascii_digit() || (b'a'..=b'f').contains(&b))
         })
         && u8::from_str_radix(parts[0], 16).is_ok_and(|b| b & 1 == 0);
@@ -461,7 +460,10 @@ mod tests {
         };
         let xml = m.to_xml();
         assert!(xml.contains("name=\"a&quot;&lt;b&gt;&amp;\""), "{xml}");
-        assert!(!xml.contains("eo:mac") && !xml.contains("eo:address"), "{xml}");
+        assert!(
+            !xml.contains("eo:mac") && !xml.contains("eo:address"),
+            "{xml}"
+        );
         let with_net = MetadataMark {
             mac: Some("02:00:00:00:00:01".into()),
             address: Some(Ipv4Addr::new(10, 0, 0, 5)),
@@ -520,7 +522,11 @@ mod tests {
 
     #[test]
     fn mac_check() {
-        for good in ["02:00:00:00:00:01", "52:54:00:ab:cd:ef", "fe:ff:ff:ff:ff:ff"] {
+        for good in [
+            "02:00:00:00:00:01",
+            "52:54:00:ab:cd:ef",
+            "fe:ff:ff:ff:ff:ff",
+        ] {
             assert_eq!(check_mac(good), Ok(()), "{good}");
         }
         for bad in [

@@ -27,6 +27,7 @@ use egress_operator::error::ErrorClass;
 use egress_operator::instance::{InstanceIdentity, MetadataMark, check_mac};
 use egress_operator::provider::kvm2::addresses::{AddressSource, NicAddrs};
 use egress_operator::provider::kvm2::backend::{Kvm2Options, Kvm2Provider};
+use egress_operator::provider::kvm2::domain::ippool::preferred_offset;
 use egress_operator::provider::kvm2::fake::FakeOps;
 use egress_operator::provider::kvm2::image::{ImageCacheOptions, ImageMetrics, qcow2};
 use egress_operator::provider::kvm2::metadata::mark_from_domain_xml;
@@ -122,8 +123,8 @@ impl Env {
         let mut bytes = qcow2::test_header(3, 512 << 20, 512);
         bytes.extend((0..3000u32).map(|i| (i * 7 % 251) as u8));
         let sha = sha256_hex(&bytes);
-        let http = HttpServer::start(vec![("/img".to_string(), Route::Body(Arc::new(bytes)))])
-            .unwrap();
+        let http =
+            HttpServer::start(vec![("/img".to_string(), Route::Body(Arc::new(bytes)))]).unwrap();
         let config = test_config(&http.url("/img"), &sha, pool_size);
         Self {
             _http: http,
@@ -302,7 +303,12 @@ fn a_restart_recovers_allocations_and_delete_frees_one() {
         let b = static_v4(&first.create(&request(&uid(2), "b", "h1")).await.unwrap());
         drop(first);
         let restarted = env.provider();
-        let c = static_v4(&restarted.create(&request(&uid(3), "c", "h1")).await.unwrap());
+        let c = static_v4(
+            &restarted
+                .create(&request(&uid(3), "c", "h1"))
+                .await
+                .unwrap(),
+        );
         let all: BTreeSet<_> = [a, b, c].into();
         assert_eq!(all.len(), 3, "{all:?}");
 
@@ -342,11 +348,13 @@ fn a_restart_recovers_allocations_and_delete_frees_one() {
         assert!(!env.fake.domains("h1").contains(&dom(&uid(4))));
 
         // The foreign domain goes: its address is free again.
-        env.fake
-            .undefine("h1", &dom(&foreign))
-            .await
-            .unwrap();
-        let d = static_v4(&restarted.create(&request(&uid(4), "d", "h1")).await.unwrap());
+        env.fake.undefine("h1", &dom(&foreign)).await.unwrap();
+        let d = static_v4(
+            &restarted
+                .create(&request(&uid(4), "d", "h1"))
+                .await
+                .unwrap(),
+        );
         assert_eq!(d, b, "the freed address");
     });
 }
@@ -362,10 +370,19 @@ fn adoption_keeps_the_address_and_a_new_incarnation_gets_a_new_mac() {
         let u = uid(1);
         let made = static_v4(&p.create(&request(&u, "a", "h1")).await.unwrap());
         let mac = env.mark("h1", &dom(&u)).await.mac.unwrap();
-        let again = static_v4(&env.provider().create(&request(&u, "a", "h1")).await.unwrap());
+        let again = static_v4(
+            &env.provider()
+                .create(&request(&u, "a", "h1"))
+                .await
+                .unwrap(),
+        );
         assert_eq!(again, made);
         env.fake.set_state("h1", &dom(&u), InstanceState::ShutOff);
-        let started = env.provider().create(&request(&u, "a", "h1")).await.unwrap();
+        let started = env
+            .provider()
+            .create(&request(&u, "a", "h1"))
+            .await
+            .unwrap();
         assert_eq!(started.state, InstanceState::Running);
         assert_eq!(static_v4(&started), made);
         assert_eq!(env.mark("h1", &dom(&u)).await.mac.unwrap(), mac);
@@ -508,7 +525,10 @@ fn seed_applied_from_the_agent_host_name() {
             .set_agent_hostname("h1", &name, Some("office-egress"));
         assert_eq!(p.get(&id("h1", &u)).await.unwrap().seed_applied, Some(true));
         env.fake.set_agent_hostname("h1", &name, Some("debian"));
-        assert_eq!(p.get(&id("h1", &u)).await.unwrap().seed_applied, Some(false));
+        assert_eq!(
+            p.get(&id("h1", &u)).await.unwrap().seed_applied,
+            Some(false)
+        );
         env.fake.set_agent_hostname("h1", &name, None);
         assert_eq!(p.get(&id("h1", &u)).await.unwrap().seed_applied, None);
 
@@ -519,8 +539,7 @@ fn seed_applied_from_the_agent_host_name() {
             .create(&request(&v, "other", "h2"))
             .await
             .unwrap();
-        env.fake
-            .set_agent_hostname("h2", &dom(&v), Some("other"));
+        env.fake.set_agent_hostname("h2", &dom(&v), Some("other"));
         let before = env.fake.calls("domain-hostname");
         let got = p.get(&id("h2", &v)).await.unwrap();
         assert_eq!(got.seed_applied, None);
@@ -613,9 +632,14 @@ mod real {
             // The test image runs no agent: nobody can tell whether the seed applied.
             assert_eq!(got.seed_applied, None);
 
-            // Restarted: the address is taken, read from libvirt's copy of the mark.
+            // Restarted: the address is taken, read from libvirt's copy of the mark. The
+            // second Proxy's UID prefers the same address, so only the mark keeps them
+            // apart.
             let restarted = rig.provider(rig.ops.clone());
-            let v = provider_rig::uid(0x32);
+            let v = (0x32..=0xff)
+                .map(provider_rig::uid)
+                .find(|v| preferred_offset(v, 3) == preferred_offset(&u, 3))
+                .unwrap();
             let b = static_v4(
                 &restarted
                     .create(&provider_rig::request(&v, "static-b"))

@@ -433,7 +433,12 @@ mod tests {
     #[test]
     fn outside_the_bridge_network_is_dropped() {
         let net: ipnet::Ipv4Net = "10.203.0.0/24".parse().unwrap();
-        let found = ips(&["10.203.0.17", "192.0.2.10", "2001:db8::1", "::ffff:192.0.2.1"]);
+        let found = ips(&[
+            "10.203.0.17",
+            "192.0.2.10",
+            "2001:db8::1",
+            "::ffff:192.0.2.1",
+        ]);
         assert_eq!(
             within(Some(&net), found.clone()),
             ips(&["10.203.0.17", "2001:db8::1"])

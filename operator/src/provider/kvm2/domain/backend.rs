@@ -149,9 +149,10 @@ pub enum Kvm2Error {
     /// The seed ISO could not be built.
     #[error(transparent)]
     Seed(#[from] SeedError),
-    /// No MAC or static address could be allocated (a full address pool is quota).
+    /// No MAC or static address could be allocated (a full address pool is quota;
+    /// boxed: it carries the listing's error).
     #[error(transparent)]
-    Allocation(#[from] AllocError),
+    Allocation(Box<AllocError>),
     /// The domain did not reach running in time.
     #[error("domain {domain:?} on host {host:?} is {state} after {waited:?}, not running")]
     StartTimeout {
@@ -194,6 +195,12 @@ impl Classified for Kvm2Error {
                 ErrorClass::Transient
             }
         }
+    }
+}
+
+impl From<AllocError> for Kvm2Error {
+    fn from(e: AllocError) -> Self {
+        Kvm2Error::Allocation(Box::new(e))
     }
 }
 
@@ -1098,8 +1105,10 @@ impl Kvm2Provider {
                 Ok(nics) => {
                     // A running agent always reports at least the guest's loopback.
                     agent_answered |= source == AddressSource::Agent && !nics.is_empty();
-                    let picked =
-                        addresses::within(net, addresses::pick_addresses(Some(mac), &[(source, nics)]));
+                    let picked = addresses::within(
+                        net,
+                        addresses::pick_addresses(Some(mac), &[(source, nics)]),
+                    );
                     if !picked.is_empty() {
                         return (picked, Some(source.origin()), agent_answered);
                     }
@@ -1140,7 +1149,12 @@ impl Kvm2Provider {
         match self.ops.guest_hostname(host, name).await {
             Ok(Some(reported)) => {
                 let applied = seed::hostname_applied(&reported, local_hostname);
-                tracing::debug!(host, domain = name, applied, "guest host name checked against the seed");
+                tracing::debug!(
+                    host,
+                    domain = name,
+                    applied,
+                    "guest host name checked against the seed"
+                );
                 Some(applied)
             }
             Ok(None) => None,

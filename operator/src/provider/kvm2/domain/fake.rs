@@ -211,7 +211,13 @@ impl FakeOps {
     }
 
     /// What address source `source` reports for domain `name` from now on.
-    pub fn set_addresses(&self, host: &str, name: &str, source: AddressSource, nics: Vec<NicAddrs>) {
+    pub fn set_addresses(
+        &self,
+        host: &str,
+        name: &str,
+        source: AddressSource,
+        nics: Vec<NicAddrs>,
+    ) {
         if let Ok(mut hosts) = self.hosts.lock()
             && let Some(d) = hosts.get_mut(host).and_then(|h| h.domains.get_mut(name))
         {

@@ -404,8 +404,14 @@ mod tests {
                 &mark_xml(&old, Some("02:00:00:00:00:09"), Some("10.203.0.11")),
                 InstanceState::Running,
             );
-            let a = book.allocate(&fake, "h1", &uid(1), Some(&p), 1).await.unwrap();
-            let b = book.allocate(&fake, "h1", &uid(2), Some(&p), 1).await.unwrap();
+            let a = book
+                .allocate(&fake, "h1", &uid(1), Some(&p), 1)
+                .await
+                .unwrap();
+            let b = book
+                .allocate(&fake, "h1", &uid(2), Some(&p), 1)
+                .await
+                .unwrap();
             let mut got: BTreeSet<Ipv4Addr> = BTreeSet::new();
             got.extend(a.net.address);
             got.extend(b.net.address);
@@ -428,7 +434,10 @@ mod tests {
             let freed = a.net.address;
             drop(a);
             assert_eq!(book.claims_on("h1"), 1);
-            let c = book.allocate(&fake, "h1", &uid(3), Some(&p), 1).await.unwrap();
+            let c = book
+                .allocate(&fake, "h1", &uid(3), Some(&p), 1)
+                .await
+                .unwrap();
             assert_eq!(c.net.address, freed);
             // Without a pool: a MAC and no address.
             let d = book.allocate(&fake, "h1", &uid(4), None, 1).await.unwrap();
@@ -480,8 +489,14 @@ mod tests {
                     rec("egress-c", &uid(3), "02:00:00:00:00:03"),
                 ],
             );
-            assert_eq!(census.shared("h1", "02:00:00:00:00:01", "egress-a"), Some(true));
-            assert_eq!(census.shared("h1", "02:00:00:00:00:03", "egress-c"), Some(false));
+            assert_eq!(
+                census.shared("h1", "02:00:00:00:00:01", "egress-a"),
+                Some(true)
+            );
+            assert_eq!(
+                census.shared("h1", "02:00:00:00:00:03", "egress-c"),
+                Some(false)
+            );
             tokio::time::advance(CENSUS_MAX_AGE).await;
             assert_eq!(census.shared("h1", "02:00:00:00:00:01", "egress-a"), None);
         });

@@ -577,7 +577,11 @@ mod tests {
             ("office-egress-2", false),
             ("", false),
         ] {
-            assert_eq!(hostname_applied(reported, "office-egress"), want, "{reported:?}");
+            assert_eq!(
+                hostname_applied(reported, "office-egress"),
+                want,
+                "{reported:?}"
+            );
         }
         assert!(!hostname_applied("", ""));
     }
