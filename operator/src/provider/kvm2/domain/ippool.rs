@@ -2,7 +2,8 @@
 //! pool, its static address, both conflict-free on the host.
 //!
 //! Where the truth lives: in the marks of the host's domains. Every domain a Create
-//! defines records its MAC and static address in its mark ([`MetadataMark`]), so the used
+//! defines records its MAC and static address in its mark
+//! ([`crate::instance::MetadataMark`]), so the used
 //! addresses and MACs of a host are read from a listing of its domains, and an operator
 //! that restarts (or a replica that takes over) recovers every allocation from the host
 //! itself. What a listing cannot show yet, the allocations of Creates in flight in this
