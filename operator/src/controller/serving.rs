@@ -1,6 +1,6 @@
 //! The controller's side of "Ready means it proxies": what it concludes about an
 //! instance's proxy ([`check`], the `Serving` condition), when it looks again
-//! ([`Memory::retry_after`]), when a proxy that does not serve is replaced ([`overdue`]),
+//! ([`retry_after`]), when a proxy that does not serve is replaced ([`overdue`]),
 //! and what it remembers per Proxy between reconciles ([`Memory`]).
 //!
 //! A proxy that serves is probed every `serving.periodSeconds`; the provider is asked for
