@@ -328,6 +328,13 @@ async fn wait_serving(
         tokio::time::sleep(Duration::from_secs(3)).await;
         match provider.get(&instance.id).await {
             Ok(i) => *instance = i,
+            // A transient failure (a busy host, a redial) must not end a long wait; a
+            // lasting one shows as the probe's outcome at the end.
+            Err(e)
+                if crate::error::Classified::class(&e) == crate::error::ErrorClass::Transient =>
+            {
+                tracing::warn!(instance = %instance.id, error = %e, "refreshing the instance failed; still waiting");
+            }
             Err(e) => return Err(format!("get failed: {e}")),
         }
     }
