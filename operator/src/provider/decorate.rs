@@ -344,21 +344,83 @@ impl<P: Provider + ?Sized> Fenced<P> {
         op: &'static str,
         fut: impl std::future::Future<Output = Result<T, ProviderError>>,
     ) -> Result<T, ProviderError> {
-        self.fence
-            .check(op)
-            .map_err(|e| refused(self.inner.name(), e))?;
-        let deposed = async {
-            self.fence.lost().await;
-            tokio::time::sleep(self.grace).await;
-        };
-        tokio::select! {
-            r = fut => r,
-            () = deposed => {
-                tracing::warn!(provider = self.inner.name(), op, grace = ?self.grace,
-                    "lost the leader lease: cancelled a provider call still in flight");
-                Err(ProviderError::new(LeaseLost::Cancelled { op, grace: self.grace }))
-            }
+        fenced_call(self.inner.name(), &self.fence, self.grace, op, fut).await
+    }
+}
+
+/// Runs `fut` only while `fence` is held, and drops it `grace` after the lease is lost.
+async fn fenced_call<T>(
+    provider: &str,
+    fence: &Fence,
+    grace: Duration,
+    op: &'static str,
+    fut: impl std::future::Future<Output = Result<T, ProviderError>>,
+) -> Result<T, ProviderError> {
+    fence.check(op).map_err(|e| refused(provider, e))?;
+    let deposed = async {
+        fence.lost().await;
+        tokio::time::sleep(grace).await;
+    };
+    tokio::select! {
+        r = fut => r,
+        () = deposed => {
+            tracing::warn!(provider, op, ?grace,
+                "lost the leader lease: cancelled a provider call still in flight");
+            Err(ProviderError::new(LeaseLost::Cancelled { op, grace }))
         }
+    }
+}
+
+/// The garbage collector's volume deletes behind the leader fence, as [`Fenced`] puts a
+/// provider's calls: a replica that lost the lease starts no delete, and one in flight is
+/// dropped `grace` after the loss, so a deposed replica cannot delete a volume the new
+/// leader's Create just made. Listing candidates only reads and passes through.
+pub struct FencedVolumes {
+    inner: Arc<dyn crate::gc::VolumeCollector>,
+    fence: Fence,
+    grace: Duration,
+}
+
+impl std::fmt::Debug for FencedVolumes {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("FencedVolumes")
+            .field("provider", &self.inner.name())
+            .field("held", &self.fence.is_held())
+            .field("grace", &self.grace)
+            .finish()
+    }
+}
+
+impl FencedVolumes {
+    /// Wraps `inner`: deletes need `fence` held, and stop `grace` after it is lost.
+    pub fn new(inner: Arc<dyn crate::gc::VolumeCollector>, fence: Fence, grace: Duration) -> Self {
+        Self {
+            inner,
+            fence,
+            grace,
+        }
+    }
+}
+
+impl crate::gc::VolumeCollector for FencedVolumes {
+    fn name(&self) -> &str {
+        self.inner.name()
+    }
+    fn volume_candidates(&self) -> BoxFuture<'_, Vec<crate::gc::VolumeListing>> {
+        self.inner.volume_candidates()
+    }
+    fn delete_volumes<'a>(
+        &'a self,
+        target: &'a str,
+        candidate: &'a crate::gc::VolumeCandidate,
+    ) -> BoxFuture<'a, Result<crate::gc::VolumeDeleteOutcome, ProviderError>> {
+        Box::pin(fenced_call(
+            self.inner.name(),
+            &self.fence,
+            self.grace,
+            "delete volumes",
+            self.inner.delete_volumes(target, candidate),
+        ))
     }
 }
 
@@ -436,6 +498,96 @@ mod tests {
     use super::*;
     use crate::error::ErrorClass;
     use crate::provider::fake::FakeProvider;
+
+    /// A volume collector whose deletes take `delay` and are counted when they finish.
+    struct SlowVolumes {
+        delay: Duration,
+        deleted: std::sync::atomic::AtomicUsize,
+    }
+
+    impl crate::gc::VolumeCollector for SlowVolumes {
+        fn name(&self) -> &str {
+            "kvm2"
+        }
+        fn volume_candidates(&self) -> BoxFuture<'_, Vec<crate::gc::VolumeListing>> {
+            Box::pin(async { Vec::new() })
+        }
+        fn delete_volumes<'a>(
+            &'a self,
+            _target: &'a str,
+            _candidate: &'a crate::gc::VolumeCandidate,
+        ) -> BoxFuture<'a, Result<crate::gc::VolumeDeleteOutcome, ProviderError>> {
+            Box::pin(async move {
+                tokio::time::sleep(self.delay).await;
+                self.deleted
+                    .fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+                Ok(crate::gc::VolumeDeleteOutcome::Deleted)
+            })
+        }
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn a_deposed_replica_deletes_no_volumes() {
+        use crate::gc::VolumeCollector as _;
+        let inner = Arc::new(SlowVolumes {
+            delay: Duration::from_secs(60),
+            deleted: Default::default(),
+        });
+        let (tx, rx) = tokio::sync::watch::channel(true);
+        let grace = Duration::from_secs(5);
+        let fenced = FencedVolumes::new(inner.clone(), Fence::new(rx), grace);
+        let candidate = crate::gc::VolumeCandidate {
+            key: "egress-u1".into(),
+            kind: crate::gc::VolumeKind::Instance,
+            owner_uid: Some("u1".into()),
+            volumes: vec!["egress-u1-root".into()],
+        };
+        // In flight when the lease goes: dropped after the grace, never finished.
+        let started = tokio::time::Instant::now();
+        let in_flight = fenced.delete_volumes("h1", &candidate);
+        let lose = async {
+            tokio::time::sleep(Duration::from_secs(1)).await;
+            tx.send(false).unwrap();
+        };
+        let (err, ()) = tokio::join!(in_flight, lose);
+        let err = err.unwrap_err();
+        assert!(err.is_lease_lost(), "{err}");
+        assert!(
+            started.elapsed() < Duration::from_secs(60),
+            "cancelled, not waited out"
+        );
+        // Not held: refused before reaching the provider.
+        let err = fenced.delete_volumes("h1", &candidate).await.unwrap_err();
+        assert!(err.is_lease_lost(), "{err}");
+        tokio::time::sleep(Duration::from_secs(120)).await;
+        assert_eq!(
+            inner.deleted.load(std::sync::atomic::Ordering::SeqCst),
+            0,
+            "no delete ran to its end"
+        );
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn a_leader_deletes_volumes_through_the_fence() {
+        use crate::gc::VolumeCollector as _;
+        let inner = Arc::new(SlowVolumes {
+            delay: Duration::from_secs(1),
+            deleted: Default::default(),
+        });
+        let (_tx, rx) = tokio::sync::watch::channel(true);
+        let fenced = FencedVolumes::new(inner.clone(), Fence::new(rx), Duration::from_secs(5));
+        let candidate = crate::gc::VolumeCandidate {
+            key: "egress-u1".into(),
+            kind: crate::gc::VolumeKind::Instance,
+            owner_uid: Some("u1".into()),
+            volumes: vec!["egress-u1-root".into()],
+        };
+        assert_eq!(
+            fenced.delete_volumes("h1", &candidate).await.unwrap(),
+            crate::gc::VolumeDeleteOutcome::Deleted
+        );
+        assert_eq!(inner.deleted.load(std::sync::atomic::Ordering::SeqCst), 1);
+    }
 
     #[tokio::test]
     async fn decorators_count_calls_and_keep_the_health_capability() {

@@ -442,6 +442,7 @@ async fn run_term(
     };
     let fence = Fence::new(leading.clone());
     let fenced = Arc::new(parts.fenced(&fence));
+    let gc_fence = fence.clone();
     let ctx = Arc::new(
         controller::Context::new(
             client.clone(),
@@ -461,7 +462,19 @@ async fn run_term(
         &parts.config.gc,
         parts.gc_metrics.clone(),
     )
-    .with_volumes(parts.volumes.clone());
+    .with_volumes(
+        parts
+            .volumes
+            .iter()
+            .map(|v| {
+                Arc::new(crate::provider::decorate::FencedVolumes::new(
+                    v.clone(),
+                    gc_fence.clone(),
+                    LEASE_LOST_GRACE,
+                )) as Arc<dyn crate::gc::VolumeCollector>
+            })
+            .collect(),
+    );
     let monitor = HealthMonitor::new(
         parts.provider_list(),
         parts.boards.clone(),
