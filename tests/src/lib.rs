@@ -214,3 +214,26 @@ pub fn sha256_hex(bytes: &[u8]) -> String {
     use sha2::Digest;
     hex::encode(sha2::Sha256::digest(bytes))
 }
+
+/// The template plugins `templates` names, loaded and checked healthy: what a test
+/// binary's providers render with. The engine is made once per test binary and never
+/// dropped, since its epoch ticker must outlive every render.
+pub fn load_templates(
+    templates: &egress_operator::config::TemplatesConfig,
+) -> anyhow::Result<std::sync::Arc<egress_operator::templates::TemplateSet>> {
+    use egress_operator::templates::{TemplateEngine, TemplateSet};
+    static ENGINE: std::sync::OnceLock<TemplateEngine> = std::sync::OnceLock::new();
+    let engine = match ENGINE.get() {
+        Some(engine) => engine,
+        None => {
+            // A race makes a second engine that is dropped unused; either is fine.
+            let _ = ENGINE.set(TemplateEngine::new(None)?);
+            ENGINE
+                .get()
+                .ok_or_else(|| anyhow::anyhow!("the template engine was not kept"))?
+        }
+    };
+    let set = TemplateSet::load(engine, templates);
+    anyhow::ensure!(set.is_healthy(), "plugins not healthy: {:?}", set.health());
+    Ok(std::sync::Arc::new(set))
+}

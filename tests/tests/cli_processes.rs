@@ -6,11 +6,11 @@
 //! log (a dial's warning, a debug line) deadlocked `provision`; only a process shows that.
 #![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)] // tests fail loudly
 
-use std::io::Read as _;
 use std::path::{Path, PathBuf};
-use std::process::{Command, Stdio};
-use std::time::{Duration, Instant};
+use std::process::Command;
+use std::time::Duration;
 
+use integration_tests::guest_lab::run_guarded;
 use integration_tests::harness::{self, Libvirtd, Need, Sshd};
 
 /// A hang fails the test instead of blocking CI; never a timing assertion.
@@ -23,46 +23,11 @@ fn binary() -> PathBuf {
 /// Runs the binary with `args` and debug logging; returns (exit code, stdout, stderr).
 /// Panics (after killing it) if it does not finish within the hang guard.
 fn run(args: &[&str], what: &str) -> (i32, String, String) {
-    let mut child = Command::new(binary())
-        .args(args)
-        .env("RUST_LOG", "debug")
-        .stdin(Stdio::null())
-        .stdout(Stdio::piped())
-        .stderr(Stdio::piped())
-        .spawn()
-        .unwrap();
-    // Drain both pipes on threads, so a chatty process never blocks on a full pipe.
-    let mut stdout = child.stdout.take().unwrap();
-    let mut stderr = child.stderr.take().unwrap();
-    let out = std::thread::spawn(move || {
-        let mut s = String::new();
-        let _ = stdout.read_to_string(&mut s);
-        s
-    });
-    let err = std::thread::spawn(move || {
-        let mut s = String::new();
-        let _ = stderr.read_to_string(&mut s);
-        s
-    });
-    let started = Instant::now();
-    let status = loop {
-        if let Some(status) = child.try_wait().unwrap() {
-            break status;
-        }
-        if started.elapsed() > HANG_GUARD {
-            let _ = child.kill();
-            let _ = child.wait();
-            let tail: String = err.join().unwrap().chars().rev().take(2000).collect();
-            let tail: String = tail.chars().rev().collect();
-            panic!("hang guard: `{what}` did not finish; stderr tail:\n{tail}");
-        }
-        std::thread::sleep(Duration::from_millis(50));
-    };
-    (
-        status.code().unwrap_or(-1),
-        out.join().unwrap(),
-        err.join().unwrap(),
-    )
+    let mut cmd = Command::new(binary());
+    cmd.args(args).env("RUST_LOG", "debug");
+    let f =
+        run_guarded(&mut cmd, HANG_GUARD, &format!("`{what}`")).unwrap_or_else(|e| panic!("{e:#}"));
+    (f.code, f.stdout, f.stderr)
 }
 
 fn write(dir: &Path, name: &str, text: &str) -> String {

@@ -21,7 +21,7 @@ use egress_operator::provider::kvm2::ops::{HostOps, OpsError};
 use egress_operator::provider::{
     BoxFuture, CreateRequest, Fence, Provider, ProviderError, ProxyRef, UserData,
 };
-use egress_operator::templates::{TemplateEngine, TemplateSet};
+use egress_operator::templates::TemplateSet;
 use integration_tests::http::{HttpServer, Route};
 use integration_tests::{plugin_path, sha256_hex};
 use tokio::sync::watch;
@@ -72,15 +72,8 @@ kvm2:
 /// The default plugins, compiled once for every test of this binary.
 fn templates(config: &ValidConfig) -> Arc<TemplateSet> {
     static SET: OnceLock<Arc<TemplateSet>> = OnceLock::new();
-    SET.get_or_init(|| {
-        // Leaked: the engine's epoch ticker must outlive every render of the binary.
-        let engine: &'static TemplateEngine =
-            Box::leak(Box::new(TemplateEngine::new(None).unwrap()));
-        let set = TemplateSet::load(engine, &config.kvm2.templates);
-        assert!(set.is_healthy(), "{:?}", set.health());
-        Arc::new(set)
-    })
-    .clone()
+    SET.get_or_init(|| integration_tests::load_templates(&config.kvm2.templates).unwrap())
+        .clone()
 }
 
 /// Loses the lease on operation `op` about `target` (any target when empty), before it

@@ -221,12 +221,7 @@ fn templates() -> Arc<TemplateSet> {
     static SET: OnceLock<Arc<TemplateSet>> = OnceLock::new();
     SET.get_or_init(|| {
         let config = test_config("http://127.0.0.1:1/img", &"a".repeat(64), 32);
-        // Leaked: the engine's epoch ticker must outlive every render of the binary.
-        let engine: &'static TemplateEngine =
-            Box::leak(Box::new(TemplateEngine::new(None).unwrap()));
-        let set = TemplateSet::load(engine, &config.kvm2.templates);
-        assert!(set.is_healthy(), "{:?}", set.health());
-        Arc::new(set)
+        integration_tests::load_templates(&config.kvm2.templates).unwrap()
     })
     .clone()
 }

@@ -36,7 +36,7 @@ use egress_operator::provider::kvm2::seed;
 use egress_operator::provider::{
     AddressOrigin, CreateRequest, Instance, InstanceId, InstanceState, Provider, ProxyRef,
 };
-use egress_operator::templates::{TemplateEngine, TemplateSet};
+use egress_operator::templates::TemplateSet;
 use integration_tests::http::{HttpServer, Route};
 use integration_tests::{plugin_path, sha256_hex};
 
@@ -101,12 +101,7 @@ fn templates() -> Arc<TemplateSet> {
     static SET: OnceLock<Arc<TemplateSet>> = OnceLock::new();
     SET.get_or_init(|| {
         let config = test_config("http://127.0.0.1:1/img", &"a".repeat(64), 4);
-        // Leaked: the engine's epoch ticker must outlive every render of the binary.
-        let engine: &'static TemplateEngine =
-            Box::leak(Box::new(TemplateEngine::new(None).unwrap()));
-        let set = TemplateSet::load(engine, &config.kvm2.templates);
-        assert!(set.is_healthy(), "{:?}", set.health());
-        Arc::new(set)
+        integration_tests::load_templates(&config.kvm2.templates).unwrap()
     })
     .clone()
 }
