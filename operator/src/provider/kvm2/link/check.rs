@@ -32,9 +32,9 @@ pub struct HostReport {
     pub address: String,
     /// Whether every check passed.
     pub ok: bool,
-    /// Reason code of the first failure (`dns`, `connect`, `timeout`, `auth`, `host-key`,
-    /// `key-file`, `libvirt-socket`, `libvirt`, `pool-missing`, `pool-inactive`,
-    /// `bridge-missing`).
+    /// Reason code of the first failure (`config`, `dns`, `connect`, `timeout`, `auth`,
+    /// `host-key`, `key-file`, `libvirt-socket`, `forwarding-disabled`, `disconnected`,
+    /// `tunnel`, `busy`, `libvirt`, `pool-missing`, `pool-inactive`, `bridge-missing`).
     pub reason: Option<String>,
     /// The dial stage the first failure happened at (`key-files`, `dns`, `tcp-connect`,
     /// `ssh-handshake`, `ssh-auth`, `channel`, `libvirt-open`), when it was the dial's.
