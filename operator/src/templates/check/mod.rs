@@ -19,10 +19,15 @@
 mod allow;
 mod domain;
 mod tree;
+mod vendor;
 
 pub use allow::{Reading, render_markdown as allow_list_markdown};
 pub use domain::{FIRMWARE_CODE, FIRMWARE_VARS, NVRAM_DIR};
 pub use tree::{MAX_DEPTH, MAX_ELEMENTS};
+pub use vendor::{
+    MAX_PARTS as VENDOR_DATA_MAX_PARTS, VendorDataForm, VendorDataPart, VendorDataReading,
+    VendorPartType, read_vendor_data,
+};
 
 use super::DomainInput;
 use super::errors::TemplateErrorKind;
@@ -73,51 +78,12 @@ fn check_reading(
     domain::check(&doc, input, reading)
 }
 
-/// Checks rendered vendor-data: `#cloud-config` YAML that parses to a mapping, or a MIME
-/// multipart document with its boundary.
+/// Checks rendered vendor-data by reading it as the guest's cloud-init will
+/// ([`read_vendor_data`]): plain `#cloud-config` YAML or a strict `multipart/mixed`
+/// document of shell-script and cloud-config parts; anything cloud-init could read
+/// differently from us is refused.
 pub fn check_vendor_data(text: &str) -> Result<(), TemplateErrorKind> {
-    if text.len() > VENDOR_DATA_MAX {
-        return Err(TemplateErrorKind::OutputTooLarge {
-            size: text.len(),
-            max: VENDOR_DATA_MAX,
-        });
-    }
-    let first = text.lines().next().unwrap_or_default().trim_end();
-    if first == "#cloud-config" {
-        let doc: serde_yaml_ng::Value = serde_yaml_ng::from_str(text)
-            .map_err(|e| refuse("cloud-config-yaml", format!("does not parse as YAML: {e}")))?;
-        return match doc {
-            serde_yaml_ng::Value::Mapping(_) => Ok(()),
-            serde_yaml_ng::Value::Null => Ok(()),
-            _ => Err(refuse("cloud-config-yaml", "top level must be a mapping")),
-        };
-    }
-    let lower_headers: String = text
-        .lines()
-        .take_while(|l| !l.trim().is_empty())
-        .collect::<Vec<_>>()
-        .join("\n")
-        .to_ascii_lowercase();
-    if lower_headers.contains("content-type: multipart/") {
-        let boundary = lower_headers
-            .split("boundary=")
-            .nth(1)
-            .map(|b| b.trim_start_matches('"'))
-            .and_then(|b| b.split(['"', ';', '\n', ' ']).next())
-            .filter(|b| !b.is_empty())
-            .ok_or_else(|| refuse("mime-multipart", "the Content-Type header has no boundary"))?;
-        if !text.to_ascii_lowercase().contains(&format!("--{boundary}")) {
-            return Err(refuse(
-                "mime-multipart",
-                format!("boundary {boundary:?} never appears in the body"),
-            ));
-        }
-        return Ok(());
-    }
-    Err(refuse(
-        "vendor-data-format",
-        "must start with a `#cloud-config` line or be a MIME multipart document",
-    ))
+    read_vendor_data(text).map(|_| ())
 }
 
 #[cfg(test)]
