@@ -24,11 +24,13 @@ set -euo pipefail
 #   syslinux mtools dosfstools   build the demo's tiny bootable image (scripts/demo-image.sh)
 #   python3 curl                 the proxy lab's HTTP server inside the namespace, and the
 #                                client that fetches through the proxy VM (demo, e2e test)
+#   python3-yaml                 PyYAML, which cloud-init loads cloud-config with: the
+#                                vendor-data parity test compares its keys with ours
 #   shellcheck nftables          vendor-data-default's tests: its rendered scripts under
 #                                shellcheck, its firewall applied in a test namespace
 BOOKWORM_PKGS=(pkg-config libvirt-dev libvirt-daemon-system libvirt-clients libxml2-utils
   openssh-server netcat-openbsd socat xorriso iproute2 dnsmasq-base syslinux mtools dosfstools
-  python3 curl shellcheck nftables)
+  python3 python3-yaml curl shellcheck nftables)
 #   kubernetes-client            kubectl: the manifest tests render config/default with
 #                                `kubectl kustomize`; only when no kubectl is on PATH yet
 #                                (another vendor's kubectl package would clash with it)
