@@ -30,7 +30,16 @@
 //! the given MAC and no MAC on the others, firmware files from the known list, the
 //! operator's mark unchanged as the one element of its namespace in `<metadata>`. The
 //! same checks run again on libvirt's own reading of the defined domain before it starts.
-//! Vendor-data must be `#cloud-config` YAML (a mapping) or a MIME multipart document.
+//! Vendor-data is read as the guest's cloud-init reads it, or refused: either a document
+//! whose first line is exactly `#cloud-config` (UTF-8 YAML), or a `multipart/mixed`
+//! document with `MIME-Version: 1.0`, one-line headers from Content-Type, MIME-Version,
+//! Content-Transfer-Encoding (`7bit`/`8bit`) and Content-Disposition
+//! (`attachment; filename="..."`), exact `--boundary` lines, nothing before the first or
+//! after the close delimiter, and 1 to 16 ASCII parts: `text/x-shellscript` (starting with
+//! `#!`, with a unique file name of `A-Z a-z 0-9 . _ -`) or `text/cloud-config`. No CR
+//! and no control character but `\n` and `\t`. The YAML: a mapping (or empty), no tags, no `<<`
+//! merge keys, no duplicate keys, keys that are strings in YAML 1.1 too, and top-level
+//! keys of `[a-z_][a-z0-9_]*`.
 //!
 //! # Limits a plugin lives within
 //!
