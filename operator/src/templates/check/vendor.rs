@@ -489,30 +489,31 @@ fn check_boundary(boundary: &str, quoted: bool) -> Result<(), String> {
 /// MIME-Version, where present, must be `1.0`; Content-Transfer-Encoding `7bit` or `8bit`.
 fn check_common_headers(headers: &Headers<'_>, scope: Scope) -> Result<(), TemplateErrorKind> {
     let rule = scope.header_rule();
-    if let Some((value, line)) = headers.get("mime-version") {
-        if value != "1.0" {
-            return Err(refuse(
-                rule,
-                format!(
-                    "{}, line {line}: MIME-Version is {}; only `1.0` is accepted",
-                    scope.name(),
-                    show(value)
-                ),
-            ));
-        }
+    if let Some((value, line)) = headers.get("mime-version")
+        && value != "1.0"
+    {
+        return Err(refuse(
+            rule,
+            format!(
+                "{}, line {line}: MIME-Version is {}; only `1.0` is accepted",
+                scope.name(),
+                show(value)
+            ),
+        ));
     }
-    if let Some((value, line)) = headers.get("content-transfer-encoding") {
-        if value != "7bit" && value != "8bit" {
-            return Err(refuse(
-                rule,
-                format!(
-                    "{}, line {line}: Content-Transfer-Encoding {} is not in the allow-list \
+    if let Some((value, line)) = headers.get("content-transfer-encoding")
+        && value != "7bit"
+        && value != "8bit"
+    {
+        return Err(refuse(
+            rule,
+            format!(
+                "{}, line {line}: Content-Transfer-Encoding {} is not in the allow-list \
                      (7bit, 8bit); encoded payloads (base64, quoted-printable) are refused",
-                    scope.name(),
-                    show(value)
-                ),
-            ));
-        }
+                scope.name(),
+                show(value)
+            ),
+        ));
     }
     Ok(())
 }
@@ -704,23 +705,23 @@ fn read_mime(text: &str) -> Result<VendorDataReading, TemplateErrorKind> {
     for (i, &start) in delimiters.iter().enumerate() {
         let end = delimiters.get(i + 1).copied().unwrap_or(close_at);
         let part = read_part(&lines, start + 1, end, i + 1)?;
-        if let Some(name) = &part.filename {
-            if let Some(other) = parts.iter().position(|p| {
+        if let Some(name) = &part.filename
+            && let Some(other) = parts.iter().position(|p| {
                 p.filename
                     .as_deref()
                     .is_some_and(|n| n.eq_ignore_ascii_case(name))
-            }) {
-                return Err(refuse(
-                    "mime-filename",
-                    format!(
-                        "part {} (filename {}): part {} has the same file name; one would \
+            })
+        {
+            return Err(refuse(
+                "mime-filename",
+                format!(
+                    "part {} (filename {}): part {} has the same file name; one would \
                          overwrite the other under scripts/vendor/",
-                        i + 1,
-                        show(name),
-                        other + 1
-                    ),
-                ));
-            }
+                    i + 1,
+                    show(name),
+                    other + 1
+                ),
+            ));
         }
         parts.push(part);
     }
@@ -785,17 +786,18 @@ fn read_part(
             format!("{name}, line {ct_line}: Content-Type: {e}"),
         )
     })?;
-    if let Some((charset, _)) = params.get("charset") {
-        if charset != "us-ascii" && charset != "utf-8" {
-            return Err(refuse(
-                "mime-part-header",
-                format!(
-                    "{name}, line {ct_line}: charset {} is not in the allow-list (us-ascii, \
+    if let Some((charset, _)) = params.get("charset")
+        && charset != "us-ascii"
+        && charset != "utf-8"
+    {
+        return Err(refuse(
+            "mime-part-header",
+            format!(
+                "{name}, line {ct_line}: charset {} is not in the allow-list (us-ascii, \
                      utf-8)",
-                    show(charset)
-                ),
-            ));
-        }
+                show(charset)
+            ),
+        ));
     }
     let payload = lines.lines[body.min(end)..end].join("\n");
     // Python's email hands cloud-init a non-ASCII payload as raw-unicode-escape bytes
