@@ -1,6 +1,7 @@
 //! Shared helpers for the integration tests in `tests/tests/`.
 #![forbid(unsafe_code)]
 
+pub mod fake_rig;
 pub mod guest_lab;
 pub mod harness;
 pub mod http;

@@ -17,8 +17,8 @@
 #![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)] // tests fail loudly
 
 use std::collections::BTreeSet;
+use std::sync::Arc;
 use std::sync::atomic::{AtomicUsize, Ordering};
-use std::sync::{Arc, OnceLock};
 use std::time::Duration;
 
 use egress_operator::Classified as _;
@@ -28,7 +28,7 @@ use egress_operator::error::ErrorClass;
 use egress_operator::instance::{InstanceIdentity, image_marker_name, image_volume_name};
 use egress_operator::provider::kvm2::backend::{Kvm2Error, Kvm2Options, Kvm2Provider};
 use egress_operator::provider::kvm2::fake::{FakeOps, Hooked, OpHook};
-use egress_operator::provider::kvm2::image::{ImageCacheOptions, ImageMetrics};
+use egress_operator::provider::kvm2::image::ImageMetrics;
 use egress_operator::provider::kvm2::ops::{HostOps, OpsError};
 use egress_operator::provider::{
     BoxFuture, CreateRequest, InstanceState, Provider, ProviderError, ProxyRef, UserData,
@@ -36,6 +36,7 @@ use egress_operator::provider::{
 use egress_operator::render::{self, Facts};
 use egress_operator::templates::check::check_defined_domain_xml;
 use egress_operator::templates::{DomainInput, TemplateEngine, TemplateErrorKind, TemplateSet};
+use integration_tests::fake_rig::{self, FakeConfig};
 use integration_tests::http::{HttpServer, Route};
 use integration_tests::provider_rig::{self, Rig};
 use integration_tests::{plugin_path, sha256_hex, workspace_root};
@@ -124,14 +125,13 @@ struct FakeWorld {
 impl FakeWorld {
     fn new() -> Self {
         // A qcow2 header (64 MiB virtual, below the 1 GiB disk), then bytes not all alike.
-        let mut image =
-            egress_operator::provider::kvm2::image::qcow2::test_header(3, 64 << 20, 512);
-        image.extend((0..4000u32).map(|i| (i * 13 % 251) as u8));
-        let bytes: Arc<Vec<u8>> = Arc::new(image);
+        let bytes = fake_rig::test_image(64 << 20, 4000);
         let http =
             HttpServer::start(vec![("/img".to_string(), Route::Body(bytes.clone()))]).unwrap();
         let sha = sha256_hex(&bytes);
-        let config = fake_config(&http.url("/img"), &sha);
+        let config = FakeConfig::new(&http.url("/img"), &sha)
+            .name("define-check-config")
+            .build();
         Self {
             _http: http,
             fake: Arc::new(FakeOps::new(&["h1"], 1 << 40)),
@@ -141,23 +141,7 @@ impl FakeWorld {
     }
 
     fn provider(&self) -> Kvm2Provider {
-        let options = Kvm2Options {
-            images: ImageCacheOptions {
-                poll_every: Duration::from_millis(20),
-                ..ImageCacheOptions::default()
-            },
-            start_timeout: Duration::from_secs(2),
-            shutdown_timeout: Duration::from_secs(1),
-            poll_every: Duration::from_millis(10),
-            ..Kvm2Options::default()
-        };
-        Kvm2Provider::new(
-            self.config.clone(),
-            self.fake.clone(),
-            fake_templates(),
-            options,
-            ImageMetrics::default(),
-        )
+        fake_rig::provider(&self.config, self.fake.clone())
     }
 
     fn base(&self) -> BTreeSet<String> {
@@ -170,44 +154,6 @@ impl FakeWorld {
         v.extend([id.root_volume, id.seed_volume]);
         v
     }
-}
-
-fn fake_config(url: &str, sha: &str) -> Arc<ValidConfig> {
-    let yaml = format!(
-        r#"
-clusterId: test
-kvm2:
-  ssh:
-    user: egress
-    privateKeyFile: /nonexistent/id_ed25519
-    knownHostsFile: /nonexistent/known_hosts
-  hosts:
-    - {{name: h1, address: "127.0.0.1:1", storagePool: default, bridge: br0}}
-  images:
-    - {{name: base, url: "{url}", sha256: "{sha}", format: qcow2, allowHttp: true, allowPrivateAddresses: true}}
-  machineTypes:
-    - {{name: small, vcpus: 1, memoryMiB: 128, diskGiB: 1}}
-  defaults: {{machineType: small, image: base}}
-  templates:
-    domain: {{path: {domain}}}
-    vendorData:
-      path: {vendor}
-      settings: {{listenPort: 3128, allowedClientCidrs: [10.0.0.0/8]}}
-"#,
-        domain = plugin_path("domain-default").unwrap().display(),
-        vendor = plugin_path("vendor-data-default").unwrap().display(),
-    );
-    Arc::new(config::parse(&yaml, "define-check-config", std::path::Path::new("/")).unwrap())
-}
-
-/// The default plugins, compiled once for the fake tests of this binary.
-fn fake_templates() -> Arc<TemplateSet> {
-    static SET: OnceLock<Arc<TemplateSet>> = OnceLock::new();
-    SET.get_or_init(|| {
-        let config = fake_config("http://127.0.0.1:1/img", &"a".repeat(64));
-        integration_tests::load_templates(&config.kvm2.templates).unwrap()
-    })
-    .clone()
 }
 
 fn fake_request(uid: &str) -> CreateRequest {

@@ -6,75 +6,27 @@
 //! step before the check.
 #![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)] // tests fail loudly
 
-use std::sync::{Arc, Mutex, OnceLock};
+use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use egress_operator::Classified as _;
 use egress_operator::api::proxy::ProxySpec;
-use egress_operator::config::{self, ValidConfig};
 use egress_operator::error::ErrorClass;
 use egress_operator::instance::InstanceIdentity;
-use egress_operator::provider::kvm2::backend::{Kvm2Options, Kvm2Provider};
+use egress_operator::provider::kvm2::backend::Kvm2Provider;
 use egress_operator::provider::kvm2::fake::{FakeOps, Hooked, OpHook};
-use egress_operator::provider::kvm2::image::{ImageCacheOptions, ImageMetrics};
 use egress_operator::provider::kvm2::ops::{HostOps, OpsError};
 use egress_operator::provider::{
     BoxFuture, CreateRequest, Fence, Provider, ProviderError, ProxyRef, UserData,
 };
-use egress_operator::templates::TemplateSet;
+use integration_tests::fake_rig::{self, FakeConfig};
 use integration_tests::http::{HttpServer, Route};
-use integration_tests::{plugin_path, sha256_hex};
+use integration_tests::sha256_hex;
 use tokio::sync::watch;
 
 /// A hang fails the test instead of blocking CI; not a timing assertion.
 const HANG_GUARD: Duration = Duration::from_secs(60);
 const UID: &str = "0b7c3c1e-9a43-4f5e-a1d2-3c4b5a6978f1";
-
-/// A small qcow2 image: a version 3 header naming a 512 MiB disk, then filler.
-fn image_bytes() -> Arc<Vec<u8>> {
-    let mut b = vec![0u8; 512];
-    b[..4].copy_from_slice(b"QFI\xfb");
-    b[4..8].copy_from_slice(&3u32.to_be_bytes());
-    b[20..24].copy_from_slice(&16u32.to_be_bytes());
-    b[24..32].copy_from_slice(&(512u64 << 20).to_be_bytes());
-    b.extend((0..5500u32).map(|i| (i * 7 % 251) as u8));
-    Arc::new(b)
-}
-
-fn test_config(url: &str, sha: &str) -> Arc<ValidConfig> {
-    let yaml = format!(
-        r#"
-clusterId: test
-kvm2:
-  ssh:
-    user: egress
-    privateKeyFile: /nonexistent/id_ed25519
-    knownHostsFile: /nonexistent/known_hosts
-  hosts:
-    - {{name: h1, address: "127.0.0.1:1", storagePool: default, bridge: br0}}
-  images:
-    - {{name: base, url: "{url}", sha256: "{sha}", format: qcow2, allowHttp: true, allowPrivateAddresses: true}}
-  machineTypes:
-    - {{name: small, vcpus: 1, memoryMiB: 128, diskGiB: 1}}
-  defaults: {{machineType: small, image: base}}
-  templates:
-    domain: {{path: {domain}}}
-    vendorData:
-      path: {vendor}
-      settings: {{listenPort: 3128, allowedClientCidrs: [10.0.0.0/8]}}
-"#,
-        domain = plugin_path("domain-default").unwrap().display(),
-        vendor = plugin_path("vendor-data-default").unwrap().display(),
-    );
-    Arc::new(config::parse(&yaml, "fencing-config", std::path::Path::new("/")).unwrap())
-}
-
-/// The default plugins, compiled once for every test of this binary.
-fn templates(config: &ValidConfig) -> Arc<TemplateSet> {
-    static SET: OnceLock<Arc<TemplateSet>> = OnceLock::new();
-    SET.get_or_init(|| integration_tests::load_templates(&config.kvm2.templates).unwrap())
-        .clone()
-}
 
 /// Loses the lease on operation `op` about `target` (any target when empty), before it
 /// runs: the replica's lease went while the Create was between two steps.
@@ -116,10 +68,12 @@ struct World {
 
 impl World {
     fn new(op: &'static str, target: String) -> Self {
-        let bytes = image_bytes();
+        let bytes = fake_rig::test_image(512 << 20, 5500);
         let http =
             HttpServer::start(vec![("/img".to_string(), Route::Body(bytes.clone()))]).unwrap();
-        let config = test_config(&http.url("/img"), &sha256_hex(&bytes));
+        let config = FakeConfig::new(&http.url("/img"), &sha256_hex(&bytes))
+            .name("fencing-config")
+            .build();
         let fake = Arc::new(FakeOps::new(&["h1"], 1 << 40));
         let (lease, rx) = watch::channel(true);
         let hooked = Arc::new(Hooked::wrap(
@@ -131,24 +85,11 @@ impl World {
                 seen: Mutex::new(Vec::new()),
             },
         ));
-        let options = Kvm2Options {
-            images: ImageCacheOptions {
-                poll_every: Duration::from_millis(20),
-                max_wait: Duration::from_secs(20),
-                ..ImageCacheOptions::default()
-            },
-            start_timeout: Duration::from_secs(2),
-            shutdown_timeout: Duration::from_secs(1),
-            poll_every: Duration::from_millis(10),
-            ..Kvm2Options::default()
-        };
-        let provider = Kvm2Provider::new(
-            config.clone(),
-            hooked.clone() as Arc<dyn HostOps>,
-            templates(&config),
-            options,
-            ImageMetrics::default(),
-        );
+        // A stuck image wait fails within the hang guard.
+        let mut options = fake_rig::fast_options();
+        options.images.max_wait = Duration::from_secs(20);
+        let provider =
+            fake_rig::provider_with(&config, hooked.clone() as Arc<dyn HostOps>, options);
         Self {
             _http: http,
             fake,

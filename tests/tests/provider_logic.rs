@@ -24,15 +24,16 @@ use egress_operator::instance::{
 use egress_operator::provider::health::HealthBoard;
 use egress_operator::provider::kvm2::backend::{Kvm2Options, Kvm2Provider};
 use egress_operator::provider::kvm2::fake::{FAULT_POINTS, FakeOps, FaultyOps, Hooked, OpHook};
-use egress_operator::provider::kvm2::image::{ImageCacheOptions, ImageMetrics, qcow2};
+use egress_operator::provider::kvm2::image::ImageMetrics;
 use egress_operator::provider::kvm2::ops::{Created, HostOps, OpsError, UploadChunks};
 use egress_operator::provider::{
     BoxFuture, CreateRequest, InstanceId, InstanceState, Provider, ProviderError, ProxyRef,
     UserData,
 };
 use egress_operator::templates::{TemplateEngine, TemplateSet};
+use integration_tests::fake_rig::{self, FakeConfig};
 use integration_tests::http::{HttpServer, Route};
-use integration_tests::{plugin_path, sha256_hex};
+use integration_tests::sha256_hex;
 use tokio::sync::Notify;
 
 /// A hang fails the test instead of blocking CI; not a timing assertion.
@@ -75,9 +76,7 @@ fn image_bytes() -> Arc<Vec<u8>> {
 }
 
 fn qcow2_bytes(virtual_size: u64) -> Arc<Vec<u8>> {
-    let mut b = qcow2::test_header(3, virtual_size, 512);
-    b.extend((0..5500u32).map(|i| (i * 7 % 251) as u8));
-    Arc::new(b)
+    fake_rig::test_image(virtual_size, 5500)
 }
 
 /// How a test's world is set up.
@@ -187,43 +186,24 @@ impl Env {
     }
 }
 
+/// Hosts h1 (with `maxDomains: h1_max_domains`) and h2.
 fn test_config(url: &str, sha: &str, h1_max_domains: u32) -> Arc<ValidConfig> {
-    let yaml = format!(
-        r#"
-clusterId: test
-kvm2:
-  ssh:
-    user: egress
-    privateKeyFile: /nonexistent/id_ed25519
-    knownHostsFile: /nonexistent/known_hosts
-  hosts:
-    - {{name: h1, address: "127.0.0.1:1", storagePool: default, bridge: br0, maxDomains: {h1_max_domains}}}
-    - {{name: h2, address: "127.0.0.1:2", storagePool: default, bridge: br0}}
-  images:
-    - {{name: base, url: "{url}", sha256: "{sha}", format: qcow2, allowHttp: true, allowPrivateAddresses: true}}
-  machineTypes:
-    - {{name: small, vcpus: 1, memoryMiB: 128, diskGiB: 1}}
-  defaults: {{machineType: small, image: base}}
-  templates:
-    domain: {{path: {domain}}}
-    vendorData:
-      path: {vendor}
-      settings: {{listenPort: 3128, allowedClientCidrs: [10.0.0.0/8]}}
-"#,
-        domain = plugin_path("domain-default").unwrap().display(),
-        vendor = plugin_path("vendor-data-default").unwrap().display(),
-    );
-    Arc::new(config::parse(&yaml, "provider-logic-config", std::path::Path::new("/")).unwrap())
+    FakeConfig::new(url, sha)
+        .host("h1", &format!("maxDomains: {h1_max_domains}"))
+        .host("h2", "")
+        .name("provider-logic-config")
+        .build()
 }
 
-/// The default plugins, compiled once for every test of this binary.
-fn templates() -> Arc<TemplateSet> {
-    static SET: OnceLock<Arc<TemplateSet>> = OnceLock::new();
-    SET.get_or_init(|| {
-        let config = test_config("http://127.0.0.1:1/img", &"a".repeat(64), 32);
-        integration_tests::load_templates(&config.kvm2.templates).unwrap()
-    })
-    .clone()
+/// The fake rig's short waits, with a quick takeover of a stale staging volume
+/// ([`STALE_AFTER`]), an image wait bounded within the hang guard, and placement that
+/// reads `health`.
+fn logic_options(health: HealthBoard) -> Kvm2Options {
+    let mut options = fake_rig::fast_options();
+    options.images.stale_after = STALE_AFTER;
+    options.images.max_wait = Duration::from_secs(20);
+    options.health = health;
+    options
 }
 
 /// A provider over `ops` with short waits (mirrors the real rig's `provider()`).
@@ -237,27 +217,7 @@ fn provider_with_health(
     ops: Arc<dyn HostOps>,
     health: HealthBoard,
 ) -> Kvm2Provider {
-    let images = ImageCacheOptions {
-        stale_after: STALE_AFTER,
-        poll_every: Duration::from_millis(20),
-        max_wait: Duration::from_secs(20),
-        ..ImageCacheOptions::default()
-    };
-    let options = Kvm2Options {
-        images,
-        start_timeout: Duration::from_secs(2),
-        shutdown_timeout: Duration::from_secs(1),
-        poll_every: Duration::from_millis(10),
-        health,
-        ..Kvm2Options::default()
-    };
-    Kvm2Provider::new(
-        config.clone(),
-        ops,
-        templates(),
-        options,
-        ImageMetrics::default(),
-    )
+    fake_rig::provider_with(config, ops, logic_options(health))
 }
 
 /// A valid UID numbered `n`.
@@ -1981,19 +1941,7 @@ fn provider_with_overridable_port(env: &Env) -> Kvm2Provider {
     let engine = ENGINE.get_or_init(|| TemplateEngine::new(None).unwrap());
     let set = TemplateSet::load(engine, &config.kvm2.templates);
     assert!(set.is_healthy(), "{:?}", set.health());
-    let options = Kvm2Options {
-        images: ImageCacheOptions {
-            stale_after: STALE_AFTER,
-            poll_every: Duration::from_millis(20),
-            max_wait: Duration::from_secs(20),
-            ..ImageCacheOptions::default()
-        },
-        start_timeout: Duration::from_secs(2),
-        shutdown_timeout: Duration::from_secs(1),
-        poll_every: Duration::from_millis(10),
-        health: HealthBoard::default(),
-        ..Kvm2Options::default()
-    };
+    let options = logic_options(HealthBoard::default());
     Kvm2Provider::new(
         config,
         env.ops(),
@@ -2136,26 +2084,10 @@ mod lifecycle {
     }
 
     fn clocked_provider(env: &Env, ops: Arc<dyn HostOps>, clock: &Clock) -> Kvm2Provider {
-        let options = Kvm2Options {
-            images: ImageCacheOptions {
-                stale_after: STALE_AFTER,
-                poll_every: Duration::from_millis(20),
-                max_wait: Duration::from_secs(20),
-                ..ImageCacheOptions::default()
-            },
-            start_timeout: Duration::from_millis(500),
-            shutdown_timeout: Duration::from_secs(1),
-            poll_every: Duration::from_millis(10),
-            clock: clock.stamp(),
-            ..Kvm2Options::default()
-        };
-        Kvm2Provider::new(
-            env.config.clone(),
-            ops,
-            templates(),
-            options,
-            ImageMetrics::default(),
-        )
+        let mut options = logic_options(HealthBoard::default());
+        options.start_timeout = Duration::from_millis(500);
+        options.clock = clock.stamp();
+        fake_rig::provider_with(&env.config, ops, options)
     }
 
     fn gc_over(

@@ -17,7 +17,7 @@
 use std::collections::BTreeSet;
 use std::future::Future;
 use std::net::{IpAddr, Ipv4Addr};
-use std::sync::{Arc, OnceLock};
+use std::sync::Arc;
 use std::time::Duration;
 
 use egress_operator::Classified as _;
@@ -26,19 +26,18 @@ use egress_operator::config::{self, ValidConfig};
 use egress_operator::error::ErrorClass;
 use egress_operator::instance::{InstanceIdentity, MetadataMark, check_mac};
 use egress_operator::provider::kvm2::addresses::{AddressSource, NicAddrs};
-use egress_operator::provider::kvm2::backend::{Kvm2Options, Kvm2Provider};
+use egress_operator::provider::kvm2::backend::Kvm2Provider;
 use egress_operator::provider::kvm2::domain::ippool::preferred_offset;
 use egress_operator::provider::kvm2::fake::FakeOps;
-use egress_operator::provider::kvm2::image::{ImageCacheOptions, ImageMetrics, qcow2};
 use egress_operator::provider::kvm2::metadata::mark_from_domain_xml;
 use egress_operator::provider::kvm2::ops::HostOps;
 use egress_operator::provider::kvm2::seed;
 use egress_operator::provider::{
     AddressOrigin, CreateRequest, Instance, InstanceId, InstanceState, Provider, ProxyRef,
 };
-use egress_operator::templates::TemplateSet;
+use integration_tests::fake_rig::{self, FakeConfig};
 use integration_tests::http::{HttpServer, Route};
-use integration_tests::{plugin_path, sha256_hex};
+use integration_tests::sha256_hex;
 
 /// A hang fails the test instead of blocking CI; not a timing assertion.
 const HANG_GUARD: Duration = Duration::from_secs(120);
@@ -67,43 +66,15 @@ fn pool_yaml(size: u32) -> String {
 
 /// h1 with a pool of `size` addresses and `maxDomains: size`; h2 without a pool.
 fn test_config(url: &str, sha: &str, size: u32) -> Arc<ValidConfig> {
-    let yaml = format!(
-        r#"
-clusterId: test
-kvm2:
-  ssh:
-    user: egress
-    privateKeyFile: /nonexistent/id_ed25519
-    knownHostsFile: /nonexistent/known_hosts
-  hosts:
-    - {{name: h1, address: "127.0.0.1:1", storagePool: default, bridge: br0, maxDomains: {size}, maxConcurrentCreates: 8, {pool}}}
-    - {{name: h2, address: "127.0.0.1:2", storagePool: default, bridge: br0}}
-  images:
-    - {{name: base, url: "{url}", sha256: "{sha}", format: qcow2, allowHttp: true, allowPrivateAddresses: true}}
-  machineTypes:
-    - {{name: small, vcpus: 1, memoryMiB: 128, diskGiB: 1}}
-  defaults: {{machineType: small, image: base}}
-  templates:
-    domain: {{path: {domain}}}
-    vendorData:
-      path: {vendor}
-      settings: {{listenPort: 3128, allowedClientCidrs: [10.0.0.0/8]}}
-"#,
-        pool = pool_yaml(size),
-        domain = plugin_path("domain-default").unwrap().display(),
-        vendor = plugin_path("vendor-data-default").unwrap().display(),
+    let h1 = format!(
+        "maxDomains: {size}, maxConcurrentCreates: 8, {}",
+        pool_yaml(size)
     );
-    Arc::new(config::parse(&yaml, "static-addresses-config", std::path::Path::new("/")).unwrap())
-}
-
-/// The default plugins, compiled once for every test of this binary.
-fn templates() -> Arc<TemplateSet> {
-    static SET: OnceLock<Arc<TemplateSet>> = OnceLock::new();
-    SET.get_or_init(|| {
-        let config = test_config("http://127.0.0.1:1/img", &"a".repeat(64), 4);
-        integration_tests::load_templates(&config.kvm2.templates).unwrap()
-    })
-    .clone()
+    FakeConfig::new(url, sha)
+        .host("h1", &h1)
+        .host("h2", "")
+        .name("static-addresses-config")
+        .build()
 }
 
 /// An image server, fake hosts h1 and h2, and the config over them.
@@ -115,11 +86,9 @@ struct Env {
 
 impl Env {
     fn new(pool_size: u32) -> Self {
-        let mut bytes = qcow2::test_header(3, 512 << 20, 512);
-        bytes.extend((0..3000u32).map(|i| (i * 7 % 251) as u8));
+        let bytes = fake_rig::test_image(512 << 20, 3000);
         let sha = sha256_hex(&bytes);
-        let http =
-            HttpServer::start(vec![("/img".to_string(), Route::Body(Arc::new(bytes)))]).unwrap();
+        let http = HttpServer::start(vec![("/img".to_string(), Route::Body(bytes))]).unwrap();
         let config = test_config(&http.url("/img"), &sha, pool_size);
         Self {
             _http: http,
@@ -130,24 +99,7 @@ impl Env {
 
     /// A provider with a fresh address book: what an operator that just started has.
     fn provider(&self) -> Kvm2Provider {
-        let options = Kvm2Options {
-            images: ImageCacheOptions {
-                poll_every: Duration::from_millis(20),
-                ..ImageCacheOptions::default()
-            },
-            start_timeout: Duration::from_secs(2),
-            shutdown_timeout: Duration::from_secs(1),
-            poll_every: Duration::from_millis(10),
-            ..Kvm2Options::default()
-        };
-        let ops: Arc<dyn HostOps> = self.fake.clone();
-        Kvm2Provider::new(
-            self.config.clone(),
-            ops,
-            templates(),
-            options,
-            ImageMetrics::default(),
-        )
+        fake_rig::provider(&self.config, self.fake.clone())
     }
 
     /// The mark of domain `name` on `host`, as the fake stores it.
