@@ -104,32 +104,34 @@ docs = json.load(sys.stdin)
 json.dump([read(d) for d in docs], sys.stdout)
 "###;
 
+/// Debian's own interpreter (with Debian's python3-yaml), the one cloud-init runs on a
+/// Debian 12 guest, rather than whatever `python3` comes first on PATH (pyenv's, here).
+const PYTHON: &str = "/usr/bin/python3";
+
 /// Whether python3 runs here; a missing one fails under CI (see `cannot_run`).
 fn python() -> bool {
-    let ok = Command::new("python3")
+    let ok = Command::new(PYTHON)
         .arg("--version")
         .output()
         .is_ok_and(|o| o.status.success());
     ok || !cannot_run("python3 is missing (scripts/setup.sh installs it)")
 }
 
-/// Whether PyYAML (Debian's python3-yaml) is importable.
+/// Whether PyYAML (Debian's python3-yaml) is importable; a missing one fails under CI.
 fn pyyaml() -> bool {
-    let ok = Command::new("python3")
+    let ok = Command::new(PYTHON)
         .args(["-c", "import yaml"])
         .output()
         .is_ok_and(|o| o.status.success());
-    if !ok {
-        eprintln!(
-            "PyYAML is missing: cloud-config keys are not compared (apt install python3-yaml)"
-        );
-    }
-    ok
+    ok || !cannot_run(
+        "PyYAML is missing: cloud-config keys cannot be compared (scripts/setup.sh installs \
+         python3-yaml)",
+    )
 }
 
 /// Python's readings of `docs`, in order.
 fn python_readings(docs: &[String]) -> Vec<Value> {
-    let mut child = Command::new("python3")
+    let mut child = Command::new(PYTHON)
         .args(["-c", READER])
         .stdin(Stdio::piped())
         .stdout(Stdio::piped())
