@@ -29,8 +29,10 @@ pub const DEFAULT_VENDOR_SETTINGS: &str = "{listenPort: 3128, allowedClientCidrs
 /// (1 vCPU, 128 MiB, 1 GiB disk unless set), both defaults, and the default plugins built
 /// by `make plugins`.
 ///
-/// ```ignore
-/// let config = FakeConfig::new(&http.url("/img"), &sha)
+/// ```no_run
+/// # use integration_tests::fake_rig::FakeConfig;
+/// # let sha = "a".repeat(64);
+/// let config = FakeConfig::new("http://127.0.0.1:1/img", &sha)
 ///     .host("h1", "maxDomains: 32")
 ///     .host("h2", "")
 ///     .name("provider-logic-config")
