@@ -50,21 +50,34 @@ generate:
 	set -o pipefail; $(BIN) crd | bash scripts/split-crds.sh config/crd/bases
 	$(BIN) allow-list > templates-sdk/src/allow_list.md
 
-## test: setup, lint, docs, the guest image, then every test (tests/tests/guest_e2e.rs
-## boots the guest). The guest image (mostly downloads and dpkg) builds in the background
-## while the code compiles; its log is $(TARGET_DIR)/guest-image.log.
+## test: setup, lint, docs, the guest image and the test control plane, then every test
+## (tests/tests/guest_e2e.rs boots the guest; the cluster tier runs against a local etcd and
+## kube-apiserver, or the cluster of KUBECONFIG when set). The guest image (mostly downloads
+## and dpkg) and the control plane (Go builds of etcd, kube-apiserver, kube-controller-manager
+## and kubectl; cached by version) build in the background while the code compiles; their
+## logs are $(TARGET_DIR)/guest-image.log and $(TARGET_DIR)/controlplane.log.
 test: setup
 	@mkdir -p $(TARGET_DIR)
 	set -euo pipefail; \
 	bash scripts/guest-image.sh $(GUEST_IMAGE) > $(TARGET_DIR)/guest-image.log 2>&1 & image=$$!; \
-	trap 'kill $$image 2>/dev/null || true' EXIT; \
+	bash scripts/controlplane.sh > $(TARGET_DIR)/controlplane.log 2>&1 & plane=$$!; \
+	trap 'kill $$image $$plane 2>/dev/null || true' EXIT; \
 	$(MAKE) --no-print-directory lint plugins; \
 	RUSTDOCFLAGS="-D warnings" $(CARGO) doc --workspace --no-deps --locked --quiet; \
 	$(CARGO) test --workspace --locked --no-run --quiet; \
 	if ! wait $$image; then tail -n 40 $(TARGET_DIR)/guest-image.log; echo "make test: the guest image build failed (log above)" >&2; exit 1; fi; \
 	tail -n 3 $(TARGET_DIR)/guest-image.log; \
+	if ! wait $$plane; then tail -n 40 $(TARGET_DIR)/controlplane.log; echo "make test: the control plane build failed (log above)" >&2; exit 1; fi; \
+	tail -n 2 $(TARGET_DIR)/controlplane.log; \
+	export EGRESS_CONTROLPLANE_DIR="$$(tail -n 1 $(TARGET_DIR)/controlplane.log)"; \
 	$(CARGO) test --workspace --locked --no-fail-fast 2>&1 | tee $(TARGET_DIR)/test.log
 	@bash scripts/test-summary.sh $(TARGET_DIR)/test.log
+
+## controlplane: build (or find cached) etcd, kube-apiserver, kube-controller-manager and
+## kubectl for the cluster tier and the demo (scripts/controlplane.sh); prints their directory
+.PHONY: controlplane
+controlplane:
+	@bash scripts/controlplane.sh
 
 ## guest-image: build the real Debian 12 guest (cloud kernel, cloud-init NoCloud, qemu-guest-agent,
 ## tinyproxy) from Debian packages; cached, rebuilt only when its recipe changes (scripts/guest-image.sh)
@@ -78,15 +91,16 @@ DEMO_IMAGE := $(TARGET_DIR)/demo/demo.qcow2
 demo-image:
 	bash scripts/demo-image.sh $(DEMO_IMAGE)
 
-## demo: the main job on local defaults: start a local sshd and an isolated libvirtd
-## (network namespace, bridge with no route out, an HTTP server inside), serve the Debian
-## guest image from a loopback HTTP server, provision one proxy VM with a static address
-## with `egress-operator provision` until its proxy serves, fetch a page through it, show
-## a refused client, delete it, and show that nothing is left
-demo: setup plugins guest-image
+## demo: the main job on local defaults, the operator as an operator: a local Kubernetes
+## control plane (etcd, kube-apiserver, built here), sshd and an isolated libvirtd (network
+## namespace, bridge with no route out, an HTTP server inside), the CRDs and RBAC applied
+## with kubectl, `egress-operator run` as its ServiceAccount; then `kubectl apply` a Secret
+## and a Proxy, wait for Ready, fetch a page through the VM, show a refused client,
+## `kubectl delete` it and show that nothing is left. Ctrl-C tears everything down.
+demo: setup plugins guest-image controlplane
 	$(CARGO) build --locked -p egress-operator --bin egress-operator
 	$(CARGO) build --locked -p integration-tests --bin egress-demo
-	$(TARGET_DIR)/debug/egress-demo $(GUEST_IMAGE) $(BIN)
+	EGRESS_CONTROLPLANE_DIR="$$(bash scripts/controlplane.sh)" $(TARGET_DIR)/debug/egress-demo $(GUEST_IMAGE) $(BIN)
 
 ## bench: timings printed as ratios against a peer measured in the same run
 bench: setup plugins

@@ -31,15 +31,14 @@ set -euo pipefail
 BOOKWORM_PKGS=(pkg-config libvirt-dev libvirt-daemon-system libvirt-clients libxml2-utils
   openssh-server netcat-openbsd socat xorriso iproute2 dnsmasq-base syslinux mtools dosfstools
   python3 python3-yaml curl shellcheck nftables)
-#   kubernetes-client            kubectl: the manifest tests render config/default with
-#                                `kubectl kustomize`; only when no kubectl is on PATH yet
-#                                (another vendor's kubectl package would clash with it)
-if ! command -v kubectl >/dev/null 2>&1; then
-  BOOKWORM_PKGS+=(kubernetes-client)
-fi
-# qemu-utils 10 from bookworm-backports is preinstalled on our machines, so the
-# emulator must come from the same suite or apt refuses the mix.
-BACKPORTS_PKGS=(qemu-system-x86)
+# QEMU 10 from bookworm-backports: the emulator and qemu-img (qemu-utils) from the same
+# suite. Some machines come with qemu-utils 10 preinstalled (apt refuses to mix suites
+# then); on others libvirt-daemon-system would pull bookworm's qemu-utils 7.2 beside a
+# QEMU 10, so both are installed from backports first, and a non-backports qemu-utils
+# counts as missing.
+BACKPORTS_PKGS=(qemu-system-x86 qemu-utils)
+# kubectl, kube-apiserver and etcd are not Debian packages here (bookworm's kubectl 1.20
+# is too old for the API server the tests run): scripts/controlplane.sh builds them with Go.
 RUST_TARGETS=(wasm32-wasip2)
 BACKPORTS_LIST=/etc/apt/sources.list.d/bookworm-backports.sources
 
@@ -49,6 +48,15 @@ missing_pkgs() {
   local p
   for p in "$@"; do
     dpkg-query -W -f='${db:Status-Status}' "$p" 2>/dev/null | grep -qx installed || printf '%s\n' "$p"
+  done
+}
+
+# Backports packages count as present only at a backports version.
+missing_backports() {
+  local p
+  for p in "$@"; do
+    dpkg-query -W -f='${db:Status-Status} ${Version}' "$p" 2>/dev/null | grep -q '^installed .*~bpo12' \
+      || printf '%s\n' "$p"
   done
 }
 
@@ -75,7 +83,7 @@ apt_update() {
 install_apt() {
   local main_missing bp_missing
   mapfile -t main_missing < <(missing_pkgs "${BOOKWORM_PKGS[@]}")
-  mapfile -t bp_missing < <(missing_pkgs "${BACKPORTS_PKGS[@]}")
+  mapfile -t bp_missing < <(missing_backports "${BACKPORTS_PKGS[@]}")
   if [ ${#main_missing[@]} -eq 0 ] && [ ${#bp_missing[@]} -eq 0 ]; then
     log "Debian packages present"
     return
@@ -124,6 +132,17 @@ install_rust_targets() {
   done
 }
 
+check_go() {
+  # Go builds the test control plane (scripts/controlplane.sh); the machines ship it.
+  if command -v go >/dev/null 2>&1; then
+    log "go present ($(go version | awk '{print $3}'))"
+  else
+    log "Go is missing: the test control plane (kube-apiserver, etcd) is built with Go 1.24 or newer" >&2
+    exit 1
+  fi
+}
+
 install_apt
 install_rust_targets
+check_go
 log "done"

@@ -1,11 +1,13 @@
 //! Shared helpers for the integration tests in `tests/tests/`.
 #![forbid(unsafe_code)]
 
+pub mod connect_responder;
 pub mod fake_rig;
 pub mod guest_lab;
 pub mod harness;
 pub mod http;
 pub mod https;
+pub mod operator_process;
 pub mod provider_rig;
 
 use std::path::PathBuf;

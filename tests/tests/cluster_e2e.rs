@@ -1,11 +1,11 @@
 #![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
-//! End-to-end test against a real Kubernetes cluster; runs only when `KUBECONFIG` is set.
+//! End-to-end test of the Proxy controller against a real Kubernetes API server: the local
+//! control plane of the test harness (etcd and kube-apiserver built here, see
+//! `integration_tests::harness::ControlPlane`), or the cluster of `KUBECONFIG` when set
+//! (kind, k3d). It never skips. It:
 //!
-//! Without `KUBECONFIG` the test prints why it is skipped and passes. With it, the test
-//! uses that kubeconfig (its current context) and:
-//!
-//! 1. applies both CRDs (`Proxy`, `ProviderHealth`) with server-side apply (field manager
-//!    `egress-operator-e2e`) and waits until they are Established;
+//! 1. applies both CRDs from `config/crd/bases` with server-side apply and waits until they
+//!    are Established;
 //! 2. creates a throwaway namespace `egress-e2e-<suffix>`, deleted at the end by a guard,
 //!    also when the test fails (it strips our finalizer from Proxies left behind, so the
 //!    namespace never hangs in `Terminating`);
@@ -19,24 +19,16 @@
 //! 6. deletes the Proxy and waits until it is gone and the fake holds nothing for it;
 //! 7. checks that the CRD schema refuses an invalid Proxy (422) and that the CEL rule
 //!    refuses a change of `spec` (422, "immutable");
-//! 8. stops the controller and deletes the namespace. The CRDs stay installed.
+//! 8. stops the controller and deletes the namespace.
 //!
-//! The controller watches Proxies in **all** namespaces, as the operator does: use a
-//! throwaway cluster (kind, k3d, minikube), not one where an egress-operator already
-//! runs or where other Proxies exist (this test's controller, whose provider is a fake,
-//! would reconcile them too). The kubeconfig's user needs cluster-admin-like rights
-//! (CRDs, namespaces, Secrets, Proxies, events).
+//! The controller watches Proxies in **all** namespaces, as the operator does: with
+//! `KUBECONFIG`, use a throwaway cluster, not one where an egress-operator already runs
+//! (this test's controller, whose provider is a fake, would reconcile its Proxies too).
+//! The operator itself, as a process with its ServiceAccount's RBAC, is tested in
+//! `operator_process.rs`.
 //!
-//! How to run it, e.g. with kind:
-//!
-//! ```text
-//! kind create cluster --name egress-e2e
-//! KUBECONFIG=~/.kube/config cargo test -p integration-tests --test cluster_e2e -- --nocapture
-//! kind delete cluster --name egress-e2e
-//! ```
-//!
-//! Every wait has a hang guard ([`GUARD`]): an unreachable or stuck cluster fails the
-//! test with a message naming the step, never hangs it.
+//! Every wait has a hang guard ([`GUARD`]): a stuck API server fails the test with a
+//! message naming the step, never hangs it.
 
 use std::collections::BTreeMap;
 use std::future::Future;
@@ -51,11 +43,11 @@ use egress_operator::controller::{self, ControllerMetrics, FINALIZER};
 use egress_operator::provider::fake::FakeProvider;
 use egress_operator::provider::registry::Registry;
 use egress_operator::provider::{InstanceId, Provider};
+use integration_tests::harness::ControlPlane;
 use k8s_openapi::api::core::v1::{Namespace, Secret};
 use k8s_openapi::api::events::v1::Event;
 use k8s_openapi::apiextensions_apiserver::pkg::apis::apiextensions::v1::CustomResourceDefinition;
 use kube::api::{DeleteParams, ListParams, ObjectMeta, Patch, PatchParams, PostParams};
-use kube::config::{KubeConfigOptions, Kubeconfig};
 use kube::runtime::wait::{await_condition, conditions};
 use kube::{Api, Client, CustomResourceExt, ResourceExt};
 
@@ -63,8 +55,6 @@ use kube::{Api, Client, CustomResourceExt, ResourceExt};
 const GUARD: Duration = Duration::from_secs(120);
 /// How long the first request may take before the cluster counts as unreachable.
 const REACH_GUARD: Duration = Duration::from_secs(30);
-/// Field manager of the CRD applies.
-const E2E_MANAGER: &str = "egress-operator-e2e";
 const PROXY: &str = "e2e-proxy";
 const PINNED: &str = "e2e-pinned";
 const SECRET: &str = "e2e-user-data";
@@ -354,48 +344,35 @@ fn kvm2_spec() -> ProxySpec {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn proxy_lifecycle_on_a_real_cluster() {
-    match std::env::var_os("KUBECONFIG") {
-        Some(v) if !v.is_empty() => {}
-        _ => {
-            println!("skipped: KUBECONFIG is not set (cluster tests need a real cluster)");
-            return;
-        }
-    }
-    let kubeconfig_env = std::env::var("KUBECONFIG").unwrap_or_default();
-
     // ---- Connect -------------------------------------------------------------------
-    let kubeconfig = Kubeconfig::from_env()
-        .unwrap_or_else(|e| panic!("reading KUBECONFIG={kubeconfig_env}: {e}"))
-        .unwrap_or_else(|| panic!("KUBECONFIG={kubeconfig_env} names no kubeconfig"));
-    let config = kube::Config::from_custom_kubeconfig(kubeconfig, &KubeConfigOptions::default())
-        .await
-        .unwrap_or_else(|e| panic!("kubeconfig from KUBECONFIG={kubeconfig_env}: {e}"));
-    let server = config.cluster_url.to_string();
-    let client = Client::try_from(config).unwrap_or_else(|e| panic!("client for {server}: {e}"));
+    let plane = ControlPlane::shared().unwrap_or_else(|e| panic!("{e:#}"));
+    let client = plane.client().await.unwrap_or_else(|e| panic!("{e:#}"));
     let version = step(
-        &format!(
-            "reach the API server at {server} (KUBECONFIG={kubeconfig_env}; is the cluster up?)"
-        ),
+        "reach the API server (is the control plane up?)",
         REACH_GUARD,
         client.apiserver_version(),
     )
     .await;
-    println!("cluster: {server}, Kubernetes {}", version.git_version);
+    println!(
+        "cluster: {} ({}), Kubernetes {}",
+        plane.server().unwrap_or_default(),
+        if plane.is_local() {
+            "local control plane"
+        } else {
+            "KUBECONFIG"
+        },
+        version.git_version
+    );
 
     // ---- 1. CRDs ---------------------------------------------------------------------
+    // As a platform team installs them: the committed manifests, by server-side apply.
+    plane
+        .install_crds()
+        .await
+        .unwrap_or_else(|e| panic!("{e:#}"));
     let crds = Api::<CustomResourceDefinition>::all(client.clone());
     for crd in [Proxy::crd(), ProviderHealth::crd()] {
         let name = crd.name_any();
-        step(
-            &format!("apply CRD {name}"),
-            GUARD,
-            crds.patch(
-                &name,
-                &PatchParams::apply(E2E_MANAGER).force(),
-                &Patch::Apply(&crd),
-            ),
-        )
-        .await;
         step(
             &format!("wait for CRD {name} to be Established"),
             GUARD,
@@ -466,6 +443,11 @@ async fn proxy_lifecycle_on_a_real_cluster() {
     let secret = Secret {
         metadata: ObjectMeta {
             name: Some(SECRET.into()),
+            // The opt-in label: the operator uses no Secret without it.
+            labels: Some(BTreeMap::from([(
+                "egress-operator.dev/user-data".to_string(),
+                "true".to_string(),
+            )])),
             ..Default::default()
         },
         string_data: Some(BTreeMap::from([(
@@ -682,7 +664,5 @@ async fn proxy_lifecycle_on_a_real_cluster() {
     )
     .await;
     drop(guard);
-    println!(
-        "8. controller stopped; namespace {ns} deleted; CRDs left installed (kubectl delete crd proxies.{GROUP} providerhealths.{GROUP} to remove them)"
-    );
+    println!("8. controller stopped; namespace {ns} deleted");
 }

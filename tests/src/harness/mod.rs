@@ -23,6 +23,7 @@
 //! # }
 //! ```
 
+pub mod controlplane;
 mod libvirtd;
 mod process;
 mod route;
@@ -34,6 +35,7 @@ use std::fs;
 use anyhow::{Context, Result};
 use tempfile::TempDir;
 
+pub use controlplane::{ControlPlane, TestNamespace};
 pub use libvirtd::Libvirtd;
 pub use route::{NamespaceRoute, subnet_index};
 pub use skip::{Need, cannot_run, in_ci, skip, skip_reason};

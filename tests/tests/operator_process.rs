@@ -1,0 +1,259 @@
+#![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
+//! The operator as an operator: `egress-operator run` as a process acting as its
+//! ServiceAccount (`egress-system/egress-operator`, RBAC from `config/rbac` as shipped),
+//! against the local control plane, with the real kvm2 provider over the harness's sshd
+//! and libvirtd (QEMU). Controller, GC, health monitor and elector all run.
+//!
+//! The VM's image does not boot (a small blank qcow2), so the proxy itself is stood in for
+//! on loopback: the host's static address pool is `127.77.0.0/24`, and a CONNECT responder
+//! listens on those addresses, so the operator's real Serving probe passes once the domain
+//! runs. Everything else is real: image download and verification, overlay, seed, domain
+//! from the plugins, define, start, status by server-side apply, events, finalizer, delete.
+//!
+//! Any request of the operator the API server refused with 403 (read from the API
+//! server's audit log) fails the test.
+
+use std::collections::BTreeSet;
+use std::net::Ipv4Addr;
+use std::path::PathBuf;
+use std::time::{Duration, Instant};
+
+use egress_operator::api::provider_health::ProviderHealth;
+use egress_operator::api::proxy::Proxy;
+use integration_tests::connect_responder::ConnectResponder;
+use integration_tests::harness::controlplane::{OPERATOR_NAMESPACE, OPERATOR_SERVICE_ACCOUNT};
+use integration_tests::harness::{self, ControlPlane, Libvirtd, Need, Sshd};
+use integration_tests::http::{HttpServer, Route};
+use integration_tests::operator_process::{OperatorOptions, OperatorProcess};
+use integration_tests::{TestImage, provider_config_yaml, small_qcow2};
+use kube::ResourceExt;
+use kube::api::{Api, DeleteParams, PostParams};
+
+/// Hang guard of every wait: generous, never a performance assertion.
+const GUARD: Duration = Duration::from_secs(240);
+/// The loopback addresses the static pool hands out, and the responder answers on.
+const POOL_FIRST: u8 = 10;
+const POOL_LAST: u8 = 19;
+
+fn binary() -> PathBuf {
+    PathBuf::from(env!("CARGO_BIN_EXE_operator-under-test"))
+}
+
+fn pool_addresses() -> impl Iterator<Item = Ipv4Addr> {
+    (POOL_FIRST..=POOL_LAST).map(|i| Ipv4Addr::new(127, 77, 0, i))
+}
+
+/// Polls `f` every 250 ms until it yields, under [`GUARD`]; the failure names `what` and
+/// carries the operator's log.
+async fn wait_for<T, Fut: std::future::Future<Output = Option<T>>>(
+    what: &str,
+    op: &OperatorProcess,
+    mut f: impl FnMut() -> Fut,
+) -> T {
+    let start = Instant::now();
+    loop {
+        if let Some(v) = f().await {
+            return v;
+        }
+        if start.elapsed() > GUARD {
+            panic!(
+                "{what}: not seen within {GUARD:?} (hang guard); the operator logged:\n{}",
+                op.log()
+            );
+        }
+        tokio::time::sleep(Duration::from_millis(250)).await;
+    }
+}
+
+fn condition(p: &Proxy, type_: &str) -> Option<String> {
+    p.status
+        .as_ref()?
+        .conditions
+        .iter()
+        .find(|c| c.type_ == type_)
+        .map(|c| c.status.clone())
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_operator_runs_as_its_service_account_and_is_never_refused() {
+    if harness::skip(&[Need::Sshd, Need::Libvirtd]) {
+        return;
+    }
+    let plane = ControlPlane::shared().unwrap_or_else(|e| panic!("{e:#}"));
+    plane.install_crds().await.unwrap();
+    plane.install_rbac().unwrap();
+    let operator_kubeconfig = plane.operator_kubeconfig().unwrap();
+    let client = plane.client().await.unwrap();
+    let ns = plane.namespace("egress-op").await.unwrap();
+
+    // ---- The host: sshd, libvirtd with QEMU, an image server, the stand-in proxies ----
+    let sshd = Sshd::start().unwrap();
+    let libvirtd = Libvirtd::start().unwrap();
+    libvirtd.define_dir_pool("default").unwrap();
+    let dir = tempfile::tempdir().unwrap();
+    let (image, sha) = small_qcow2(dir.path(), "operator-process").unwrap();
+    let http = HttpServer::start(vec![("/base.qcow2".to_string(), Route::File(image))]).unwrap();
+    let responder = ConnectResponder::start(pool_addresses()).unwrap();
+    let images = [TestImage {
+        name: "base".into(),
+        url: http.url("/base.qcow2"),
+        sha256: sha,
+        max_size_mib: None,
+    }];
+    let mut yaml = provider_config_yaml(&sshd, &libvirtd, "h1", &images, &[]).unwrap();
+    yaml = yaml.replacen(
+        "disableKvm: true}",
+        &format!(
+            "disableKvm: true, addressPool: {{cidr: 127.77.0.0/24, rangeStart: 127.77.0.{POOL_FIRST}, \
+             rangeEnd: 127.77.0.{POOL_LAST}}}, maxDomains: 8}}"
+        ),
+        1,
+    );
+    yaml.push_str(&format!(
+        "serving: {{port: {}, periodSeconds: 5, timeoutSeconds: 2}}\n\
+         healthCheck: {{periodSeconds: 5, timeoutSeconds: 3}}\n\
+         gc: {{periodSeconds: 10, gracePeriodSeconds: 30}}\n",
+        responder.port()
+    ));
+    let config = dir.path().join("providers-config.yaml");
+    std::fs::write(&config, &yaml).unwrap();
+
+    // ---- The operator, as its ServiceAccount ----------------------------------------
+    let options = OperatorOptions::new(
+        &binary(),
+        &config,
+        &operator_kubeconfig,
+        "egress-operator-0",
+        OPERATOR_NAMESPACE,
+        dir.path(),
+    );
+    let mut op = OperatorProcess::start(&options).unwrap();
+    op.wait_ready(GUARD).unwrap();
+    println!("operator ready (leading) as {OPERATOR_NAMESPACE}/{OPERATOR_SERVICE_ACCOUNT}");
+
+    // ---- A Proxy, from Secret to Ready -----------------------------------------------
+    let secret: k8s_openapi::api::core::v1::Secret = serde_json::from_value(serde_json::json!({
+        // The opt-in label: the operator uses no Secret without it.
+        "metadata": {"name": "user-data", "labels": {"egress-operator.dev/user-data": "true"}},
+        "stringData": {"user-data": "#cloud-config\nhostname: renamed-by-user-data\n"},
+    }))
+    .unwrap();
+    Api::namespaced(client.clone(), ns.name())
+        .create(&PostParams::default(), &secret)
+        .await
+        .unwrap();
+    let proxies: Api<Proxy> = Api::namespaced(client.clone(), ns.name());
+    let proxy: Proxy = serde_json::from_value(serde_json::json!({
+        "apiVersion": "egress-operator.dev/v1alpha1",
+        "kind": "Proxy",
+        "metadata": {"name": "office"},
+        "spec": {"provider": "kvm2", "userData": {"secretRef": {"name": "user-data", "key": "user-data"}}},
+    }))
+    .unwrap();
+    let created = proxies
+        .create(&PostParams::default(), &proxy)
+        .await
+        .unwrap();
+    let uid = created.uid().unwrap();
+    let ready = wait_for("the Proxy Ready with an address", &op, || async {
+        let p = proxies.get("office").await.ok()?;
+        (condition(&p, "Ready").as_deref() == Some("True")).then_some(p)
+    })
+    .await;
+    let status = ready.status.clone().unwrap();
+    let address: Ipv4Addr = status.address.clone().unwrap().parse().unwrap();
+    assert!(
+        pool_addresses().any(|a| a == address),
+        "address {address} is not from the pool"
+    );
+    assert_eq!(status.host.as_deref(), Some("h1"));
+    assert!(
+        responder.answered() > 0,
+        "Ready without a probe answered by the stand-in proxy"
+    );
+    println!("Proxy {}/office Ready at {address} on h1", ns.name());
+
+    // The health monitor wrote ProviderHealth for kvm2.
+    let health: Api<ProviderHealth> = Api::all(client.clone());
+    wait_for("ProviderHealth kvm2", &op, || async {
+        health.get("kvm2").await.ok()
+    })
+    .await;
+
+    // ---- Delete: the finalizer removes the VM, nothing is left ------------------------
+    proxies
+        .delete("office", &DeleteParams::default())
+        .await
+        .unwrap();
+    wait_for("the Proxy gone", &op, || async {
+        match proxies.get_opt("office").await {
+            Ok(None) => Some(()),
+            Ok(Some(p)) if p.uid().as_deref() != Some(uid.as_str()) => Some(()),
+            _ => None,
+        }
+    })
+    .await;
+    let domains = libvirtd
+        .virsh(&libvirtd.qemu_uri(), &["list", "--all", "--name"])
+        .unwrap();
+    assert!(domains.trim().is_empty(), "domains left: {domains}");
+    libvirtd
+        .virsh(&libvirtd.qemu_uri(), &["pool-refresh", "default"])
+        .unwrap();
+    let volumes = libvirtd
+        .virsh(&libvirtd.qemu_uri(), &["vol-list", "default"])
+        .unwrap();
+    let instance_volumes: Vec<&str> = volumes
+        .lines()
+        .filter_map(|l| l.split_whitespace().next())
+        // The verified base image (data and commit marker) stays cached.
+        .filter(|v| !v.starts_with("egress-image-") && !v.starts_with("egress-imgok-"))
+        .filter(|v| *v != "Name" && !v.starts_with('-'))
+        .collect();
+    assert!(
+        instance_volumes.is_empty(),
+        "instance volumes left: {instance_volumes:?}\n{volumes}"
+    );
+
+    // ---- SIGTERM: a clean stop --------------------------------------------------------
+    let exit = op.terminate().unwrap();
+    assert!(
+        exit.success(),
+        "the operator exited with {exit}; it logged:\n{}",
+        op.log()
+    );
+
+    // ---- Never refused ----------------------------------------------------------------
+    let user = format!("system:serviceaccount:{OPERATOR_NAMESPACE}:{OPERATOR_SERVICE_ACCOUNT}");
+    if let Some(audit) = plane.audit().unwrap() {
+        let ours: Vec<_> = audit.iter().filter(|r| r.user == user).collect();
+        assert!(!ours.is_empty(), "the audit log shows no request of {user}");
+        let refused: Vec<_> = ours.iter().filter(|r| r.code == 403).collect();
+        assert!(
+            refused.is_empty(),
+            "the API server refused the operator (403):\n{refused:#?}\nthe operator logged:\n{}",
+            op.log()
+        );
+        let calls: BTreeSet<String> = ours
+            .iter()
+            .map(|r| format!("{} {}/{}", r.verb, r.group, r.resource))
+            .collect();
+        println!(
+            "the operator's calls ({} requests, none refused):",
+            ours.len()
+        );
+        for c in &calls {
+            println!("  {c}");
+        }
+    }
+    let forbidden: Vec<String> = op
+        .warnings()
+        .into_iter()
+        .filter(|l| l.contains("forbidden") || l.contains("403"))
+        .collect();
+    assert!(
+        forbidden.is_empty(),
+        "the operator logged refusals:\n{}",
+        forbidden.join("\n")
+    );
+}
