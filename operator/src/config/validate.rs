@@ -7,6 +7,7 @@
 use std::collections::HashMap;
 
 use super::types::*;
+use crate::templates::check::{CpuSet, MAX_CPU_ID};
 use crate::validation::{self as rules, HttpPolicy, Problems};
 
 /// Ranges of the numeric settings, each with why it is where it is.
@@ -95,6 +96,17 @@ pub fn settings_key(key: &str) -> Result<(), String> {
             rules::show(key)
         ))
     }
+}
+
+/// An absolute host path compared exactly by the output check: no `.`, `..` or empty
+/// components, no control characters, within `PATH_MAX`.
+fn is_clean_absolute_path(p: &str) -> bool {
+    p.len() < 4096
+        && p.starts_with('/')
+        && !p.chars().any(char::is_control)
+        && p[1..]
+            .split('/')
+            .all(|c| !c.is_empty() && c != "." && c != "..")
 }
 
 fn range<T: PartialOrd + std::fmt::Display + Copy>(
@@ -278,6 +290,34 @@ fn validate_kvm2(k: &Kvm2Config, p: &mut Problems) {
             at("maxConcurrentCreates"),
             range(h.max_concurrent_creates, limits::MAX_CONCURRENT_CREATES, ""),
         );
+        if let Some(mtu) = h.bridge_mtu {
+            p.check(at("bridgeMtu"), range(mtu, (68, 65535), ""));
+        }
+        if let Some(cp) = &h.cpu_placement {
+            let sets = std::iter::once(("cpuPlacement.cpus", Some(&cp.cpus)))
+                .chain(std::iter::once(("cpuPlacement.nodes", cp.nodes.as_ref())));
+            for (field, set) in sets {
+                if let Some(set) = set
+                    && CpuSet::parse(set).is_none()
+                {
+                    p.push(
+                        at(field),
+                        format!(
+                            "{set:?} is not a non-empty set in libvirt's syntax (\"4-15,^8\", \
+                             numbers up to {MAX_CPU_ID})"
+                        ),
+                    );
+                }
+            }
+        }
+        for (j, t) in h.nvram_templates.iter().enumerate() {
+            if !is_clean_absolute_path(t) {
+                p.push(
+                    at(&format!("nvramTemplates[{j}]")),
+                    format!("{t:?} must be an absolute path without '.', '..' or empty components"),
+                );
+            }
+        }
         if let Some(pool) = &h.address_pool {
             match pool.parse() {
                 Ok(parsed) => {
