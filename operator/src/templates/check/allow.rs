@@ -960,7 +960,7 @@ pub fn render_markdown() -> String {
     }
     out.push_str(
         "\n### Device models\n\n\
-         Values marked as models above are the list of safe models (rule `device-model`). \
+         Values marked `model:` above are the list of safe models (rule `device-model`). \
          virtio comes first; every other model is there for this reason:\n\n\
          | where | model | why |\n|---|---|---|\n",
     );
@@ -1045,11 +1045,18 @@ pub const TIED_RULES: &[(&str, &str)] = &[
 
 fn describe(v: Value) -> String {
     match v {
-        Value::Enum(o) | Value::Model(o) => o
+        Value::Enum(o) => o
             .iter()
             .map(|s| format!("`{s}`"))
             .collect::<Vec<_>>()
             .join(" \\| "),
+        Value::Model(o) => format!(
+            "model: {}",
+            o.iter()
+                .map(|s| format!("`{s}`"))
+                .collect::<Vec<_>>()
+                .join(" \\| ")
+        ),
         Value::MemoryUnit => MEMORY_UNITS
             .iter()
             .map(|(u, _)| format!("`{u}`"))

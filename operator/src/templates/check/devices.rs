@@ -62,6 +62,11 @@ pub const JUSTIFIED: &[(&str, &str, &str)] = &[
     ),
     ("serial/target/@type", "pci-serial", "QEMU's PCI 16550A"),
     (
+        "serial/target/model/@name",
+        "isa-serial",
+        "how libvirt writes out the 16550A console's model",
+    ),
+    (
         "video/model/@type",
         "vga",
         "QEMU's standard VGA (bochs dispi), no 2D/3D engine; Cirrus is refused",
@@ -86,6 +91,11 @@ pub const JUSTIFIED: &[(&str, &str, &str)] = &[
         "watchdog/@model",
         "itco",
         "the q35 chipset's built-in TCO watchdog",
+    ),
+    (
+        "panic/@model",
+        "pvpanic",
+        "QEMU's paravirtual panic notifier on PCI: one register",
     ),
     (
         "panic/@model",

@@ -983,7 +983,10 @@ fn host_reaching_features_are_not_on_the_list() {
         for reading in [Reading::Plugin, Reading::Libvirt] {
             let (rule, detail) = verdict(xml, &input(), reading).expect_err(xml);
             assert!(
-                rule == "allow-list" || rule == "value" || rule == "graphics-no-listener",
+                matches!(
+                    rule.as_str(),
+                    "allow-list" | "value" | "device-model" | "graphics-no-listener"
+                ),
                 "{rule}: {detail}"
             );
             assert!(names(&detail, path), "{detail} does not name {path}");
