@@ -1006,6 +1006,40 @@ kvm2:
                 "out of range",
             ),
             (
+                "bridge mtu",
+                |c| c.kvm2.hosts[0].bridge_mtu = Some(u32::MAX),
+                "kvm2.hosts[0].bridgeMtu",
+                "out of range",
+            ),
+            (
+                "cpu placement cpus",
+                |c| {
+                    c.kvm2.hosts[0].cpu_placement = Some(CpuPlacementConfig {
+                        cpus: "0-4294967295".into(),
+                        nodes: None,
+                    })
+                },
+                "kvm2.hosts[0].cpuPlacement.cpus",
+                "libvirt's syntax",
+            ),
+            (
+                "cpu placement nodes",
+                |c| {
+                    c.kvm2.hosts[0].cpu_placement = Some(CpuPlacementConfig {
+                        cpus: "4-7".into(),
+                        nodes: Some("^0".into()),
+                    })
+                },
+                "kvm2.hosts[0].cpuPlacement.nodes",
+                "libvirt's syntax",
+            ),
+            (
+                "nvram template",
+                |c| c.kvm2.hosts[0].nvram_templates = vec!["/usr/share/OVMF/../x".into()],
+                "kvm2.hosts[0].nvramTemplates[0]",
+                "absolute path",
+            ),
+            (
                 "pool cidr",
                 |c| c.kvm2.hosts[0].address_pool = Some(pool("10.9.0.1/24", ".10", ".20")),
                 "kvm2.hosts[0].addressPool.cidr",
