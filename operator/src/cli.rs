@@ -315,7 +315,11 @@ fn render_inner(args: &RenderArgs) -> Result<(String, String), String> {
         .map_err(|e| e.to_string())?;
     // The manifest's own settings overrides, as the operator would merge them.
     let xml = domain
-        .render_with(&inputs.domain, inputs.overrides.domain.as_ref())
+        .render_on(
+            &inputs.domain,
+            inputs.overrides.domain.as_ref(),
+            &crate::templates::check::HostPolicy::for_host(&inputs.host),
+        )
         .map_err(|e| e.to_string())?;
     let vendor_data = vendor
         .render_with(&inputs.vendor_data, inputs.overrides.vendor_data.as_ref())

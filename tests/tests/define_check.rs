@@ -505,6 +505,85 @@ fn default_plugin_output_passes_the_check_on_libvirts_reading() {
     }
 }
 
+/// What a plugin leaves out, libvirt fills in: on the harness's libvirtd (QEMU driver) a
+/// NIC without `<model>` becomes an rtl8139, a disk `sdX` without a bus lands on SCSI with
+/// an lsilogic controller, and `<graphics>` without `<video>` gets Cirrus VGA. Each is
+/// refused in the plugin's output as an implied default (`model-implied`), and, handed to
+/// libvirt directly (no plugin-output check before it), the post-define check refuses the
+/// model libvirt wrote out (`device-model`), naming its path.
+#[test]
+fn implied_default_models_are_refused_in_libvirts_reading() {
+    let Some(rig) = Rig::start(vec![], Rig::base_image) else {
+        return;
+    };
+    let inputs = sample_inputs();
+    let xml = render_default(&inputs.domain);
+    let nic_model = r#"<model type="virtio"/>"#;
+    let seed_target = r#"<target dev="vdb" bus="virtio"/>"#;
+    assert!(
+        xml.contains(nic_model) && xml.contains(seed_target),
+        "{xml}"
+    );
+    let graphics = r#"<graphics type="vnc" port="-1" autoport="yes"><listen type="none"/></graphics></devices>"#;
+    // (document, what libvirt writes out, path of the refusal in libvirt's reading)
+    let cases = [
+        (
+            xml.replacen(nic_model, "", 1),
+            "<model type='rtl8139'/>",
+            "/domain/devices/interface/model/@type",
+        ),
+        (
+            xml.replacen(seed_target, r#"<target dev="sda"/>"#, 1),
+            "model='lsilogic'",
+            "/domain/devices/controller",
+        ),
+        (
+            xml.replacen("</devices>", graphics, 1),
+            "<model type='cirrus'",
+            "/domain/devices/video/model/@type",
+        ),
+    ];
+    provider_rig::run(async {
+        for (hostile, filled_in, path) in &cases {
+            match egress_operator::templates::check::check_domain_xml(hostile, &inputs.domain) {
+                Err(TemplateErrorKind::InvalidOutput { rule, .. }) => {
+                    assert_eq!(rule, "model-implied", "{hostile}")
+                }
+                other => panic!("the plugin check let it through: {other:?}\n{hostile}"),
+            }
+            let defined = rig.ops.define("h1", hostile.clone()).await.unwrap();
+            assert!(rig.ops.undefine("h1", &defined.name).await.unwrap());
+            let reading = &defined.inactive_xml;
+            assert!(
+                reading.contains(filled_in),
+                "libvirt filled in {filled_in}: {reading}"
+            );
+            match check_defined_domain_xml(reading, &inputs.domain) {
+                Err(TemplateErrorKind::InvalidOutput { rule, detail }) => {
+                    assert_eq!(rule, "device-model", "{detail}");
+                    let plain: String = {
+                        let mut out = String::new();
+                        let mut skip = false;
+                        for c in detail.chars() {
+                            match c {
+                                '[' => skip = true,
+                                ']' => skip = false,
+                                _ if !skip => out.push(c),
+                                _ => {}
+                            }
+                        }
+                        out
+                    };
+                    assert!(plain.contains(path), "{detail} names {path}");
+                }
+                other => panic!("libvirt's reading passed: {other:?}\n{reading}"),
+            }
+        }
+        rig.hosts.close().await;
+    });
+    assert!(rig.domains().is_empty(), "{:?}", rig.domains());
+}
+
 /// Whether a refusal names the passthrough libvirt read: its namespace (libvirt declares
 /// `xmlns:qemu` on the root of its reading) or its `commandline` element.
 fn names_passthrough(detail: &str) -> bool {

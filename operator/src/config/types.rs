@@ -198,6 +198,37 @@ pub struct HostConfig {
     /// guest agent, ARP). Hosts whose bridges share one network need disjoint ranges.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub address_pool: Option<AddressPoolConfig>,
+    /// MTU of `bridge` as the host has it. A domain plugin's NIC `<mtu>` must equal it;
+    /// unset, no NIC may set an MTU (libvirt applies it to the tap before enslaving it,
+    /// which would change the bridge's MTU for every VM on it and the host).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[schemars(range(min = 68, max = 65535))]
+    pub bridge_mtu: Option<u32>,
+    /// Host CPUs (and NUMA nodes) the operator owns for proxy VMs. Unset, a domain
+    /// plugin may not pin vCPUs, the emulator or memory at all; set, every `cpuset` and
+    /// `nodeset` it writes must lie inside these sets.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub cpu_placement: Option<CpuPlacementConfig>,
+    /// UEFI variable-store templates a domain plugin may name beyond the stock list
+    /// (which excludes test keys such as Debian's snakeoil): a site's own enrolled keys.
+    /// Absolute paths on the host.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    #[schemars(length(max = 8))]
+    pub nvram_templates: Vec<String>,
+}
+
+/// Host CPU and NUMA placement a host lets domain plugins choose.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize, JsonSchema)]
+#[serde(rename_all = "camelCase", deny_unknown_fields)]
+pub struct CpuPlacementConfig {
+    /// Host CPUs in libvirt's syntax (`4-15,^8`): keep housekeeping CPUs and other
+    /// tenants' CPUs out of it.
+    #[schemars(length(min = 1, max = 256), pattern(r"^[0-9,^-]+$"))]
+    pub cpus: String,
+    /// NUMA nodes for `<numatune>`; unset refuses memory binding.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[schemars(length(min = 1, max = 256), pattern(r"^[0-9,^-]+$"))]
+    pub nodes: Option<String>,
 }
 
 /// An IPv4 address pool on a host's bridge network.

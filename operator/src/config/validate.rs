@@ -7,6 +7,7 @@
 use std::collections::HashMap;
 
 use super::types::*;
+use crate::templates::check::{CpuSet, MAX_CPU_ID};
 use crate::validation::{self as rules, HttpPolicy, Problems};
 
 /// Ranges of the numeric settings, each with why it is where it is.
@@ -95,6 +96,17 @@ pub fn settings_key(key: &str) -> Result<(), String> {
             rules::show(key)
         ))
     }
+}
+
+/// An absolute host path compared exactly by the output check: no `.`, `..` or empty
+/// components, no control characters, within `PATH_MAX`.
+fn is_clean_absolute_path(p: &str) -> bool {
+    p.len() < 4096
+        && p.starts_with('/')
+        && !p.chars().any(char::is_control)
+        && p[1..]
+            .split('/')
+            .all(|c| !c.is_empty() && c != "." && c != "..")
 }
 
 fn range<T: PartialOrd + std::fmt::Display + Copy>(
@@ -278,6 +290,34 @@ fn validate_kvm2(k: &Kvm2Config, p: &mut Problems) {
             at("maxConcurrentCreates"),
             range(h.max_concurrent_creates, limits::MAX_CONCURRENT_CREATES, ""),
         );
+        if let Some(mtu) = h.bridge_mtu {
+            p.check(at("bridgeMtu"), range(mtu, (68, 65535), ""));
+        }
+        if let Some(cp) = &h.cpu_placement {
+            let sets = std::iter::once(("cpuPlacement.cpus", Some(&cp.cpus)))
+                .chain(std::iter::once(("cpuPlacement.nodes", cp.nodes.as_ref())));
+            for (field, set) in sets {
+                if let Some(set) = set
+                    && CpuSet::parse(set).is_none()
+                {
+                    p.push(
+                        at(field),
+                        format!(
+                            "{set:?} is not a non-empty set in libvirt's syntax (\"4-15,^8\", \
+                             numbers up to {MAX_CPU_ID})"
+                        ),
+                    );
+                }
+            }
+        }
+        for (j, t) in h.nvram_templates.iter().enumerate() {
+            if !is_clean_absolute_path(t) {
+                p.push(
+                    at(&format!("nvramTemplates[{j}]")),
+                    format!("{t:?} must be an absolute path without '.', '..' or empty components"),
+                );
+            }
+        }
         if let Some(pool) = &h.address_pool {
             match pool.parse() {
                 Ok(parsed) => {
@@ -964,6 +1004,40 @@ kvm2:
                 |c| c.gc.grace_period_seconds = 8 * 86_400,
                 "gc.gracePeriodSeconds",
                 "out of range",
+            ),
+            (
+                "bridge mtu",
+                |c| c.kvm2.hosts[0].bridge_mtu = Some(u32::MAX),
+                "kvm2.hosts[0].bridgeMtu",
+                "out of range",
+            ),
+            (
+                "cpu placement cpus",
+                |c| {
+                    c.kvm2.hosts[0].cpu_placement = Some(CpuPlacementConfig {
+                        cpus: "0-4294967295".into(),
+                        nodes: None,
+                    })
+                },
+                "kvm2.hosts[0].cpuPlacement.cpus",
+                "libvirt's syntax",
+            ),
+            (
+                "cpu placement nodes",
+                |c| {
+                    c.kvm2.hosts[0].cpu_placement = Some(CpuPlacementConfig {
+                        cpus: "4-7".into(),
+                        nodes: Some("^0".into()),
+                    })
+                },
+                "kvm2.hosts[0].cpuPlacement.nodes",
+                "libvirt's syntax",
+            ),
+            (
+                "nvram template",
+                |c| c.kvm2.hosts[0].nvram_templates = vec!["/usr/share/OVMF/../x".into()],
+                "kvm2.hosts[0].nvramTemplates[0]",
+                "absolute path",
             ),
             (
                 "pool cidr",

@@ -1039,12 +1039,23 @@ impl DomainTemplate {
         input: &DomainInput,
         overrides: Option<&SettingsOverrides>,
     ) -> Result<String, TemplateError> {
+        self.render_on(input, overrides, &check::HostPolicy::default())
+    }
+
+    /// [`Self::render_with`], checked against the policy of the host the domain is for
+    /// (its bridge MTU, CPU placement and NVRAM templates) instead of the strictest one.
+    pub fn render_on(
+        &self,
+        input: &DomainInput,
+        overrides: Option<&SettingsOverrides>,
+        policy: &check::HostPolicy,
+    ) -> Result<String, TemplateError> {
         let settings = self.merged_settings(overrides)?;
         let mut input = input.clone();
         input.settings = settings;
         self.loaded
             .render_via::<_, { check::DOMAIN_XML_MAX }>(&input, |xml| {
-                check::check_domain_xml(xml, &input)
+                check::check_domain_xml_on(xml, &input, policy)
             })
     }
 

@@ -63,7 +63,8 @@ pub struct Settings {
     pub uefi: Uefi,
     /// Add a virtio memory balloon (lets the host reclaim unused guest memory).
     pub memballoon: bool,
-    /// Add a virtio RNG fed from the host's /dev/urandom (fast entropy at boot for TLS).
+    /// Add a virtio RNG fed from the host's /dev/urandom (fast entropy at boot for TLS),
+    /// limited to 1 KiB per second.
     pub rng: bool,
     /// Further virtio NICs on the same bridge (e.g. a separate client-facing interface);
     /// libvirt assigns their MAC addresses, the operator's MAC stays on the first.
@@ -83,6 +84,9 @@ impl Default for Settings {
         }
     }
 }
+
+/// Bytes per second the virtio-rng may draw from the host (the operator allows up to 64 KiB).
+const RNG_BYTES_PER_SECOND: &str = "1024";
 
 /// Most extra NICs: the operator's output check allows four NICs per VM.
 const MAX_EXTRA_NICS: u8 = 3;
@@ -228,11 +232,20 @@ impl DomainPlugin for DefaultDomain {
             );
         if s.rng {
             devices = devices.child(
-                Element::new("rng").attr("model", "virtio").child(
-                    Element::new("backend")
-                        .attr("model", "random")
-                        .text("/dev/urandom"),
-                ),
+                Element::new("rng")
+                    .attr("model", "virtio")
+                    .child(
+                        Element::new("backend")
+                            .attr("model", "random")
+                            .text("/dev/urandom"),
+                    )
+                    // The operator requires a rate limit on every rng: plenty to seed
+                    // the guest's pool at boot, never a drain on the host's.
+                    .child(
+                        Element::new("rate")
+                            .attr("period", "1000")
+                            .attr("bytes", RNG_BYTES_PER_SECOND),
+                    ),
             );
         }
         devices = devices.child(

@@ -53,6 +53,10 @@ pub enum Content {
 pub enum Value {
     /// Exactly one of these strings.
     Enum(&'static [&'static str]),
+    /// A device model (or bus) from the list of safe models: exactly one of these
+    /// strings; any other is refused by the `device-model` rule. Each that is not virtio
+    /// is justified on the rules page (`devices::JUSTIFIED`).
+    Model(&'static [&'static str]),
     /// A unit of [`MEMORY_UNITS`].
     MemoryUnit,
     /// Decimal digits, no sign or space (what `virStrToLong_ui` and friends accept).
@@ -181,6 +185,7 @@ const RULES: &[(&str, Rule)] = &[
             Content::Text(Value::Uint),
         ),
     ),
+    // Bounded by the machine type's vCPUs (`host.rs`).
     ("domain/iothreads", one(&[], Content::Text(Value::Uint))),
     ("domain/cputune", one(&[], Content::Elements)),
     (
@@ -246,7 +251,7 @@ const RULES: &[(&str, Rule)] = &[
             &[
                 ("readonly", Value::Enum(&["yes"])),
                 ("secure", YES_NO),
-                ("type", Value::Enum(&["pflash", "rom"])),
+                ("type", Value::Enum(&["pflash"])),
             ],
             Content::Text(Value::Tied),
         ),
@@ -257,12 +262,12 @@ const RULES: &[(&str, Rule)] = &[
     ),
     (
         "domain/os/boot",
-        many(4, &[("dev", Value::Enum(&["hd", "cdrom"]))], Content::Empty),
+        one(&[("dev", Value::Enum(&["hd"]))], Content::Empty),
     ),
     (
         "domain/os/bootmenu",
         one(
-            &[("enable", YES_NO), ("timeout", Value::Uint)],
+            &[("enable", Value::Enum(&["no"])), ("timeout", Value::Uint)],
             Content::Empty,
         ),
     ),
@@ -427,7 +432,7 @@ const RULES: &[(&str, Rule)] = &[
                 ("type", Value::Tied),
                 (
                     "cache",
-                    Value::Enum(&["none", "writeback", "writethrough", "directsync", "unsafe"]),
+                    Value::Enum(&["none", "writeback", "writethrough", "directsync"]),
                 ),
                 ("io", Value::Enum(&["native", "threads", "io_uring"])),
                 ("discard", Value::Enum(&["unmap", "ignore"])),
@@ -451,7 +456,7 @@ const RULES: &[(&str, Rule)] = &[
         one(
             &[
                 ("dev", Value::Ident),
-                ("bus", Value::Enum(&["virtio", "sata", "scsi", "ide"])),
+                ("bus", Value::Model(&["virtio", "sata", "scsi"])),
             ],
             Content::Empty,
         ),
@@ -485,13 +490,7 @@ const RULES: &[(&str, Rule)] = &[
     ),
     (
         "domain/devices/interface/model",
-        one(
-            &[(
-                "type",
-                Value::Enum(&["virtio", "e1000", "e1000e", "rtl8139"]),
-            )],
-            Content::Empty,
-        ),
+        one(&[("type", Value::Model(&["virtio"]))], Content::Empty),
     ),
     (
         "domain/devices/interface/driver",
@@ -515,11 +514,10 @@ const RULES: &[(&str, Rule)] = &[
     ),
     (
         "domain/devices/interface/rom",
-        one(&[("bar", ON_OFF), ("enabled", YES_NO)], Content::Empty),
-    ),
-    (
-        "domain/devices/interface/boot",
-        one(&[("order", Value::Uint)], Content::Empty),
+        one(
+            &[("bar", ON_OFF), ("enabled", Value::Enum(&["no"]))],
+            Content::Empty,
+        ),
     ),
     (
         "domain/devices/interface/address",
@@ -539,7 +537,22 @@ const RULES: &[(&str, Rule)] = &[
                     Value::Enum(&["pci", "usb", "sata", "scsi", "virtio-serial", "ide"]),
                 ),
                 ("index", Value::Uint),
-                ("model", Value::Ident),
+                (
+                    "model",
+                    Value::Model(&[
+                        "virtio-scsi",
+                        "virtio",
+                        "qemu-xhci",
+                        "piix3-uhci",
+                        "none",
+                        "pci-root",
+                        "pcie-root",
+                        "pcie-root-port",
+                        "pci-bridge",
+                        "dmi-to-pci-bridge",
+                        "pcie-to-pci-bridge",
+                    ]),
+                ),
                 ("ports", Value::Uint),
                 ("vectors", Value::Uint),
             ],
@@ -548,7 +561,18 @@ const RULES: &[(&str, Rule)] = &[
     ),
     (
         "domain/devices/controller/model",
-        one(&[("name", Value::Ident)], Content::Empty),
+        one(
+            &[(
+                "name",
+                Value::Model(&[
+                    "pcie-root-port",
+                    "pci-bridge",
+                    "i82801b11-bridge",
+                    "pcie-pci-bridge",
+                ]),
+            )],
+            Content::Empty,
+        ),
     ),
     (
         "domain/devices/controller/target",
@@ -586,7 +610,7 @@ const RULES: &[(&str, Rule)] = &[
         "domain/devices/serial/target",
         one(
             &[
-                ("type", Value::Enum(&["isa-serial", "pci-serial"])),
+                ("type", Value::Model(&["isa-serial", "pci-serial"])),
                 ("port", Value::Uint),
             ],
             Content::Elements,
@@ -595,7 +619,7 @@ const RULES: &[(&str, Rule)] = &[
     (
         "domain/devices/serial/target/model",
         one(
-            &[("name", Value::Enum(&["isa-serial", "pci-serial"]))],
+            &[("name", Value::Model(&["isa-serial", "pci-serial"]))],
             Content::Empty,
         ),
     ),
@@ -653,7 +677,7 @@ const RULES: &[(&str, Rule)] = &[
     ),
     (
         "domain/devices/rng",
-        one(&[("model", Value::Enum(&["virtio"]))], Content::Elements),
+        one(&[("model", Value::Model(&["virtio"]))], Content::Elements),
     ),
     (
         "domain/devices/rng/backend",
@@ -678,7 +702,7 @@ const RULES: &[(&str, Rule)] = &[
         "domain/devices/memballoon",
         one(
             &[
-                ("model", Value::Enum(&["virtio", "none"])),
+                ("model", Value::Model(&["virtio", "none"])),
                 ("autodeflate", ON_OFF),
                 ("freePageReporting", ON_OFF),
             ],
@@ -697,16 +721,14 @@ const RULES: &[(&str, Rule)] = &[
         "domain/devices/memballoon/alias",
         one(&[("name", Value::Ident)], Content::Empty),
     ),
-    // Video for the guest's own console; no 3D acceleration (host render nodes).
-    ("domain/devices/video", many(2, &[], Content::Elements)),
+    // Video for the guest's own console; no 3D acceleration (host render nodes). One
+    // device, its memory bounded (`host.rs`).
+    ("domain/devices/video", one(&[], Content::Elements)),
     (
         "domain/devices/video/model",
         one(
             &[
-                (
-                    "type",
-                    Value::Enum(&["virtio", "vga", "qxl", "cirrus", "bochs", "none"]),
-                ),
+                ("type", Value::Model(&["virtio", "vga", "bochs", "none"])),
                 ("vram", Value::Uint),
                 ("ram", Value::Uint),
                 ("vgamem", Value::Uint),
@@ -744,7 +766,7 @@ const RULES: &[(&str, Rule)] = &[
             8,
             &[
                 ("type", Value::Enum(&["mouse", "keyboard", "tablet"])),
-                ("bus", Value::Enum(&["ps2", "usb", "virtio"])),
+                ("bus", Value::Model(&["ps2", "usb", "virtio"])),
             ],
             Content::Elements,
         ),
@@ -757,9 +779,9 @@ const RULES: &[(&str, Rule)] = &[
     (
         "domain/devices/watchdog",
         many(
-            2,
+            1,
             &[
-                ("model", Value::Enum(&["i6300esb", "itco", "ib700"])),
+                ("model", Value::Model(&["i6300esb", "itco"])),
                 (
                     "action",
                     Value::Enum(&[
@@ -793,7 +815,7 @@ const RULES: &[(&str, Rule)] = &[
     (
         "domain/devices/panic",
         one(
-            &[("model", Value::Enum(&["isa", "pvpanic"]))],
+            &[("model", Value::Model(&["isa", "pvpanic"]))],
             Content::Elements,
         ),
     ),
@@ -816,7 +838,7 @@ pub fn value_ok(v: Value, value: &str) -> bool {
                 .all(|b| b.is_ascii_alphanumeric() || matches!(b, b'_' | b'.' | b'+' | b'-'))
     };
     match v {
-        Value::Enum(options) => options.contains(&value),
+        Value::Enum(options) | Value::Model(options) => options.contains(&value),
         Value::MemoryUnit => MEMORY_UNITS.iter().any(|(u, _)| *u == value),
         Value::Uint => uint(value).is_some(),
         Value::HexOrUint => match value.strip_prefix("0x") {
@@ -927,8 +949,99 @@ pub fn render_markdown() -> String {
             }
         ));
     }
+    out.push_str(
+        "\n### Bounds tied to the machine type\n\n\
+         What a plugin may cost the host. A value outside its bound is refused by the rule \
+         `resource-bound` (`cpu-placement` for placement, `rng-rate` for the rng).\n\n\
+         | where | bound |\n|---|---|\n",
+    );
+    for (at, bound) in super::host::BOUNDS {
+        out.push_str(&format!("| {at} | {bound} |\n"));
+    }
+    out.push_str(
+        "\n### Device models\n\n\
+         Values marked `model:` above are the list of safe models (rule `device-model`). \
+         virtio comes first; every other model is there for this reason:\n\n\
+         | where | model | why |\n|---|---|---|\n",
+    );
+    for (at, model, why) in super::devices::JUSTIFIED {
+        out.push_str(&format!("| `{at}` | `{model}` | {why} |\n"));
+    }
+    out.push_str(
+        "\nWhat a plugin leaves out counts too (rule `model-implied`): libvirt would fill in \
+         a legacy model for a NIC without `<model>` (rtl8139), a disk `sdX` without a bus or \
+         a SCSI controller without a model (lsilogic), and `<graphics>` or `<video>` \
+         without a video model (Cirrus). The operator runs the same rules again on \
+         libvirt's reading of the defined domain, where those defaults are written out.\n",
+    );
+    out.push_str("\n### Firmware\n\nUEFI code (only `readonly=\"yes\" type=\"pflash\"`; `secure=\"yes\"` exactly for Secure Boot builds):\n\n| file | family | Secure Boot build |\n|---|---|---|\n");
+    for c in super::domain::FIRMWARE_CODE {
+        out.push_str(&format!(
+            "| `{}` | {} | {} |\n",
+            c.path,
+            c.family,
+            if c.secure_boot { "yes" } else { "no" }
+        ));
+    }
+    out.push_str("\nVariable-store templates (`<nvram template>`, same family as the code; Secure Boot needs enrolled keys; test keys such as Debian's snakeoil are not on the list, and a host may allow its own in `nvramTemplates`):\n\n| file | family | keys enrolled |\n|---|---|---|\n");
+    for v in super::domain::FIRMWARE_VARS {
+        out.push_str(&format!(
+            "| `{}` | {} | {} |\n",
+            v.path,
+            v.family,
+            if v.enrolled { "yes" } else { "no" }
+        ));
+    }
+    out.push_str("\n### Rules beyond the table\n\n| rule | what it asks |\n|---|---|\n");
+    for (rule, what) in TIED_RULES {
+        out.push_str(&format!("| `{rule}` | {what} |\n"));
+    }
     out
 }
+
+/// The rules that tie the document to its input and host, for the rules page.
+pub const TIED_RULES: &[(&str, &str)] = &[
+    (
+        "domain-type",
+        "`/domain/@type` is `kvm` where the host has KVM, `qemu` only where it has not or the host sets `disableKvm`",
+    ),
+    (
+        "boot-root-only",
+        "only the prepared root disk boots: `<os><boot dev=\"hd\"/>` only, `<boot order=\"1\">` on the root disk only, no boot entry on NICs or the seed, and the root disk is the first disk (in libvirt's reading too)",
+    ),
+    (
+        "bridge-mtu",
+        "a NIC `<mtu>` only equal to the host's `bridgeMtu`; none when it is not configured",
+    ),
+    (
+        "cpu-placement",
+        "`cpuset`, `vcpupin`, `emulatorpin`, `numatune` only inside the host's `cpuPlacement`",
+    ),
+    (
+        "firmware-readonly",
+        "`<loader>` is `readonly=\"yes\" type=\"pflash\"`",
+    ),
+    (
+        "firmware-kind",
+        "loader, `secure` and NVRAM template of one kind (see Firmware)",
+    ),
+    (
+        "firmware-paths",
+        "loader and NVRAM template from the lists above; the NVRAM file is libvirt's own",
+    ),
+    (
+        "nested-virt",
+        "no `vmx`/`svm` CPU feature asked for: nested virtualisation is a host setting (`kvm_intel nested=0`, `kvm_amd nested=0`)",
+    ),
+    (
+        "vpmu",
+        "`<pmu>` only `state=\"off\"`: the vPMU is a host setting (`kvm enable_pmu=0`)",
+    ),
+    (
+        "rng-rate",
+        "every rng has a `<rate>` within the bound above",
+    ),
+];
 
 fn describe(v: Value) -> String {
     match v {
@@ -937,6 +1050,13 @@ fn describe(v: Value) -> String {
             .map(|s| format!("`{s}`"))
             .collect::<Vec<_>>()
             .join(" \\| "),
+        Value::Model(o) => format!(
+            "model: {}",
+            o.iter()
+                .map(|s| format!("`{s}`"))
+                .collect::<Vec<_>>()
+                .join(" \\| ")
+        ),
         Value::MemoryUnit => MEMORY_UNITS
             .iter()
             .map(|(u, _)| format!("`{u}`"))

@@ -1,39 +1,108 @@
 //! Domain XML against the allow-list and against the input it was rendered from.
 
 use super::allow::{self, Content, Count, Reading, Rule, TABLE};
+use super::policy::HostPolicy;
 use super::tree::{self, Node};
-use super::{refuse, show};
+use super::{devices, host, refuse, show};
 use crate::templates::errors::TemplateErrorKind;
 use crate::templates::{DiskRole, DomainInput, Firmware};
 
+/// A UEFI code image on the host.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct FirmwareCode {
+    /// Exact path (compared exactly: no prefix match, so no `..` or symlink games).
+    pub path: &'static str,
+    /// Which flash layout it has; its variable store must come from the same family.
+    pub family: &'static str,
+    /// A Secure Boot build (needs SMM and `secure="yes"`).
+    pub secure_boot: bool,
+}
+
+/// A UEFI variable-store template on the host.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct FirmwareVars {
+    /// Exact path.
+    pub path: &'static str,
+    /// Flash layout; matches [`FirmwareCode::family`].
+    pub family: &'static str,
+    /// The OS vendors' keys (Microsoft's, which shim is signed with) are enrolled.
+    pub enrolled: bool,
+}
+
+const fn code(path: &'static str, family: &'static str, secure_boot: bool) -> FirmwareCode {
+    FirmwareCode {
+        path,
+        family,
+        secure_boot,
+    }
+}
+const fn vars(path: &'static str, family: &'static str, enrolled: bool) -> FirmwareVars {
+    FirmwareVars {
+        path,
+        family,
+        enrolled,
+    }
+}
+
 /// UEFI code images on the distributions we support (Debian/Ubuntu `ovmf`, Fedora/RHEL
-/// `edk2-ovmf`). Compared exactly: no prefix match, so no `..` or symlink games. Adding one
-/// is a reviewed change.
-pub const FIRMWARE_CODE: &[&str] = &[
-    "/usr/share/OVMF/OVMF_CODE_4M.fd",
-    "/usr/share/OVMF/OVMF_CODE_4M.ms.fd",
-    "/usr/share/OVMF/OVMF_CODE_4M.secboot.fd",
-    "/usr/share/OVMF/OVMF_CODE_4M.snakeoil.fd",
-    "/usr/share/OVMF/OVMF_CODE.fd",
-    "/usr/share/OVMF/OVMF_CODE.ms.fd",
-    "/usr/share/OVMF/OVMF_CODE.secboot.fd",
-    "/usr/share/edk2/ovmf/OVMF_CODE.fd",
-    "/usr/share/edk2/ovmf/OVMF_CODE.secboot.fd",
-    "/usr/share/edk2/ovmf/OVMF_CODE_4M.qcow2",
-    "/usr/share/edk2/ovmf/OVMF_CODE_4M.secboot.qcow2",
+/// `edk2-ovmf`). Adding one is a reviewed change. Debian's `*.snakeoil.fd` builds are not
+/// here: they trust a test key whose private half ships with Debian.
+pub const FIRMWARE_CODE: &[FirmwareCode] = &[
+    code("/usr/share/OVMF/OVMF_CODE_4M.fd", "debian-4m", false),
+    code("/usr/share/OVMF/OVMF_CODE_4M.ms.fd", "debian-4m", true),
+    code("/usr/share/OVMF/OVMF_CODE_4M.secboot.fd", "debian-4m", true),
+    code("/usr/share/OVMF/OVMF_CODE.fd", "debian-2m", false),
+    code("/usr/share/OVMF/OVMF_CODE.ms.fd", "debian-2m", true),
+    code("/usr/share/OVMF/OVMF_CODE.secboot.fd", "debian-2m", true),
+    code("/usr/share/edk2/ovmf/OVMF_CODE.fd", "fedora-2m", false),
+    code(
+        "/usr/share/edk2/ovmf/OVMF_CODE.secboot.fd",
+        "fedora-2m",
+        true,
+    ),
+    code(
+        "/usr/share/edk2/ovmf/OVMF_CODE_4M.qcow2",
+        "fedora-4m",
+        false,
+    ),
+    code(
+        "/usr/share/edk2/ovmf/OVMF_CODE_4M.secboot.qcow2",
+        "fedora-4m",
+        true,
+    ),
 ];
-/// UEFI variable-store templates that go with [`FIRMWARE_CODE`].
-pub const FIRMWARE_VARS: &[&str] = &[
-    "/usr/share/OVMF/OVMF_VARS_4M.fd",
-    "/usr/share/OVMF/OVMF_VARS_4M.ms.fd",
-    "/usr/share/OVMF/OVMF_VARS_4M.snakeoil.fd",
-    "/usr/share/OVMF/OVMF_VARS.fd",
-    "/usr/share/OVMF/OVMF_VARS.ms.fd",
-    "/usr/share/edk2/ovmf/OVMF_VARS.fd",
-    "/usr/share/edk2/ovmf/OVMF_VARS.secboot.fd",
-    "/usr/share/edk2/ovmf/OVMF_VARS_4M.qcow2",
-    "/usr/share/edk2/ovmf/OVMF_VARS_4M.secboot.qcow2",
+/// UEFI variable-store templates that go with [`FIRMWARE_CODE`]: empty stores and stores
+/// with the OS vendors' keys. Test keys (Debian's `OVMF_VARS*.snakeoil.fd`, whose private
+/// key is public) are excluded; a host may allow a site's own in `nvramTemplates`.
+pub const FIRMWARE_VARS: &[FirmwareVars] = &[
+    vars("/usr/share/OVMF/OVMF_VARS_4M.fd", "debian-4m", false),
+    vars("/usr/share/OVMF/OVMF_VARS_4M.ms.fd", "debian-4m", true),
+    vars("/usr/share/OVMF/OVMF_VARS.fd", "debian-2m", false),
+    vars("/usr/share/OVMF/OVMF_VARS.ms.fd", "debian-2m", true),
+    vars("/usr/share/edk2/ovmf/OVMF_VARS.fd", "fedora-2m", false),
+    vars(
+        "/usr/share/edk2/ovmf/OVMF_VARS.secboot.fd",
+        "fedora-2m",
+        true,
+    ),
+    vars(
+        "/usr/share/edk2/ovmf/OVMF_VARS_4M.qcow2",
+        "fedora-4m",
+        false,
+    ),
+    vars(
+        "/usr/share/edk2/ovmf/OVMF_VARS_4M.secboot.qcow2",
+        "fedora-4m",
+        true,
+    ),
 ];
+
+fn firmware_code(path: &str) -> Option<FirmwareCode> {
+    FIRMWARE_CODE.iter().copied().find(|c| c.path == path)
+}
+fn firmware_vars(path: &str) -> Option<FirmwareVars> {
+    FIRMWARE_VARS.iter().copied().find(|v| v.path == path)
+}
 /// Where libvirt's QEMU driver puts a domain's NVRAM when the XML names none
 /// (`nvram_dir` default); libvirt's reading must show exactly `<dir>/<name>_VARS.fd`.
 pub const NVRAM_DIR: &str = "/var/lib/libvirt/qemu/nvram";
@@ -42,6 +111,7 @@ pub const NVRAM_DIR: &str = "/var/lib/libvirt/qemu/nvram";
 pub fn check(
     doc: &tree::Document,
     input: &DomainInput,
+    policy: &HostPolicy,
     reading: Reading,
 ) -> Result<(), TemplateErrorKind> {
     let root = &doc.root;
@@ -56,7 +126,9 @@ pub fn check(
         .copied()
         .ok_or_else(|| refuse("allow-list", "no rule for /domain"))?;
     walk(root, "domain", "/domain", &rule, reading)?;
-    tie(root, input, reading)
+    tie(root, input, policy, reading)?;
+    host::check(root, input, policy)?;
+    devices::check(required(root, "devices", "/domain")?, input)
 }
 
 /// Applies the allow-list to `node` (at table key `key`, shown as `shown`) and below.
@@ -82,7 +154,11 @@ fn walk(
         };
         if !allow::value_ok(*form, &a.value) {
             return Err(refuse(
-                "value",
+                if matches!(form, allow::Value::Model(_)) {
+                    "device-model"
+                } else {
+                    "value"
+                },
                 format!(
                     "{shown}/@{} is {}, not an allowed value",
                     a.name,
@@ -193,7 +269,12 @@ fn memory_bytes(node: &Node, at: &str) -> Result<u64, TemplateErrorKind> {
         .ok_or_else(|| refuse("value", format!("{at} {} is not a size", show(&node.text))))
 }
 
-fn tie(root: &Node, input: &DomainInput, reading: Reading) -> Result<(), TemplateErrorKind> {
+fn tie(
+    root: &Node,
+    input: &DomainInput,
+    policy: &HostPolicy,
+    reading: Reading,
+) -> Result<(), TemplateErrorKind> {
     // Identity: libvirt keys the domain by these; a plugin must not redirect the define to
     // another Proxy's domain.
     let name = required(root, "name", "/domain")?;
@@ -292,7 +373,7 @@ fn tie(root: &Node, input: &DomainInput, reading: Reading) -> Result<(), Templat
         }
     }
 
-    tie_os(root, input, reading)?;
+    tie_os(root, input, policy, reading)?;
     let devices = required(root, "devices", "/domain")?;
     tie_disks(devices, input)?;
     tie_interfaces(devices, input, reading)?;
@@ -315,7 +396,12 @@ fn is_canonical_uuid(s: &str) -> bool {
         })
 }
 
-fn tie_os(root: &Node, input: &DomainInput, reading: Reading) -> Result<(), TemplateErrorKind> {
+fn tie_os(
+    root: &Node,
+    input: &DomainInput,
+    policy: &HostPolicy,
+    reading: Reading,
+) -> Result<(), TemplateErrorKind> {
     let os = required(root, "os", "/domain")?;
     let ty = required(os, "type", "/domain/os")?;
     if let Some(arch) = ty.attr("arch")
@@ -333,28 +419,82 @@ fn tie_os(root: &Node, input: &DomainInput, reading: Reading) -> Result<(), Temp
     let loader = os.child("loader");
     let nvram = os.child("nvram");
     let auto_efi = os.attr("firmware") == Some("efi");
-    if let Some(l) = loader
-        && !FIRMWARE_CODE.contains(&l.text.as_str())
-    {
-        return Err(refuse(
-            "firmware-paths",
-            format!(
-                "/domain/os/loader {} is not a known firmware file (see FIRMWARE_CODE)",
-                show(&l.text)
-            ),
-        ));
-    }
+    let secure = loader.and_then(|l| l.attr("secure")) == Some("yes")
+        || os.child("firmware").is_some_and(|f| {
+            f.children_named("feature")
+                .any(|x| x.attr("name") == Some("secure-boot") && x.attr("enabled") == Some("yes"))
+        });
+    let code = match loader {
+        Some(l) => {
+            if l.attr("readonly") != Some("yes") || l.attr("type") != Some("pflash") {
+                return Err(refuse(
+                    "firmware-readonly",
+                    "/domain/os/loader must be readonly=\"yes\" type=\"pflash\": the firmware code is the host's, shared by every VM",
+                ));
+            }
+            let Some(code) = firmware_code(&l.text) else {
+                return Err(refuse(
+                    "firmware-paths",
+                    format!(
+                        "/domain/os/loader {} is not a known firmware file (see FIRMWARE_CODE)",
+                        show(&l.text)
+                    ),
+                ));
+            };
+            if code.secure_boot != (l.attr("secure") == Some("yes")) {
+                return Err(refuse(
+                    "firmware-kind",
+                    format!(
+                        "/domain/os/loader {} is {} build; secure=\"{}\" must say so (a Secure Boot build without SMM protection lets the guest write its variables)",
+                        show(&l.text),
+                        if code.secure_boot {
+                            "a Secure Boot"
+                        } else {
+                            "a plain"
+                        },
+                        if code.secure_boot { "yes" } else { "no" }
+                    ),
+                ));
+            }
+            Some(code)
+        }
+        None => None,
+    };
     if let Some(n) = nvram {
-        if let Some(t) = n.attr("template")
-            && !FIRMWARE_VARS.contains(&t)
-        {
-            return Err(refuse(
-                "firmware-paths",
-                format!(
-                    "/domain/os/nvram/@template {} is not a known variable-store template",
-                    show(t)
-                ),
-            ));
+        if let Some(t) = n.attr("template") {
+            let site = policy.nvram_templates.iter().any(|s| s == t);
+            match (firmware_vars(t), code) {
+                _ if site => {}
+                (None, _) => {
+                    return Err(refuse(
+                        "firmware-paths",
+                        format!(
+                            "/domain/os/nvram/@template {} is not a known variable-store template (test keys such as snakeoil are not; a host may allow its own in nvramTemplates)",
+                            show(t)
+                        ),
+                    ));
+                }
+                (Some(vars), Some(code)) if vars.family != code.family => {
+                    return Err(refuse(
+                        "firmware-kind",
+                        format!(
+                            "/domain/os/nvram/@template {} does not go with the loader {}",
+                            show(t),
+                            show(code.path)
+                        ),
+                    ));
+                }
+                (Some(vars), _) if secure && !vars.enrolled => {
+                    return Err(refuse(
+                        "firmware-kind",
+                        format!(
+                            "/domain/os/nvram/@template {} has no keys enrolled; Secure Boot needs a template with the vendor's keys",
+                            show(t)
+                        ),
+                    ));
+                }
+                _ => {}
+            }
         }
         let ok = match reading {
             // libvirt creates the VM's own store; a plugin naming a host file is refused.

@@ -10,19 +10,33 @@
 //!    VM needs; anything else is refused, naming its path and the rule;
 //! 3. `domain`: the document tied to its input: name, UUID, the operator's mark (one
 //!    element, structurally equal), memory, vCPUs, the prepared volumes and their formats,
-//!    the seed read-only, the bridge, the assigned MAC, known firmware files.
+//!    the seed read-only, the bridge, the assigned MAC, known firmware files read-only,
+//!    of the right kind and with trusted variable stores;
+//! 4. `host`: what the domain may cost and share on its host ([`HostPolicy`]): counts and
+//!    sizes bounded by the machine type, CPU placement only inside the operator's CPUs, the
+//!    accelerator the host has, the bridge's MTU, no nested virtualisation or vPMU;
+//! 5. `devices`: device models from the safe list, also where libvirt would fill in a
+//!    legacy default, and only the root disk boots.
 //!
 //! The same checks run again on libvirt's own reading of the defined domain
 //! ([`check_defined_domain_xml`]) before it is started, so a document that libvirt
 //! understands differently from us is caught there too.
 
 mod allow;
+mod devices;
 mod domain;
+mod host;
+mod policy;
 mod tree;
 mod vendor;
 
 pub use allow::{Reading, render_markdown as allow_list_markdown};
-pub use domain::{FIRMWARE_CODE, FIRMWARE_VARS, NVRAM_DIR};
+pub use domain::{FIRMWARE_CODE, FIRMWARE_VARS, FirmwareCode, FirmwareVars, NVRAM_DIR};
+pub use host::{
+    MAX_CONTROLLER_PORTS, MAX_CONTROLLER_VECTORS, MAX_NIC_RING, MAX_RNG_BYTES_PER_SECOND,
+    MAX_VIDEO_KIB, MIN_RNG_PERIOD_MS,
+};
+pub use policy::{CpuPlacement, CpuSet, HostPolicy, MAX_CPU_ID};
 pub use tree::{MAX_DEPTH, MAX_ELEMENTS};
 pub use vendor::{
     MAX_PARTS as VENDOR_DATA_MAX_PARTS, VendorDataForm, VendorDataPart, VendorDataReading,
@@ -49,9 +63,20 @@ fn show(value: &str) -> String {
     crate::validation::show(value)
 }
 
-/// Checks rendered domain XML against the input it was rendered from.
+/// Checks rendered domain XML against the input it was rendered from, under the
+/// strictest host policy ([`HostPolicy::default`]).
 pub fn check_domain_xml(xml: &str, input: &DomainInput) -> Result<(), TemplateErrorKind> {
-    check_reading(xml, input, Reading::Plugin)
+    check_domain_xml_on(xml, input, &HostPolicy::default())
+}
+
+/// Checks rendered domain XML against its input and the policy of the host it is for
+/// (bridge MTU, CPU placement, the site's NVRAM templates).
+pub fn check_domain_xml_on(
+    xml: &str,
+    input: &DomainInput,
+    policy: &HostPolicy,
+) -> Result<(), TemplateErrorKind> {
+    check_reading(xml, input, policy, Reading::Plugin)
 }
 
 /// Checks libvirt's own reading of a defined domain (its inactive XML,
@@ -59,13 +84,25 @@ pub fn check_domain_xml(xml: &str, input: &DomainInput) -> Result<(), TemplateEr
 /// from, before the domain is ever started. libvirt fills in defaults (emulator, addresses,
 /// controllers, generated MACs of further NICs, the NVRAM path); everything else obeys the
 /// same rules as the plugin's output, so a document libvirt reads differently is caught.
+///
+/// Under the strictest host policy; see [`check_defined_domain_xml_on`].
 pub fn check_defined_domain_xml(xml: &str, input: &DomainInput) -> Result<(), TemplateErrorKind> {
-    check_reading(xml, input, Reading::Libvirt)
+    check_defined_domain_xml_on(xml, input, &HostPolicy::default())
+}
+
+/// [`check_defined_domain_xml`] with the policy of the host the domain is defined on.
+pub fn check_defined_domain_xml_on(
+    xml: &str,
+    input: &DomainInput,
+    policy: &HostPolicy,
+) -> Result<(), TemplateErrorKind> {
+    check_reading(xml, input, policy, Reading::Libvirt)
 }
 
 fn check_reading(
     xml: &str,
     input: &DomainInput,
+    policy: &HostPolicy,
     reading: Reading,
 ) -> Result<(), TemplateErrorKind> {
     if xml.len() > DOMAIN_XML_MAX {
@@ -75,7 +112,7 @@ fn check_reading(
         });
     }
     let doc = tree::parse(xml, tree::Opaque::DomainMetadata)?;
-    domain::check(&doc, input, reading)
+    domain::check(&doc, input, policy, reading)
 }
 
 /// Checks rendered vendor-data by reading it as the guest's cloud-init will

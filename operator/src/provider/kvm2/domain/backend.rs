@@ -39,7 +39,7 @@ use crate::provider::{
     AddressOrigin, BoxFuture, CreateRequest, HealthCheck, Instance, InstanceId, InstanceState,
     Provider, ProviderError, ProxyRef, TargetHealth, TargetListing,
 };
-use crate::templates::check::check_defined_domain_xml;
+use crate::templates::check::{HostPolicy, check_defined_domain_xml_on};
 use crate::templates::{
     DomainInput, PluginUnavailable, TemplateError, TemplateErrorKind, TemplateSet,
 };
@@ -752,9 +752,17 @@ impl Kvm2Provider {
         input: DomainInput,
         origin: &'static str,
     ) -> Result<(), Kvm2Error> {
-        let verdict = tokio::task::spawn_blocking(move || check_defined_domain_xml(&xml, &input))
-            .await
-            .map_err(|e| Kvm2Error::Runtime(e.to_string()))?;
+        // The host's policy (bridge MTU, CPU placement, NVRAM templates); a host no longer
+        // configured gets the strictest.
+        let policy = self
+            .config
+            .host(host)
+            .map(HostPolicy::for_host)
+            .unwrap_or_default();
+        let verdict =
+            tokio::task::spawn_blocking(move || check_defined_domain_xml_on(&xml, &input, &policy))
+                .await
+                .map_err(|e| Kvm2Error::Runtime(e.to_string()))?;
         verdict.map_err(|kind| {
             tracing::warn!(host, domain, origin, reason = %kind,
                 "libvirt's reading of the defined domain failed the post-define check; not starting it");
@@ -930,10 +938,11 @@ impl Kvm2Provider {
         .to_xml();
         let domain_input = stamped.clone();
         let domain_overrides = inputs.overrides.domain.clone();
+        let policy = HostPolicy::for_host(&inputs.host);
         let xml = self
             .render_blocking(move |t| {
                 Ok(t.domain()?
-                    .render_with(&domain_input, domain_overrides.as_ref())?)
+                    .render_on(&domain_input, domain_overrides.as_ref(), &policy)?)
             })
             .await?;
         req.fence.check("domain define")?;
