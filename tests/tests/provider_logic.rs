@@ -587,6 +587,34 @@ fn our_domain_without_its_root_volume_is_replaced() {
     });
 }
 
+/// Issue 19, finding 7: a replacement removed the domain but not its root volume (the
+/// volume delete failed). The next Create must not boot that disk again: cloud-init would
+/// see the same instance-id and keep the old network config.
+#[test]
+fn a_new_incarnation_never_boots_an_old_root_disk() {
+    let env = Env::new();
+    run(async {
+        let p = env.provider();
+        let u = uid(0x34);
+        let id = identity(&u);
+        p.create(&request(&u, "office", Some("h1"))).await.unwrap();
+        // The old incarnation booted: its disk holds its cloud-init state.
+        env.fake.put_volume("h1", &id.root_volume, b"booted: instance-id and old network");
+        env.fake.destroy("h1", &id.domain_name).await.unwrap();
+        env.fake.undefine("h1", &id.domain_name).await.unwrap();
+        assert!(env.volumes("h1").contains(&id.root_volume));
+
+        let inst = p.create(&request(&u, "office", Some("h1"))).await.unwrap();
+        assert_eq!(inst.state, InstanceState::Running);
+        assert_eq!(
+            env.fake.volume_data("h1", &id.root_volume),
+            Some(Vec::new()),
+            "a fresh overlay, not the booted disk"
+        );
+        assert_eq!(env.volumes("h1"), env.expected(&[&u]));
+    });
+}
+
 // 4. ------------------------------------------------------------------------------------
 
 /// Fails the `nth` call of `point` (every `nth` a Create reaches, then one more that it

@@ -866,15 +866,38 @@ impl Kvm2Provider {
             &base_info.path,
             base.format,
         );
+        // A new incarnation always boots a fresh root disk. A root volume already there
+        // (a replacement that removed the domain but not its volume, a Create that died
+        // after this step) may have booted: cloud-init would find the same instance-id on
+        // it and keep its old network config, so the new MAC or static address would never
+        // be configured. No domain uses it (we hold the name's lock and none is defined),
+        // so it is deleted and made again.
+        let root = &identity.root_volume;
         if self
             .ops
-            .create_volume(h, pool, &identity.root_volume, overlay)
+            .create_volume(h, pool, root, overlay.clone())
             .await
             .map_err(step("root volume create"))?
-            == Created::Created
+            == Created::Exists
         {
-            made.root = true;
+            tracing::info!(host = h, volume = %root, "an earlier incarnation's root volume is replaced by a fresh one");
+            self.ops
+                .delete_volume(h, pool, root)
+                .await
+                .map_err(step("stale root volume delete"))?;
+            if self
+                .ops
+                .create_volume(h, pool, root, overlay)
+                .await
+                .map_err(step("root volume create"))?
+                == Created::Exists
+            {
+                return Err(Kvm2Error::Unreachable(format!(
+                    "root volume {root} in pool {pool} on {h} came back while it was replaced"
+                )));
+            }
         }
+        made.root = true;
 
         // Seed ISO: vendor-data from the plugin, user-data from the request.
         let vendor_input = inputs.vendor_data.clone();
