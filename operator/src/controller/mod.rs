@@ -503,7 +503,10 @@ async fn converge_serving(
     let window = 2 * Duration::from_secs(u64::from(ctx.config.serving.period_seconds));
     if let Some(why) = ctx.serving.prober_suspected(&instance.id.host, window) {
         ctx.metrics.instance("replacement-withheld");
-        if announce(ctx, &t.owner.uid, t.generation, serving::PROBER_SUSPECTED) {
+        // News once, when the condition turns to it, not at every held-back check.
+        if status::condition(current, status::SERVING)
+            .is_none_or(|c| c.reason != serving::PROBER_SUSPECTED)
+        {
             let note = format!("instance {}'s proxy is not replaced: {why}", instance.id);
             let reason = serving::PROBER_SUSPECTED;
             event(ctx, t.proxy, EventType::Warning, reason, "Replace", note).await;

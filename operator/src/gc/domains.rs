@@ -31,7 +31,7 @@ use jiff::{SignedDuration, Timestamp};
 
 use super::{GarbageCollector, GcError, Owner, SweepControl};
 use super::report::{
-    Deleted, FailedDelete, InstanceRef, KeepReason, Kept, OrphanReason, SkippedTarget,
+    Deleted, FailedDelete, GcReport, InstanceRef, KeepReason, Kept, OrphanReason, SkippedTarget,
     Unconfigured,
 };
 use crate::error::Classified;

@@ -20,7 +20,7 @@ use jiff::{SignedDuration, Timestamp};
 
 use crate::config::{GcConfig, RetiredImagesPolicy};
 use crate::error::{Classified, ErrorClass};
-use crate::provider::{BoxFuture, InstanceId, ProviderError, SharedProvider};
+use crate::provider::{InstanceId, ProviderError, SharedProvider};
 
 pub mod domains;
 pub mod images;
@@ -87,8 +87,8 @@ impl Classified for GcError {
 /// delete is in flight (then it waits for it instead of dropping it half-way).
 #[derive(Debug, Default)]
 struct SweepControl {
-    pub(super) stop: AtomicBool,
-    pub(super) in_delete: AtomicBool,
+    stop: AtomicBool,
+    in_delete: AtomicBool,
 }
 
 /// Where "now" comes from; injectable so the grace period is tested without sleeping.
@@ -96,16 +96,16 @@ pub type Clock = Arc<dyn Fn() -> Timestamp + Send + Sync>;
 
 /// Sweeps every provider for instances to collect.
 pub struct GarbageCollector {
-    pub(super) providers: Vec<SharedProvider>,
-    pub(super) index: Arc<dyn ProxyIndex>,
-    pub(super) period: Duration,
-    pub(super) grace: SignedDuration,
-    pub(super) metrics: GcMetrics,
-    pub(super) clock: Clock,
-    pub(super) volumes: Vec<Arc<dyn VolumeCollector>>,
-    pub(super) retired: RetiredImagesPolicy,
+    providers: Vec<SharedProvider>,
+    index: Arc<dyn ProxyIndex>,
+    period: Duration,
+    grace: SignedDuration,
+    metrics: GcMetrics,
+    clock: Clock,
+    volumes: Vec<Arc<dyn VolumeCollector>>,
+    retired: RetiredImagesPolicy,
     /// When each leftover volume group was first seen, by provider, target and key.
-    pub(super) first_seen: Mutex<HashMap<(String, String, String), Timestamp>>,
+    first_seen: Mutex<HashMap<(String, String, String), Timestamp>>,
 }
 
 impl std::fmt::Debug for GarbageCollector {

@@ -1,7 +1,6 @@
 //! Leftover volumes: instance volumes (root and seed) with no domain, and (through the
 //! same candidates) the image volumes [`super::images`] judges.
 //!
-//!
 //! Volumes outlive their domain when a Create fails and its cleanup fails too (or the
 //! process dies), and the Proxy is then deleted: nothing would ever name them again, and
 //! the seed holds the Proxy's user-data. Images removed from the config leave their base
@@ -15,14 +14,13 @@
 use std::collections::HashMap;
 use std::sync::atomic::Ordering;
 
-use jiff::{SignedDuration, Timestamp};
+use jiff::Timestamp;
 
 use super::images;
 use super::report::{GcReport, SkippedTarget};
 use super::{GarbageCollector, GcError, Owner, SweepControl};
 use crate::error::Classified;
 use crate::provider::{BoxFuture, ProviderError};
-
 
 /// What kind of leftover a [`VolumeCandidate`] is.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
@@ -130,7 +128,7 @@ impl GarbageCollector {
     /// The leftover volume phase of a sweep: `owners` was listed after the instances,
     /// and so after every volume listing of the previous phase too; each collector lists
     /// its volumes now and the provider checks again under its own locks before a delete.
-    async fn sweep_volumes(
+    pub(super) async fn sweep_volumes(
         &self,
         ctl: &SweepControl,
         owners: &HashMap<String, Owner>,

@@ -5,7 +5,8 @@ use super::domains::unconfigured;
 use super::index::owner_of;
 use super::*;
 use crate::api::proxy::Proxy;
-use crate::provider::Instance;
+use crate::provider::{BoxFuture, Instance};
+use prometheus_client::registry::Registry;
 use crate::provider::fake::FakeProvider;
 use crate::provider::{
     CreateRequest, InstanceState, Provider, ProviderError, ProxyRef, TargetListing,
