@@ -396,8 +396,7 @@ fn a_wrong_socket_path_and_forbidden_forwarding_are_reported_and_permanent() {
     sshd.set_streamlocal_forwarding(false).unwrap();
     let config = self::config(&sshd, &libvirtd);
     run(async {
-        let (hosts, _) =
-            table_with_patience(&config.kvm2.ssh, &config.kvm2.hosts[0], PATIENCE);
+        let (hosts, _) = table_with_patience(&config.kvm2.ssh, &config.kvm2.hosts[0], PATIENCE);
         let _ = guard(hosts.call("h1", "version", |c| c.get_lib_version())).await;
         after_patience().await;
         let e = guard(hosts.call("h1", "version", |c| c.get_lib_version()))

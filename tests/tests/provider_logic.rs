@@ -599,7 +599,11 @@ fn a_new_incarnation_never_boots_an_old_root_disk() {
         let id = identity(&u);
         p.create(&request(&u, "office", Some("h1"))).await.unwrap();
         // The old incarnation booted: its disk holds its cloud-init state.
-        env.fake.put_volume("h1", &id.root_volume, b"booted: instance-id and old network");
+        env.fake.put_volume(
+            "h1",
+            &id.root_volume,
+            b"booted: instance-id and old network",
+        );
         env.fake.destroy("h1", &id.domain_name).await.unwrap();
         env.fake.undefine("h1", &id.domain_name).await.unwrap();
         assert!(env.volumes("h1").contains(&id.root_volume));

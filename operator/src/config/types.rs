@@ -279,7 +279,10 @@ impl AddressPoolConfig {
             // The seed's network-config refuses it too, but only after the image download.
             return Err((
                 "cidr",
-                format!("{:?} is every IPv4 address, not a bridge network", self.cidr),
+                format!(
+                    "{:?} is every IPv4 address, not a bridge network",
+                    self.cidr
+                ),
             ));
         }
         if net.prefix_len() > 30 {

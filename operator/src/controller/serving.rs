@@ -537,7 +537,10 @@ mod tests {
         m.checked("c", "h1", &timed_out());
         m.checked("d", "h1", &passing());
         let why = m.prober_suspected("h1", window).expect("suspected");
-        assert!(why.contains("3 of the 4 proxies probed on host h1"), "{why}");
+        assert!(
+            why.contains("3 of the 4 proxies probed on host h1"),
+            "{why}"
+        );
         // Refusals come from the guests: the path works.
         for uid in ["a", "b", "c"] {
             m.checked(uid, "h1", &failing());
@@ -554,7 +557,7 @@ mod tests {
     }
 
     #[tokio::test(start_paused = true)]
-    fn old_checks_say_nothing_about_the_prober() {
+    async fn old_checks_say_nothing_about_the_prober() {
         let window = Duration::from_secs(60);
         let m = Memory::default();
         m.checked("a", "h1", &timed_out());

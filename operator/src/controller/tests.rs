@@ -2615,7 +2615,11 @@ async fn a_guest_whose_proxy_fails_and_whose_host_name_is_not_the_seeds_says_so(
 
     w.reconcile(&p).await.unwrap();
 
-    assert_eq!(w.proxies.dials(), 1, "the probe decides, the host name only hints");
+    assert_eq!(
+        w.proxies.dials(),
+        1,
+        "the probe decides, the host name only hints"
+    );
     let s = w.timeline.last_status();
     let serving = condition(&s, "Serving");
     assert_eq!(serving["status"], "False");
@@ -2873,7 +2877,7 @@ async fn a_host_whose_proxies_all_time_out_at_once_suspects_the_prober_and_repla
         "{:?}",
         w.fake.calls()
     );
-    let s = as_stored(&p, &w).status.unwrap();
+    let s = w.timeline.last_status();
     let serving = condition(&s, "Serving");
     assert_eq!(serving["reason"], "ProberSuspected", "{serving:#}");
     assert!(
@@ -2884,7 +2888,10 @@ async fn a_host_whose_proxies_all_time_out_at_once_suspects_the_prober_and_repla
         "{serving:#}"
     );
     assert_eq!(
-        warnings(&w).iter().filter(|r| *r == "ProberSuspected").count(),
+        warnings(&w)
+            .iter()
+            .filter(|r| *r == "ProberSuspected")
+            .count(),
         1,
         "news once: {:?}",
         warnings(&w)

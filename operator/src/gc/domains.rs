@@ -29,11 +29,11 @@ use std::sync::atomic::Ordering;
 
 use jiff::{SignedDuration, Timestamp};
 
-use super::{GarbageCollector, GcError, Owner, SweepControl};
 use super::report::{
     Deleted, FailedDelete, GcReport, InstanceRef, KeepReason, Kept, OrphanReason, SkippedTarget,
     Unconfigured,
 };
+use super::{GarbageCollector, GcError, Owner, SweepControl};
 use crate::error::Classified;
 use crate::provider::{Instance, SharedProvider};
 

@@ -43,9 +43,9 @@ pub(super) fn required_age(
     policy: &RetiredImagesPolicy,
 ) -> SignedDuration {
     match kind {
-        VolumeKind::UnusedImage => {
-            grace.max(SignedDuration::from_secs(i64::from(policy.unused_for_seconds)))
-        }
+        VolumeKind::UnusedImage => grace.max(SignedDuration::from_secs(i64::from(
+            policy.unused_for_seconds,
+        ))),
         VolumeKind::Instance | VolumeKind::Staging => grace,
     }
 }

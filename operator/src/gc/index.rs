@@ -252,4 +252,3 @@ impl ProxyIndex for FakeProxyIndex {
         })
     }
 }
-

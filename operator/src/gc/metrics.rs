@@ -1,5 +1,7 @@
 //! The collector's metrics (`egress_gc_*`).
 
+use std::sync::atomic::AtomicU64;
+use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use jiff::Timestamp;
@@ -10,6 +12,8 @@ use prometheus_client::metrics::gauge::Gauge;
 use prometheus_client::registry::Registry;
 
 use super::report::GcReport;
+use super::volumes::{VolumeKeep, VolumeKind};
+use crate::error::Classified;
 
 /// Labels: sweep result (`ok`, `partial`, `skipped`, `interrupted`).
 #[derive(Debug, Clone, Hash, PartialEq, Eq, EncodeLabelSet)]
@@ -200,7 +204,7 @@ impl GcMetrics {
             .get()
     }
 
-    fn record(&self, report: &GcReport, finished: Timestamp, took: Duration) {
+    pub(super) fn record(&self, report: &GcReport, finished: Timestamp, took: Duration) {
         if report.owners_error.is_none() {
             let mut counts: std::collections::BTreeMap<&str, i64> = Default::default();
             for u in &report.unconfigured {
@@ -321,4 +325,3 @@ impl GcMetrics {
         }
     }
 }
-

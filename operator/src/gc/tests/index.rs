@@ -1,6 +1,7 @@
 //! The Proxy index over the Kubernetes API.
 
 use super::*;
+use crate::gc::index::owner_of;
 
 #[test]
 fn owners_come_from_uid_status_and_deletion_timestamp() {

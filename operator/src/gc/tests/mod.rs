@@ -1,16 +1,14 @@
 //! The collector's tests, by collector, over the fake provider and index: the helpers
 //! here, the cases in [`domains`], [`volumes`] and [`index`].
 
-use super::domains::unconfigured;
-use super::index::owner_of;
 use super::*;
 use crate::api::proxy::Proxy;
-use crate::provider::{BoxFuture, Instance};
-use prometheus_client::registry::Registry;
 use crate::provider::fake::FakeProvider;
+use crate::provider::{BoxFuture, Instance};
 use crate::provider::{
     CreateRequest, InstanceState, Provider, ProviderError, ProxyRef, TargetListing,
 };
+use prometheus_client::registry::Registry;
 use tokio::sync::Notify;
 
 const GRACE: u32 = 600;

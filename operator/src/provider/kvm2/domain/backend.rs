@@ -1528,7 +1528,12 @@ impl Kvm2Provider {
     async fn upload_alive(&self, host: &str, pool: &str, name: &str) -> Result<bool, Kvm2Error> {
         let record = self
             .ops
-            .read_volume(host, pool, name, crate::provider::kvm2::image::HEARTBEAT_LEN)
+            .read_volume(
+                host,
+                pool,
+                name,
+                crate::provider::kvm2::image::HEARTBEAT_LEN,
+            )
             .await
             .map_err(step("heartbeat read"))?;
         let now = tokio::time::Instant::now();
@@ -1625,7 +1630,12 @@ impl Kvm2Provider {
 fn heartbeat_of(c: &VolumeCandidate) -> Option<&str> {
     c.volumes
         .iter()
-        .find(|v| matches!(VolumeName::parse(v), Some(VolumeName::ImageHeartbeat { .. })))
+        .find(|v| {
+            matches!(
+                VolumeName::parse(v),
+                Some(VolumeName::ImageHeartbeat { .. })
+            )
+        })
         .map(String::as_str)
 }
 

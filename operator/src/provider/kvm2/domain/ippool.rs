@@ -505,8 +505,14 @@ mod tests {
             let name = format!("egress-{other}");
             fake.put_domain("h1", &name, &damaged, InstanceState::Running);
             let book = AddressBook::new();
-            let err = book.allocate(&fake, "h1", &u, Some(&p), 1).await.unwrap_err();
-            assert!(matches!(err, AllocError::DamagedMark { ref domain, .. } if *domain == name), "{err}");
+            let err = book
+                .allocate(&fake, "h1", &u, Some(&p), 1)
+                .await
+                .unwrap_err();
+            assert!(
+                matches!(err, AllocError::DamagedMark { ref domain, .. } if *domain == name),
+                "{err}"
+            );
             assert_eq!(err.class(), ErrorClass::Transient);
             assert_eq!(book.claims_on("h1"), 0);
             // Without a pool there is no address to hand out twice.

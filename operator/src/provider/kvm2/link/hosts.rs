@@ -61,6 +61,7 @@ pub const BACKOFF_MAX: Duration = Duration::from_secs(10);
 /// called permanent: a rebooting host starts libvirtd well within this after sshd, and
 /// a wrong path is reported as permanent soon enough for an admin to act on it.
 pub const SOCKET_PATIENCE: Duration = Duration::from_secs(120);
+
 /// Bound of the liveness probe run after a call timed out: an SSH round trip, however
 /// slow the link, answers well within it.
 pub const PROBE_DEADLINE: Duration = Duration::from_secs(5);
