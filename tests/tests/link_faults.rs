@@ -80,6 +80,25 @@ fn table(ssh: &SshConfig, host: &HostConfig, limits: PoolLimits) -> (Arc<Hosts>,
     (Arc::new(hosts), metrics)
 }
 
+/// [`table`] whose missing libvirt socket turns permanent after `patience`.
+fn table_with_patience(
+    ssh: &SshConfig,
+    host: &HostConfig,
+    patience: Duration,
+) -> (Arc<Hosts>, Arc<CallMetrics>) {
+    let metrics = Arc::new(CallMetrics::unregistered());
+    let hosts = Hosts::new(
+        ssh,
+        std::slice::from_ref(host),
+        BlockingPool::with_limits(small_pool()),
+        metrics.clone(),
+    )
+    .unwrap()
+    .with_call_deadline(CALL_DEADLINE)
+    .with_socket_patience(patience);
+    (Arc::new(hosts), metrics)
+}
+
 fn small_pool() -> PoolLimits {
     PoolLimits {
         calls_per_host: 2,
@@ -314,6 +333,14 @@ fn fifty_calls_against_a_wrong_host_key_share_a_dial_and_its_permanent_reason() 
     });
 }
 
+/// How long the tests below let a socket that never answered be asked again.
+const PATIENCE: Duration = Duration::from_millis(800);
+
+/// A call after [`PATIENCE`] (and the dial backoff) ran out.
+async fn after_patience() {
+    tokio::time::sleep(PATIENCE + Duration::from_millis(400)).await;
+}
+
 #[test]
 fn a_wrong_socket_path_and_forbidden_forwarding_are_reported_and_permanent() {
     let Some((mut sshd, libvirtd)) = daemons() else {
@@ -324,7 +351,17 @@ fn a_wrong_socket_path_and_forbidden_forwarding_are_reported_and_permanent() {
     host.libvirt_socket = "/nonexistent/libvirt-sock".into();
     run(async {
         let before = resources();
-        let (hosts, _) = table(&config.kvm2.ssh, &host, small_pool());
+        let (hosts, _) = table_with_patience(&config.kvm2.ssh, &host, PATIENCE);
+        // Refused, but never seen to answer: asked again before it is called permanent.
+        let e = guard(hosts.call("h1", "version", |c| c.get_lib_version()))
+            .await
+            .unwrap_err();
+        assert_eq!(
+            (e.reason_code(), e.class(), e.stage()),
+            ("libvirt-socket", ErrorClass::Transient, Some("channel")),
+            "{e}"
+        );
+        after_patience().await;
         let e = guard(hosts.call("h1", "version", |c| c.get_lib_version()))
             .await
             .unwrap_err();
@@ -359,7 +396,9 @@ fn a_wrong_socket_path_and_forbidden_forwarding_are_reported_and_permanent() {
     sshd.set_streamlocal_forwarding(false).unwrap();
     let config = self::config(&sshd, &libvirtd);
     run(async {
-        let (hosts, _) = table(&config.kvm2.ssh, &config.kvm2.hosts[0], small_pool());
+        let (hosts, _) = table_with_patience(&config.kvm2.ssh, &config.kvm2.hosts[0], PATIENCE);
+        let _ = guard(hosts.call("h1", "version", |c| c.get_lib_version())).await;
+        after_patience().await;
         let e = guard(hosts.call("h1", "version", |c| c.get_lib_version()))
             .await
             .unwrap_err();
@@ -370,6 +409,62 @@ fn a_wrong_socket_path_and_forbidden_forwarding_are_reported_and_permanent() {
         // stays `libvirt-socket` and the message names the sshd settings to check.
         assert_eq!(e.reason_code(), "libvirt-socket", "{e}");
         assert!(e.to_string().contains("AllowStreamLocalForwarding"), "{e}");
+        hosts.close().await;
+    });
+}
+
+/// Issue 19, finding 4: a host rebooted and sshd came up before libvirtd, seen by a
+/// fresh operator (a new table that never saw the socket answer). The missing socket is
+/// transient, and the first dial after the socket appears works.
+#[test]
+fn a_fresh_table_waits_for_a_libvirt_socket_that_appears_late() {
+    let Some((sshd, libvirtd)) = daemons() else {
+        return;
+    };
+    let config = config(&sshd, &libvirtd);
+    let dir = tempfile::tempdir().unwrap();
+    let late = dir.path().join("libvirt-sock");
+    let mut host = config.kvm2.hosts[0].clone();
+    host.libvirt_socket = late.to_string_lossy().into_owned();
+    run(async {
+        // The default patience: what a fresh operator does.
+        let metrics = Arc::new(CallMetrics::unregistered());
+        let hosts = Hosts::new(
+            &config.kvm2.ssh,
+            std::slice::from_ref(&host),
+            BlockingPool::with_limits(small_pool()),
+            metrics,
+        )
+        .unwrap()
+        .with_call_deadline(CALL_DEADLINE);
+        for _ in 0..3 {
+            let e = guard(hosts.call("h1", "version", |c| c.get_lib_version()))
+                .await
+                .unwrap_err();
+            assert_eq!(
+                (e.reason_code(), e.class()),
+                ("libvirt-socket", ErrorClass::Transient),
+                "libvirtd may still be starting: {e}"
+            );
+            assert!(e.to_string().contains("may still be starting"), "{e}");
+            tokio::time::sleep(Duration::from_millis(300)).await;
+        }
+        // libvirtd is up.
+        std::os::unix::fs::symlink(libvirtd.socket_path(), &late).unwrap();
+        let mut answered = None;
+        for _ in 0..50 {
+            match guard(hosts.call("h1", "version", |c| c.get_lib_version())).await {
+                Ok(v) => {
+                    answered = Some(v);
+                    break;
+                }
+                Err(e) => {
+                    assert_eq!(e.class(), ErrorClass::Transient, "{e}");
+                    tokio::time::sleep(Duration::from_millis(200)).await;
+                }
+            }
+        }
+        assert!(answered.is_some(), "the socket answered once it was there");
         hosts.close().await;
     });
 }

@@ -587,6 +587,38 @@ fn our_domain_without_its_root_volume_is_replaced() {
     });
 }
 
+/// Issue 19, finding 7: a replacement removed the domain but not its root volume (the
+/// volume delete failed). The next Create must not boot that disk again: cloud-init would
+/// see the same instance-id and keep the old network config.
+#[test]
+fn a_new_incarnation_never_boots_an_old_root_disk() {
+    let env = Env::new();
+    run(async {
+        let p = env.provider();
+        let u = uid(0x34);
+        let id = identity(&u);
+        p.create(&request(&u, "office", Some("h1"))).await.unwrap();
+        // The old incarnation booted: its disk holds its cloud-init state.
+        env.fake.put_volume(
+            "h1",
+            &id.root_volume,
+            b"booted: instance-id and old network",
+        );
+        env.fake.destroy("h1", &id.domain_name).await.unwrap();
+        env.fake.undefine("h1", &id.domain_name).await.unwrap();
+        assert!(env.volumes("h1").contains(&id.root_volume));
+
+        let inst = p.create(&request(&u, "office", Some("h1"))).await.unwrap();
+        assert_eq!(inst.state, InstanceState::Running);
+        assert_eq!(
+            env.fake.volume_data("h1", &id.root_volume),
+            Some(Vec::new()),
+            "a fresh overlay, not the booted disk"
+        );
+        assert_eq!(env.volumes("h1"), env.expected(&[&u]));
+    });
+}
+
 // 4. ------------------------------------------------------------------------------------
 
 /// Fails the `nth` call of `point` (every `nth` a Create reaches, then one more that it
@@ -2427,9 +2459,11 @@ mod lifecycle {
             .collect();
             assert_eq!(kinds, want);
 
-            // Past the grace period the instance and staging leftovers go; a newer retired
+            // Past the grace period the instance and staging leftovers go (the staging
+            // one's heartbeat has not changed for the stale window); a newer retired
             // base turns unused, so the policy keeps that one and the older one goes once
             // it has been unused for its hour.
+            tokio::time::sleep(STALE_AFTER).await;
             clock.advance(1800);
             let (new_data, new_marker, _, _) = retired("new");
             env.fake.put_volume("h1", &new_data, b"new base");
@@ -2471,6 +2505,83 @@ mod lifecycle {
             assert_eq!(env.volumes("h1"), left);
             assert!(report.deleted.is_empty(), "no instance collected");
             assert_eq!(env.domains("h1").len(), 3);
+        });
+    }
+
+    /// Issue 19, finding 5: an upload of an image this cluster does not have (another
+    /// cluster's, or a replica's with a newer config) that is slower than the grace is
+    /// never collected while its heartbeat changes; once it stops, it goes.
+    #[test]
+    fn a_live_upload_is_never_collected_however_slow() {
+        let env = Env::new();
+        run(async {
+            let clock = Clock::default();
+            let p = Arc::new(clocked_provider(&env, env.ops(), &clock));
+            let index = Arc::new(FakeProxyIndex::new());
+            let gc = gc_over(vec![p.clone()], index.clone(), &clock, 0)
+                .with_volumes(vec![p.clone() as Arc<dyn VolumeCollector>]);
+            let (data, _, claim, beat) = retired("theirs, uploading");
+            env.fake.put_volume("h1", &data, b"partial");
+            env.fake.put_volume("h1", &claim, b"claim");
+            let mut n = 0u32;
+            let mut beat_now = |env: &Env| {
+                n += 1;
+                env.fake
+                    .put_volume("h1", &beat, format!("beat {n}").as_bytes());
+            };
+            beat_now(&env);
+            for _ in 0..6 {
+                let report = gc.sweep_once().await;
+                assert!(report.volumes_deleted.is_empty(), "{report:?}");
+                assert!(env.volumes("h1").contains(&data));
+                // Long past the grace on the GC's clock; the uploader beats meanwhile.
+                clock.advance(900);
+                tokio::time::sleep(STALE_AFTER / 2).await;
+                beat_now(&env);
+            }
+            // The uploader died: its heartbeat stays as it is.
+            let mut deleted = false;
+            for _ in 0..4 {
+                tokio::time::sleep(STALE_AFTER).await;
+                clock.advance(900);
+                let report = gc.sweep_once().await;
+                deleted |= report.volumes_deleted.iter().any(|v| v.key == data);
+            }
+            assert!(deleted, "a dead upload's leftovers are collected");
+            assert!(!env.volumes("h1").contains(&data));
+        });
+    }
+
+    /// Issue 19, finding 5: a host shared with another cluster (a domain carries its mark)
+    /// shares its images by content: a base this cluster retired may be the other's, so it
+    /// is never collected here.
+    #[test]
+    fn retired_images_are_not_collected_on_a_host_shared_with_another_cluster() {
+        let env = Env::new();
+        run(async {
+            let clock = Clock::default();
+            let p = Arc::new(clocked_provider(&env, env.ops(), &clock));
+            let index = Arc::new(FakeProxyIndex::new());
+            let gc = gc_over(vec![p.clone()], index.clone(), &clock, 0)
+                .with_volumes(vec![p.clone() as Arc<dyn VolumeCollector>]);
+            let (data, marker, _, _) = retired("shared base");
+            for host in ["h1", "h2"] {
+                env.fake.put_volume(host, &data, b"base");
+                env.fake.put_volume(host, &marker, b"");
+            }
+            let theirs = uid(0x40);
+            env.fake.put_domain(
+                "h1",
+                &dom(&theirs),
+                &domain_xml(&dom(&theirs), Some(&mark("other-cluster", "p", &theirs))),
+                InstanceState::Running,
+            );
+            for _ in 0..3 {
+                gc.sweep_once().await;
+                clock.advance(7200);
+            }
+            assert!(env.volumes("h1").contains(&data), "shared: kept");
+            assert!(!env.volumes("h2").contains(&data), "ours alone: collected");
         });
     }
 

@@ -306,6 +306,16 @@ impl AddressPoolConfig {
                 ),
             ));
         }
+        if net.prefix_len() == 0 {
+            // The seed's network-config refuses it too, but only after the image download.
+            return Err((
+                "cidr",
+                format!(
+                    "{:?} is every IPv4 address, not a bridge network",
+                    self.cidr
+                ),
+            ));
+        }
         if net.prefix_len() > 30 {
             return Err((
                 "cidr",
@@ -353,6 +363,10 @@ impl AddressPoolConfig {
                 .map_err(|_| ("dns", format!("{d:?} is not an IPv4 address")))?;
             if a.is_unspecified() || a.is_broadcast() || a.is_multicast() {
                 return Err(("dns", format!("{a} cannot be a DNS server")));
+            }
+            if first <= a && a <= last {
+                // It would be handed out to a guest, which then answers (or not) its DNS.
+                return Err(("dns", format!("{a} is inside the range {first}-{last}")));
             }
             dns.push(a);
         }

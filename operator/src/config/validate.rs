@@ -1090,6 +1090,25 @@ kvm2:
                 "not an IPv4 address",
             ),
             (
+                "pool dns in range",
+                |c| {
+                    let mut p = pool("10.9.0.0/24", ".10", ".60");
+                    p.dns = vec!["10.9.0.53".into()];
+                    c.kvm2.hosts[0].address_pool = Some(p);
+                },
+                "kvm2.hosts[0].addressPool.dns",
+                "inside the range",
+            ),
+            (
+                "pool of every address",
+                |c| {
+                    c.kvm2.hosts[0].address_pool =
+                        Some(pool("0.0.0.0/0", "10.9.0.10", "10.9.0.60"));
+                },
+                "kvm2.hosts[0].addressPool.cidr",
+                "not a bridge network",
+            ),
+            (
                 "pool smaller than maxDomains",
                 |c| c.kvm2.hosts[0].address_pool = Some(pool("10.9.0.0/24", ".10", ".12")),
                 "kvm2.hosts[0].addressPool.rangeEnd",

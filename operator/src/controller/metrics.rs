@@ -113,7 +113,8 @@ impl ControllerMetrics {
     }
 
     /// Instance actions counted (for tests): `created`, `replaced-lost`, `replaced-failed`,
-    /// `replaced-not-serving`, `deleted`.
+    /// `replaced-not-serving`, `deleted`, and `replacement-withheld` (the prober guard
+    /// held back a replacement that was due).
     pub fn instances(&self, action: &str) -> u64 {
         self.instances
             .get_or_create(&Action {

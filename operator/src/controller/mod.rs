@@ -493,11 +493,26 @@ async fn converge_serving(
     let check = serving::check(&ctx.prober, &instance).await;
     // The probe took time: a replica that lost the lease meanwhile reports nothing.
     ctx.fence.check("reporting the probe")?;
-    let failures = ctx.serving.checked(&t.owner.uid, check.serving);
+    let failures = ctx.serving.checked(&t.owner.uid, &instance.id.host, &check);
     let grace = Duration::from_secs(u64::from(ctx.config.serving.replace_after_seconds));
     let Some(since) = serving::overdue(grace, current, &instance, &check, ctx.now()) else {
         return Ok((instance, change, check, failures));
     };
+    // The prober guard: when most of the host or the fleet fails on the path at once, the
+    // operator's own path is suspected and nothing is replaced.
+    let window = 2 * Duration::from_secs(u64::from(ctx.config.serving.period_seconds));
+    if let Some(why) = ctx.serving.prober_suspected(&instance.id.host, window) {
+        ctx.metrics.instance("replacement-withheld");
+        // News once, when the condition turns to it, not at every held-back check.
+        if status::condition(current, status::SERVING)
+            .is_none_or(|c| c.reason != serving::PROBER_SUSPECTED)
+        {
+            let note = format!("instance {}'s proxy is not replaced: {why}", instance.id);
+            let reason = serving::PROBER_SUSPECTED;
+            event(ctx, t.proxy, EventType::Warning, reason, "Replace", note).await;
+        }
+        return Ok((instance, change, check.suspected(&why), failures));
+    }
     let id = instance.id.clone();
     let note = format!(
         "instance {id}'s proxy has not served since {since} (serving.replaceAfterSeconds is \
@@ -527,7 +542,7 @@ async fn converge_serving(
     let instance = create(t, ctx, &provider).await?;
     let check = serving::check(&ctx.prober, &instance).await;
     ctx.fence.check("reporting the probe")?;
-    let failures = ctx.serving.checked(&t.owner.uid, check.serving);
+    let failures = ctx.serving.checked(&t.owner.uid, &instance.id.host, &check);
     Ok((instance, Some(Change::ReplacedNotServing), check, failures))
 }
 

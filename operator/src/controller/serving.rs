@@ -14,7 +14,15 @@
 //! is replaced, counted from the later of its creation and the last time it served. The
 //! last time it served is the `Serving` condition's `lastTransitionTime` (it moves only
 //! when the condition flips), so the count survives a restart or a new leader and a flap
-//! shorter than the grace starts it over.
+//! shorter than the grace starts it over. An instance that was not running (paused) at
+//! the last check starts its grace again when it runs: it could not serve before.
+//!
+//! The prober guard: probes leave from the operator, so a cut in the operator's own
+//! network path (a NetworkPolicy, a route) looks like every proxy failing. When most of
+//! the proxies recently probed on the instance's host, or in the whole fleet, failed on
+//! the path (a timeout or no route) at once, the prober is suspected, not the proxies:
+//! nothing is replaced, and the `Serving` condition says [`PROBER_SUSPECTED`]
+//! ([`Memory::prober_suspected`]).
 
 use std::collections::HashMap;
 use std::sync::Mutex;
@@ -32,6 +40,13 @@ use super::status::{self, SERVING};
 pub const SEED_NOT_READ: &str = "SeedNotRead";
 /// `Serving` reason: the instance is not running (paused, shutting down, ...).
 pub const NOT_RUNNING: &str = "NotRunning";
+/// `Serving` reason: the probe failed, but so did most probes of the host or the fleet at
+/// once, so the operator's own network path is suspected and nothing is replaced.
+pub const PROBER_SUSPECTED: &str = "ProberSuspected";
+
+/// The prober guard's quorum: fewer proxies probed recently (on a host, or in the fleet)
+/// say nothing about the prober, so one or two failing proxies are still replaced.
+pub const SUSPECT_MIN_PROXIES: usize = 3;
 
 /// First retry of a proxy that does not serve: a proxy restarting or a guest finishing
 /// its boot answers within seconds; the retries double up to the probe period.
@@ -67,10 +82,32 @@ impl Check {
     pub fn seed_not_read(&self) -> bool {
         self.reason == SEED_NOT_READ
     }
+
+    /// Whether the probe failed on the network path (no answer in time, no route): what a
+    /// cut between the operator and the bridges looks like. A refused connection or a
+    /// wrong answer came from the guest, so the path works.
+    pub fn path_failure(&self) -> bool {
+        !self.serving && matches!(self.reason, "Timeout" | "Unreachable")
+    }
+
+    /// This failed check, reported as the prober's suspected fault (`why`).
+    pub fn suspected(self, why: &str) -> Self {
+        Self {
+            reason: PROBER_SUSPECTED,
+            message: format!("{}; not replaced: {why}", self.message),
+            ..self
+        }
+    }
 }
 
-/// Probes the instance's proxy when there is something to probe: a running instance that
-/// read its seed and has an address (its first, the one status publishes).
+/// Probes the instance's proxy when there is something to probe: a running instance with
+/// an address (its first, the one status publishes).
+///
+/// "Seed read" is decided by the probe, not by the guest's host name: user-data's
+/// `hostname`, `fqdn` or `preserve_hostname` win over meta-data's `local-hostname`, so a
+/// guest that read its seed can report another name. A host name that is not the seed's
+/// ([`Instance::seed_applied`] `Some(false)`) is only a hint: a proxy that answers read
+/// its seed; one that does not is reported as [`SEED_NOT_READ`] with the probe's outcome.
 pub async fn check(prober: &Prober, instance: &Instance) -> Check {
     if instance.state != InstanceState::Running {
         return Check::not(
@@ -79,25 +116,34 @@ pub async fn check(prober: &Prober, instance: &Instance) -> Check {
             false,
         );
     }
-    if instance.seed_applied == Some(false) {
-        // Counts towards replacement: a new VM may well read its seed.
-        return Check::not(
-            SEED_NOT_READ,
-            "the guest never read its cloud-init seed (its host name is not the seed's), so \
-             the proxy was never configured; not probed"
-                .into(),
-            true,
-        );
-    }
+    let renamed = instance.seed_applied == Some(false);
     let Some(ip) = instance.addresses.first() else {
         let out = ProbeOutcome::NoAddress;
         return Check::not(out.reason(), out.describe(None, None), true);
     };
     let outcome = prober.probe(*ip).await;
+    let message = outcome.describe(Some(prober.addr(*ip)), prober.target());
+    let path = matches!(
+        outcome,
+        ProbeOutcome::Timeout { .. } | ProbeOutcome::Unreachable { .. }
+    );
+    // A failure on the path keeps its own reason: the prober guard counts it.
+    if renamed && !outcome.is_serving() && !path {
+        // Counts towards replacement: a new VM may well read its seed.
+        return Check::not(
+            SEED_NOT_READ,
+            format!(
+                "{message}; the guest's host name is not its seed's local-hostname, so it \
+                 may never have read its cloud-init seed (or its user-data set another host \
+                 name)"
+            ),
+            true,
+        );
+    }
     Check {
         serving: outcome.is_serving(),
         reason: outcome.reason(),
-        message: outcome.describe(Some(prober.addr(*ip)), prober.target()),
+        message,
         running: true,
     }
 }
@@ -117,9 +163,11 @@ pub fn overdue(
         return None;
     }
     // Not serving before this check: since the condition flipped. Serving before (or not
-    // recorded, e.g. just upgraded): since now, the grace starts here.
+    // recorded, e.g. just upgraded): since now, the grace starts here. Not running at the
+    // last check (paused): since now too, it could not serve before (status then moves
+    // the transition time here, [`status::observed`]).
     let flipped = status::condition(prev, SERVING)
-        .filter(|c| c.status == "False")
+        .filter(|c| c.status == "False" && c.reason != NOT_RUNNING)
         .map_or(now, |c| c.last_transition_time.0);
     // A new instance gets its whole grace, whatever its predecessor did.
     let since = match instance.created_at.parse::<jiff::Timestamp>() {
@@ -147,6 +195,15 @@ struct Entry {
     fetched: Option<Fetched>,
     /// The status this controller last wrote (`None` after a failed write).
     written: Option<ProxyStatus>,
+    /// The last check: when, on which host, and whether it failed on the path.
+    seen: Option<Seen>,
+}
+
+#[derive(Debug)]
+struct Seen {
+    at: Instant,
+    host: String,
+    path_failure: bool,
 }
 
 #[derive(Debug)]
@@ -190,10 +247,17 @@ impl Memory {
         });
     }
 
-    /// Records a check; returns the failures before it (0 for the first of a streak).
-    pub fn checked(&self, uid: &str, serving: bool) -> u32 {
+    /// Records a check of an instance on `host`; returns the failures before it (0 for
+    /// the first of a streak).
+    pub fn checked(&self, uid: &str, host: &str, check: &Check) -> u32 {
+        let serving = check.serving;
         self.with(uid, |e| {
             let before = e.failures;
+            e.seen = Some(Seen {
+                at: Instant::now(),
+                host: host.to_string(),
+                path_failure: check.path_failure(),
+            });
             e.served = serving;
             e.failures = if serving {
                 0
@@ -221,6 +285,31 @@ impl Memory {
                 .as_ref()
                 .is_some_and(|w| !status::same_apart_from_latency(w, new))
         })
+    }
+
+    /// Why the prober, not the proxies, is suspected, when it is: more than half of the
+    /// proxies checked within `window` on `host`, or in the whole fleet, failed on the
+    /// path ([`Check::path_failure`]), and they are at least [`SUSPECT_MIN_PROXIES`].
+    pub fn prober_suspected(&self, host: &str, window: Duration) -> Option<String> {
+        let m = self.0.lock().unwrap_or_else(|p| p.into_inner());
+        let recent: Vec<&Seen> = m
+            .values()
+            .filter_map(|e| e.seen.as_ref())
+            .filter(|s| s.at.elapsed() <= window)
+            .collect();
+        let judge = |scope: String, seen: &[&Seen]| {
+            let failed = seen.iter().filter(|s| s.path_failure).count();
+            (seen.len() >= SUSPECT_MIN_PROXIES && failed * 2 > seen.len()).then(|| {
+                format!(
+                    "{failed} of the {} proxies probed {scope} in the last {} s timed out or \
+                     were unreachable at once, so the operator's own network path is suspected",
+                    seen.len(),
+                    window.as_secs()
+                )
+            })
+        };
+        let on_host: Vec<&Seen> = recent.iter().copied().filter(|s| s.host == host).collect();
+        judge(format!("on host {host}"), &on_host).or_else(|| judge("in the fleet".into(), &recent))
     }
 
     /// Forgets the Proxy (it is gone).
@@ -278,6 +367,23 @@ mod tests {
             reason: "ConnectionRefused",
             message: "refused".into(),
             running: true,
+        }
+    }
+
+    fn passing() -> Check {
+        Check {
+            serving: true,
+            reason: "Serving",
+            message: "answered".into(),
+            running: true,
+        }
+    }
+
+    fn timed_out() -> Check {
+        Check {
+            reason: "Timeout",
+            message: "no answer".into(),
+            ..failing()
         }
     }
 
@@ -397,7 +503,7 @@ mod tests {
             None,
             "never served"
         );
-        assert_eq!(m.checked("u1", true), 0);
+        assert_eq!(m.checked("u1", "h1", &passing()), 0);
         assert_eq!(
             m.fresh("u1", &i.id, 7, Duration::from_secs(300)),
             Some(i.clone())
@@ -408,14 +514,82 @@ mod tests {
             "trigger"
         );
         assert_eq!(m.fresh("u1", &i.id, 7, Duration::ZERO), None, "too old");
-        assert_eq!(m.checked("u1", false), 0);
-        assert_eq!(m.checked("u1", false), 1);
+        assert_eq!(m.checked("u1", "h1", &failing()), 0);
+        assert_eq!(m.checked("u1", "h1", &failing()), 1);
         assert_eq!(
             m.fresh("u1", &i.id, 7, Duration::from_secs(300)),
             None,
             "failed"
         );
-        assert_eq!(m.checked("u1", true), 2);
-        assert_eq!(m.checked("u1", false), 0);
+        assert_eq!(m.checked("u1", "h1", &passing()), 2);
+        assert_eq!(m.checked("u1", "h1", &failing()), 0);
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn most_of_a_host_or_the_fleet_timing_out_at_once_suspects_the_prober() {
+        let window = Duration::from_secs(60);
+        let m = Memory::default();
+        // Two of two on h1 time out: too few to tell.
+        m.checked("a", "h1", &timed_out());
+        m.checked("b", "h1", &timed_out());
+        assert_eq!(m.prober_suspected("h1", window), None);
+        // Three of four on h1: the prober is suspected on h1.
+        m.checked("c", "h1", &timed_out());
+        m.checked("d", "h1", &passing());
+        let why = m.prober_suspected("h1", window).expect("suspected");
+        assert!(
+            why.contains("3 of the 4 proxies probed on host h1"),
+            "{why}"
+        );
+        // Refusals come from the guests: the path works.
+        for uid in ["a", "b", "c"] {
+            m.checked(uid, "h1", &failing());
+        }
+        assert_eq!(m.prober_suspected("h1", window), None);
+        // Over the fleet: one timeout per host, on three of four hosts.
+        let m = Memory::default();
+        m.checked("a", "h1", &timed_out());
+        m.checked("b", "h2", &timed_out());
+        m.checked("c", "h3", &timed_out());
+        m.checked("d", "h4", &passing());
+        let why = m.prober_suspected("h4", window).expect("suspected");
+        assert!(why.contains("in the fleet"), "{why}");
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn old_checks_say_nothing_about_the_prober() {
+        let window = Duration::from_secs(60);
+        let m = Memory::default();
+        m.checked("a", "h1", &timed_out());
+        m.checked("b", "h1", &timed_out());
+        tokio::time::advance(Duration::from_secs(61)).await;
+        m.checked("c", "h1", &timed_out());
+        assert_eq!(m.prober_suspected("h1", window), None);
+    }
+
+    #[test]
+    fn a_paused_instance_gets_its_whole_grace_once_it_runs_again() {
+        let grace = Duration::from_secs(900);
+        let i = instance(0);
+        // Not serving since 100, then paused (the last check saw it not running): at its
+        // first failed probe after the resume, its grace starts then.
+        let mut prev = ProxyStatus::default();
+        status::set_condition(
+            &mut prev.conditions,
+            SERVING,
+            false,
+            NOT_RUNNING,
+            "instance is paused",
+            None,
+            at(100),
+        );
+        assert_eq!(overdue(grace, &prev, &i, &failing(), at(3700)), None);
+        // ... and status moved the transition time to that probe.
+        let after = status::observed(&prev, None, &i, &failing(), at(3700));
+        assert_eq!(overdue(grace, &after, &i, &failing(), at(4599)), None);
+        assert_eq!(
+            overdue(grace, &after, &i, &failing(), at(4600)),
+            Some(at(3700))
+        );
     }
 }

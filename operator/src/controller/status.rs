@@ -142,6 +142,8 @@ pub fn observed(
         generation,
         now,
     );
+    let resumed = serving.running
+        && condition(prev, SERVING).is_some_and(|c| c.reason == super::serving::NOT_RUNNING);
     set_condition(
         &mut s.conditions,
         SERVING,
@@ -151,6 +153,14 @@ pub fn observed(
         generation,
         now,
     );
+    if resumed
+        && !serving.serving
+        && let Some(c) = s.conditions.iter_mut().find(|c| c.type_ == SERVING)
+    {
+        // Not running until now, so it could not serve: the replacement grace counts
+        // from here ([`super::serving::overdue`]), not from before the pause.
+        c.last_transition_time = Time(jiff::Timestamp::from_second(now.as_second()).unwrap_or(now));
+    }
     let (ready, reason, message) = match (running, &address) {
         (true, Some(a)) if serving.serving => (true, "Serving", format!("serving at {a}")),
         (true, Some(_)) if serving.seed_not_read() => {

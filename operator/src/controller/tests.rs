@@ -2600,7 +2600,7 @@ async fn a_proxy_that_hangs_times_out_within_the_probe_budget() {
 }
 
 #[tokio::test]
-async fn a_guest_that_never_read_its_seed_is_not_probed_and_says_so() {
+async fn a_guest_whose_proxy_fails_and_whose_host_name_is_not_the_seeds_says_so() {
     let mut unseeded = instance(
         id("h1", &our_name()),
         UID,
@@ -2611,23 +2611,23 @@ async fn a_guest_that_never_read_its_seed_is_not_probed_and_says_so() {
     let p = with_status(proxy(), status_before_probes(&unseeded));
     let w = World::new(&p);
     w.fake.insert(unseeded);
+    w.proxies.set(FAKE_ADDRESS, Answer::Refuse);
 
     w.reconcile(&p).await.unwrap();
 
     assert_eq!(
         w.proxies.dials(),
-        0,
-        "nothing to probe: the proxy was never configured"
+        1,
+        "the probe decides, the host name only hints"
     );
     let s = w.timeline.last_status();
     let serving = condition(&s, "Serving");
     assert_eq!(serving["status"], "False");
     assert_eq!(serving["reason"], "SeedNotRead");
+    let message = serving["message"].as_str().unwrap();
     assert!(
-        serving["message"]
-            .as_str()
-            .unwrap()
-            .contains("never read its cloud-init seed"),
+        message.contains("refused the connection")
+            && message.contains("may never have read its cloud-init seed"),
         "{serving:#}"
     );
     assert_eq!(condition(&s, "Ready")["reason"], "SeedNotRead");
@@ -2639,6 +2639,40 @@ async fn a_guest_that_never_read_its_seed_is_not_probed_and_says_so() {
     w.reconcile(&stored).await.unwrap();
     assert!(w.timeline.events().is_empty(), "{:?}", w.labels());
     assert!(w.timeline.statuses().is_empty(), "{:?}", w.labels());
+}
+
+/// Issue 19, finding 1: user-data's `hostname` wins over the seed's `local-hostname`, so
+/// a guest that read its seed and serves reports another host name. It is Ready, and it
+/// is not replaced when the grace runs out.
+#[tokio::test(start_paused = true)]
+async fn a_guest_renamed_by_its_user_data_serves_is_ready_and_is_never_replaced() {
+    let mut renamed = instance(
+        id("h1", &our_name()),
+        UID,
+        InstanceState::Running,
+        Some(FAKE_ADDRESS),
+    );
+    renamed.seed_applied = Some(false);
+    let p = with_status(proxy(), status_before_probes(&renamed));
+    let w = World::new(&p);
+    w.fake.insert(renamed);
+
+    w.reconcile(&p).await.unwrap();
+    let s = w.timeline.last_status();
+    assert_eq!(condition(&s, "Serving")["status"], "True", "{s:#}");
+    assert_eq!(condition(&s, "Ready")["status"], "True", "{s:#}");
+    assert!(warnings(&w).is_empty(), "{:?}", w.labels());
+
+    let grace = u64::from(w.ctx.config.serving.replace_after_seconds);
+    for _ in 0..2 * grace / 30 {
+        assert_eq!(later(&w, &p, 30).await, requeue(30));
+    }
+    assert!(
+        w.fake.calls().iter().all(|c| *c == "get"),
+        "{:?}",
+        w.fake.calls()
+    );
+    assert!(is_ready_value(&as_stored(&p, &w)));
 }
 
 #[tokio::test(start_paused = true)]
@@ -2804,6 +2838,120 @@ async fn a_zero_grace_never_replaces() {
         w.fake.calls()
     );
     assert!(!is_ready_value(&as_stored(&p, &w)));
+}
+
+/// Issue 19, finding 3: the operator's own path to a host's bridge is cut, so every
+/// proxy there times out. The prober is suspected: nothing is replaced, and the
+/// condition, an event and a metric say so. When the others answer again, the one that
+/// still times out is replaced.
+#[tokio::test(start_paused = true)]
+async fn a_host_whose_proxies_all_time_out_at_once_suspects_the_prober_and_replaces_nothing() {
+    let running = instance(
+        id("h1", &our_name()),
+        UID,
+        InstanceState::Running,
+        Some(FAKE_ADDRESS),
+    );
+    let p = with_status(proxy(), status_seeing(&running));
+    let w = World::new(&p);
+    w.fake.insert(running);
+    w.proxies.set(FAKE_ADDRESS, Answer::Hang);
+    let grace = u64::from(w.ctx.config.serving.replace_after_seconds);
+    let timed_out = serving::Check {
+        serving: false,
+        reason: "Timeout",
+        message: "no answer".into(),
+        running: true,
+    };
+    // Two other proxies of h1, checked by their own reconciles as often as ours.
+    let mut down = 0;
+    while down < 2 * grace {
+        for other in ["other-1", "other-2"] {
+            w.ctx.serving.checked(other, "h1", &timed_out);
+        }
+        later(&w, &p, 30).await;
+        down += 30;
+    }
+    assert!(
+        w.fake.calls().iter().all(|c| *c == "get"),
+        "{:?}",
+        w.fake.calls()
+    );
+    let s = w.timeline.last_status();
+    let serving = condition(&s, "Serving");
+    assert_eq!(serving["reason"], "ProberSuspected", "{serving:#}");
+    assert!(
+        serving["message"]
+            .as_str()
+            .unwrap()
+            .contains("3 of the 3 proxies probed on host h1"),
+        "{serving:#}"
+    );
+    assert_eq!(
+        warnings(&w)
+            .iter()
+            .filter(|r| *r == "ProberSuspected")
+            .count(),
+        1,
+        "news once: {:?}",
+        warnings(&w)
+    );
+    assert!(w.ctx.metrics.instances("replacement-withheld") > 0);
+    assert_eq!(w.ctx.metrics.instances("replaced-not-serving"), 0);
+
+    // The others serve again: ours alone times out, and is replaced.
+    let pass = serving::Check {
+        serving: true,
+        reason: "Serving",
+        message: "answered".into(),
+        running: true,
+    };
+    for other in ["other-1", "other-2"] {
+        w.ctx.serving.checked(other, "h1", &pass);
+    }
+    later(&w, &p, 30).await;
+    assert_eq!(w.ctx.metrics.instances("replaced-not-serving"), 1);
+}
+
+/// Issue 19, finding 3: a VM paused for an hour is not replaced at its first failed
+/// probe after the resume; its grace counts from when it could serve again.
+#[tokio::test(start_paused = true)]
+async fn a_resumed_instance_gets_its_whole_grace() {
+    let running = instance(
+        id("h1", &our_name()),
+        UID,
+        InstanceState::Running,
+        Some(FAKE_ADDRESS),
+    );
+    let p = with_status(proxy(), status_seeing(&running));
+    let w = World::new(&p);
+    w.fake.insert(running.clone());
+    w.proxies.set(FAKE_ADDRESS, Answer::Refuse);
+    let grace = u64::from(w.ctx.config.serving.replace_after_seconds);
+    later(&w, &p, 0).await;
+    later(&w, &p, 60).await;
+    // Paused for an hour.
+    w.fake.set_state(&running.id, InstanceState::Paused);
+    for _ in 0..60 {
+        later(&w, &p, 60).await;
+    }
+    // Resumed, the proxy not up yet: not replaced for the whole grace.
+    w.fake.set_state(&running.id, InstanceState::Running);
+    let mut up = 0;
+    while up + 30 < grace {
+        later(&w, &p, 30).await;
+        up += 30;
+        assert_eq!(
+            w.ctx.metrics.instances("replaced-not-serving"),
+            0,
+            "replaced {up} s after the resume"
+        );
+    }
+    // ... and replaced once it ran out.
+    for _ in 0..4 {
+        later(&w, &p, 30).await;
+    }
+    assert_eq!(w.ctx.metrics.instances("replaced-not-serving"), 1);
 }
 
 fn is_ready_value(p: &Proxy) -> bool {

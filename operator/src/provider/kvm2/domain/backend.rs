@@ -320,6 +320,9 @@ pub struct Kvm2Provider {
     /// MACs and static addresses: per-host allocation and the MAC census.
     book: AddressBook,
     options: Kvm2Options,
+    /// Image upload heartbeats the garbage collector saw, by host and volume name: the
+    /// record and since when it has not changed (see [`Kvm2Provider::upload_alive`]).
+    beats: std::sync::Mutex<BTreeMap<(String, String), (Option<Vec<u8>>, tokio::time::Instant)>>,
 }
 
 /// A slot on a host held by a Create in flight; released on drop.
@@ -384,6 +387,7 @@ impl Kvm2Provider {
             reserved: Arc::default(),
             book: AddressBook::new(),
             options,
+            beats: Default::default(),
         }
     }
 
@@ -874,15 +878,38 @@ impl Kvm2Provider {
             &base_info.path,
             base.format,
         );
+        // A new incarnation always boots a fresh root disk. A root volume already there
+        // (a replacement that removed the domain but not its volume, a Create that died
+        // after this step) may have booted: cloud-init would find the same instance-id on
+        // it and keep its old network config, so the new MAC or static address would never
+        // be configured. No domain uses it (we hold the name's lock and none is defined),
+        // so it is deleted and made again.
+        let root = &identity.root_volume;
         if self
             .ops
-            .create_volume(h, pool, &identity.root_volume, overlay)
+            .create_volume(h, pool, root, overlay.clone())
             .await
             .map_err(step("root volume create"))?
-            == Created::Created
+            == Created::Exists
         {
-            made.root = true;
+            tracing::info!(host = h, volume = %root, "an earlier incarnation's root volume is replaced by a fresh one");
+            self.ops
+                .delete_volume(h, pool, root)
+                .await
+                .map_err(step("stale root volume delete"))?;
+            if self
+                .ops
+                .create_volume(h, pool, root, overlay)
+                .await
+                .map_err(step("root volume create"))?
+                == Created::Exists
+            {
+                return Err(Kvm2Error::Unreachable(format!(
+                    "root volume {root} in pool {pool} on {h} came back while it was replaced"
+                )));
+            }
         }
+        made.root = true;
 
         // Seed ISO: vendor-data from the plugin, user-data from the request.
         let vendor_input = inputs.vendor_data.clone();
@@ -1482,11 +1509,56 @@ impl Kvm2Provider {
             .list_volumes(h, pool)
             .await
             .map_err(step("volume list"))?;
-        Ok(leftover_volumes(
-            &self.configured_digests(),
-            &domains,
-            &volumes,
-        ))
+        let mut candidates = leftover_volumes(&self.configured_digests(), &domains, &volumes);
+        // A host shared with another cluster shares its images by content: that cluster
+        // may have the image configured and be about to put an overlay on it, which no
+        // listing here can show. Retired bases are left to it.
+        if let Some(other) = domains
+            .iter()
+            .filter_map(|d| d.mark.as_ref())
+            .find(|m| !self.is_ours(m))
+        {
+            tracing::debug!(host = h, cluster = %other.cluster_id, "host shared with another cluster: its retired images are not collected");
+            candidates.retain(|c| c.kind != VolumeKind::UnusedImage);
+        }
+        // Start (or go on) watching the heartbeats of staging leftovers.
+        for c in candidates.iter().filter(|c| c.kind == VolumeKind::Staging) {
+            if let Some(beat) = heartbeat_of(c) {
+                self.upload_alive(h, pool, beat).await?;
+            }
+        }
+        Ok(candidates)
+    }
+
+    /// Whether the image upload whose heartbeat volume is `name` is alive: its record
+    /// changed (or first seen) less than the image cache's stale window ago. An uploader
+    /// beats every quarter of that window, whichever cluster or replica it is, so a live
+    /// upload, however slow, is never collected.
+    async fn upload_alive(&self, host: &str, pool: &str, name: &str) -> Result<bool, Kvm2Error> {
+        let record = self
+            .ops
+            .read_volume(
+                host,
+                pool,
+                name,
+                crate::provider::kvm2::image::HEARTBEAT_LEN,
+            )
+            .await
+            .map_err(step("heartbeat read"))?;
+        let now = tokio::time::Instant::now();
+        let mut beats = self.beats.lock().unwrap_or_else(|p| p.into_inner());
+        let since = match beats.get_mut(&(host.to_string(), name.to_string())) {
+            Some((seen, since)) if *seen == record => *since,
+            Some(entry) => {
+                *entry = (record, now);
+                now
+            }
+            None => {
+                beats.insert((host.to_string(), name.to_string()), (record, now));
+                now
+            }
+        };
+        Ok(now.duration_since(since) < self.options.images.stale_after)
     }
 
     async fn delete_leftover(
@@ -1532,7 +1604,17 @@ impl Kvm2Provider {
                     .into_iter()
                     .find(|c| c.key == candidate.key && c.kind == candidate.kind)
                 {
-                    Some(c) => c.volumes,
+                    Some(c) => {
+                        if let Some(beat) = heartbeat_of(&c)
+                            && self.upload_alive(h, pool, beat).await?
+                        {
+                            return Ok(VolumeDeleteOutcome::Changed(format!(
+                                "the upload's heartbeat {beat} changed within the stale window: \
+                                 an upload is alive"
+                            )));
+                        }
+                        c.volumes
+                    }
                     None => {
                         return Ok(VolumeDeleteOutcome::Changed(format!(
                             "{} is no longer an unused {} leftover",
@@ -1551,6 +1633,19 @@ impl Kvm2Provider {
         }
         Ok(VolumeDeleteOutcome::Deleted)
     }
+}
+
+/// The heartbeat volume among a candidate's volumes, if it has one.
+fn heartbeat_of(c: &VolumeCandidate) -> Option<&str> {
+    c.volumes
+        .iter()
+        .find(|v| {
+            matches!(
+                VolumeName::parse(v),
+                Some(VolumeName::ImageHeartbeat { .. })
+            )
+        })
+        .map(String::as_str)
 }
 
 /// The parts of one image's volumes found in a pool.

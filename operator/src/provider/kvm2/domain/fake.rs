@@ -330,10 +330,12 @@ fn capacity(xml: &str) -> u64 {
 }
 
 fn record(name: &str, d: &FakeDomain) -> DomainRecord {
+    let mark = metadata::mark_from_domain_xml(&d.xml);
     DomainRecord {
         name: name.to_string(),
         state: d.state,
-        mark: metadata::mark_from_domain_xml(&d.xml).ok().flatten(),
+        damaged_mark: mark.is_err(),
+        mark: mark.ok().flatten(),
     }
 }
 

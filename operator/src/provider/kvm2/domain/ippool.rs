@@ -79,6 +79,19 @@ pub enum AllocError {
         /// Addresses in the range.
         size: u32,
     },
+    /// A domain of the host carries a damaged mark, so the address it uses is unknown:
+    /// none is handed out until it is repaired or removed, rather than one it may use.
+    #[error(
+        "domain {domain:?} on host {host:?} carries a damaged ownership mark, so the static \
+         address it may use is unknown; no address is handed out on this host until its mark \
+         is repaired or the domain is removed"
+    )]
+    DamagedMark {
+        /// Host.
+        host: String,
+        /// The domain with the damaged mark.
+        domain: String,
+    },
     /// Every derivation of a MAC was already on the host.
     #[error(
         "no free MAC for UID {uid} on host {host:?} after {attempts} derivations; \
@@ -100,6 +113,8 @@ impl Classified for AllocError {
             AllocError::List { source, .. } => source.class(),
             // Frees up when a Proxy goes, like a host at maxDomains.
             AllocError::Exhausted { .. } => ErrorClass::Quota,
+            // Clears when someone repairs or removes the domain; retried meanwhile.
+            AllocError::DamagedMark { .. } => ErrorClass::Transient,
             // A new incarnation derives other MACs.
             AllocError::NoFreeMac { .. } => ErrorClass::Transient,
         }
@@ -204,6 +219,14 @@ impl AddressBook {
             uid: uid.into(),
             attempts: MAC_ATTEMPTS,
         })?;
+        if pool.is_some()
+            && let Some(d) = domains.iter().find(|d| d.damaged_mark)
+        {
+            return Err(AllocError::DamagedMark {
+                host: host.into(),
+                domain: d.name.clone(),
+            });
+        }
         let address = match pool {
             None => None,
             Some(pool) => Some(pick_address(pool, uid, &used_addresses).ok_or_else(|| {
@@ -467,6 +490,36 @@ mod tests {
         });
     }
 
+    /// Issue 19, finding 8: a domain whose mark is damaged may use any address of the
+    /// pool; none is handed out (its own preferred one least of all) until it is fixed.
+    #[test]
+    fn a_damaged_mark_stops_address_allocation_on_its_host() {
+        rt().block_on(async {
+            let fake = FakeOps::new(&["h1"], 1 << 30);
+            let p = pool("10.203.0.10", "10.203.0.19");
+            let u = uid(1);
+            let preferred = pick_address(&p, &u, &BTreeSet::new()).unwrap();
+            let other = uid(2);
+            let damaged = mark_xml(&other, None, Some(&preferred.to_string()))
+                .replace("2026-01-01T00:00:00Z", "yesterday");
+            let name = format!("egress-{other}");
+            fake.put_domain("h1", &name, &damaged, InstanceState::Running);
+            let book = AddressBook::new();
+            let err = book
+                .allocate(&fake, "h1", &u, Some(&p), 1)
+                .await
+                .unwrap_err();
+            assert!(
+                matches!(err, AllocError::DamagedMark { ref domain, .. } if *domain == name),
+                "{err}"
+            );
+            assert_eq!(err.class(), ErrorClass::Transient);
+            assert_eq!(book.claims_on("h1"), 0);
+            // Without a pool there is no address to hand out twice.
+            assert!(book.allocate(&fake, "h1", &u, None, 1).await.is_ok());
+        });
+    }
+
     #[test]
     fn census_sees_shared_macs_and_ages() {
         rt().block_on(async {
@@ -481,6 +534,7 @@ mod tests {
                     None,
                 ))
                 .unwrap(),
+                damaged_mark: false,
             };
             census.note(
                 "h1",

@@ -71,6 +71,9 @@ pub struct DomainRecord {
     pub state: InstanceState,
     /// Our ownership mark, if the domain carries a valid one.
     pub mark: Option<MetadataMark>,
+    /// The domain carries a mark in our namespace that does not parse: it is not treated
+    /// as ours, but its MAC and static address are unknown, so they may be in use.
+    pub damaged_mark: bool,
 }
 
 /// A domain libvirt has just defined, as libvirt read it.
@@ -419,17 +422,18 @@ fn record(dom: &Domain, name: String) -> Result<DomainRecord, virt::error::Error
     // virDomainGetMetadata returns the element with the namespace stripped, which cannot
     // be told apart from anyone else's `<instance>`.
     let xml = dom.get_xml_desc(0)?;
-    let mark = match metadata::mark_from_domain_xml(&xml) {
-        Ok(m) => m,
+    let (mark, damaged_mark) = match metadata::mark_from_domain_xml(&xml) {
+        Ok(m) => (m, false),
         Err(e) => {
             tracing::warn!(domain = %name, error = %e, "domain carries a broken ownership mark; treated as not ours");
-            None
+            (None, true)
         }
     };
     Ok(DomainRecord {
         name,
         state: instance_state(state),
         mark,
+        damaged_mark,
     })
 }
 

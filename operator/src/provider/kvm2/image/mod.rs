@@ -93,7 +93,7 @@ const CHANNEL_CHUNKS: usize = 16;
 const LOG_EVERY: Duration = Duration::from_secs(5);
 
 /// Size of the heartbeat record: one sector, which every pool backend can write.
-const HEARTBEAT_LEN: usize = 512;
+pub(crate) const HEARTBEAT_LEN: usize = 512;
 /// First line of a heartbeat record.
 const HEARTBEAT_MAGIC: &str = "egress-image-heartbeat v1";
 

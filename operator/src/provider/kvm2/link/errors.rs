@@ -213,8 +213,9 @@ impl Classified for SshError {
             },
             // sshd_config forbids streamlocal forwarding, or the configured libvirt socket
             // does not answer: an admin must change the host or the config. (A socket that
-            // answered before in this process is libvirtd restarting: the hosts table
-            // reports that as transient, `HostError::SocketGone`.) A channel that failed
+            // answered before in this process is libvirtd restarting, and one that never
+            // did is asked again for a while: the hosts table reports both as transient,
+            // `HostError::SocketGone` and `HostError::SocketNotYet`.) A channel that failed
             // for any other reason (the session broke meanwhile) may pass.
             SshError::Channel { source, .. } => match source.as_ref() {
                 russh::Error::ChannelOpenFailure(_) => ErrorClass::Permanent,

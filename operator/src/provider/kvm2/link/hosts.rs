@@ -22,6 +22,14 @@
 //! - **Per-host slots.** Every call runs in its host's blocking pool ([`super::pool`]);
 //!   a full pool is `busy`, never a link failure.
 //!
+//! - **A missing libvirt socket is transient until it has stayed missing.** A socket that
+//!   answered before in this process is libvirtd restarting ([`HostError::SocketGone`]).
+//!   One that never answered may be a wrong path, or a host that booted sshd before
+//!   libvirtd, or a new replica that never saw it answer: the table asks again for
+//!   [`SOCKET_PATIENCE`] from the first refusal ([`HostError::SocketNotYet`], transient)
+//!   and calls it permanent only when every dial in that window was refused. The
+//!   evidence is time, which a restart of the operator does not fake.
+//!
 //! [`Hosts::close`] closes every link concurrently, within [`CLOSE_BOUND`]; dropping the
 //! table aborts dials and closes links without waiting.
 
@@ -48,6 +56,12 @@ pub const DEFAULT_CALL_DEADLINE: Duration = Duration::from_secs(30);
 pub const BACKOFF_BASE: Duration = Duration::from_millis(200);
 /// Longest redial delay: a recovered host is back in use within this.
 pub const BACKOFF_MAX: Duration = Duration::from_secs(10);
+
+/// How long a libvirt socket that never answered is asked again before its refusal is
+/// called permanent: a rebooting host starts libvirtd well within this after sshd, and
+/// a wrong path is reported as permanent soon enough for an admin to act on it.
+pub const SOCKET_PATIENCE: Duration = Duration::from_secs(120);
+
 /// Bound of the liveness probe run after a call timed out: an SSH round trip, however
 /// slow the link, answers well within it.
 pub const PROBE_DEADLINE: Duration = Duration::from_secs(5);
@@ -90,6 +104,24 @@ pub enum HostError {
         #[source]
         source: SshError,
     },
+    /// The host's libvirt socket refused our channel, and has not answered in this process
+    /// yet, but the first refusal is recent: libvirtd may still be starting (a host that
+    /// booted, a new replica), so this is asked again before it is called permanent.
+    #[error(
+        "host {host}: {source} (refused for {waited_secs} s of the {patience_secs} s it is \
+         asked again before this is called permanent: libvirtd may still be starting)"
+    )]
+    SocketNotYet {
+        /// The host.
+        host: String,
+        /// The channel refusal.
+        #[source]
+        source: SshError,
+        /// Seconds since the first refusal.
+        waited_secs: u64,
+        /// [`SOCKET_PATIENCE`] as configured.
+        patience_secs: u64,
+    },
     /// The hosts table was closed while the call waited for a dial.
     #[error("host {0:?}: the hosts table is closed")]
     Closed(String),
@@ -111,7 +143,7 @@ impl HostError {
                 LibvirtError::Dead { .. } => "disconnected",
                 _ => "libvirt",
             },
-            HostError::SocketGone { .. } => "libvirt-socket",
+            HostError::SocketGone { .. } | HostError::SocketNotYet { .. } => "libvirt-socket",
             HostError::Closed(_) => "closed",
             HostError::Shared(e) => e.reason_code(),
         }
@@ -122,7 +154,9 @@ impl HostError {
     pub fn stage(&self) -> Option<&'static str> {
         match self {
             HostError::Unknown(_) => Some("config"),
-            HostError::Ssh(e) | HostError::SocketGone { source: e, .. } => e.stage(),
+            HostError::Ssh(e)
+            | HostError::SocketGone { source: e, .. }
+            | HostError::SocketNotYet { source: e, .. } => e.stage(),
             HostError::Libvirt { source, .. } => {
                 (source.op() == Some("open")).then_some("libvirt-open")
             }
@@ -153,7 +187,9 @@ impl Classified for HostError {
             HostError::Unknown(_) => ErrorClass::Permanent,
             HostError::Ssh(e) => e.class(),
             HostError::Libvirt { source, .. } => source.class(),
-            HostError::SocketGone { .. } | HostError::Closed(_) => ErrorClass::Transient,
+            HostError::SocketGone { .. }
+            | HostError::SocketNotYet { .. }
+            | HostError::Closed(_) => ErrorClass::Transient,
             HostError::Shared(e) => e.class(),
         }
     }
@@ -286,6 +322,9 @@ struct State {
     last_failure: Option<(Instant, Arc<HostError>)>,
     /// A dial of this host has succeeded in this process (see [`HostError::SocketGone`]).
     worked: bool,
+    /// Since when every dial was refused by the libvirt socket (see
+    /// [`HostError::SocketNotYet`]).
+    refused_since: Option<Instant>,
 }
 
 struct Entry {
@@ -330,6 +369,7 @@ pub struct Hosts {
     entries: BTreeMap<String, Arc<Entry>>,
     metrics: Arc<CallMetrics>,
     call_deadline: Duration,
+    socket_patience: Duration,
 }
 
 impl std::fmt::Debug for Hosts {
@@ -353,6 +393,7 @@ async fn dial_task(
     entry: Arc<Entry>,
     metrics: Arc<CallMetrics>,
     open_deadline: Duration,
+    socket_patience: Duration,
     done: watch::Sender<Option<DialOutcome>>,
 ) {
     let result = HostLink::dial(&entry.target, &entry.host, &entry.pool, open_deadline).await;
@@ -366,14 +407,33 @@ async fn dial_task(
                 st.failures = 0;
                 st.last_failure = None;
                 st.worked = true;
+                st.refused_since = None;
                 Ok(link)
             }
             Err(e) => {
+                let refused = matches!(&e, HostError::Ssh(source) if e_is_refusal(source));
+                if !refused {
+                    st.refused_since = None;
+                }
                 let e = match e {
                     HostError::Ssh(source) if st.worked && e_is_refusal(&source) => {
                         HostError::SocketGone {
                             host: entry.name.clone(),
                             source,
+                        }
+                    }
+                    HostError::Ssh(source) if e_is_refusal(&source) => {
+                        let since = *st.refused_since.get_or_insert_with(Instant::now);
+                        let waited = since.elapsed();
+                        if waited < socket_patience {
+                            HostError::SocketNotYet {
+                                host: entry.name.clone(),
+                                source,
+                                waited_secs: waited.as_secs(),
+                                patience_secs: socket_patience.as_secs(),
+                            }
+                        } else {
+                            HostError::Ssh(source)
                         }
                     }
                     other => other,
@@ -424,7 +484,15 @@ impl Hosts {
             entries,
             metrics,
             call_deadline: DEFAULT_CALL_DEADLINE,
+            socket_patience: SOCKET_PATIENCE,
         })
+    }
+
+    /// Sets how long a libvirt socket that never answered is asked again before its
+    /// refusal is permanent (default [`SOCKET_PATIENCE`]).
+    pub fn with_socket_patience(mut self, patience: Duration) -> Self {
+        self.socket_patience = patience;
+        self
     }
 
     /// Sets the default deadline of calls.
@@ -478,6 +546,7 @@ impl Hosts {
                         entry.clone(),
                         self.metrics.clone(),
                         self.call_deadline,
+                        self.socket_patience,
                         tx,
                     ));
                     st.dial = Some(DialInFlight {
