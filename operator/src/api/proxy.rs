@@ -30,6 +30,11 @@ pub const GROUP: &str = "egress-operator.dev";
 /// What a Proxy asks for. The spec is immutable (a CEL rule): a VM is replaced, not
 /// edited, so a change means a new Proxy, and the controller never has to reconcile a
 /// running VM towards a different machine type or image.
+///
+/// The spec types accept fields they do not know (no `deny_unknown_fields`): under a CRD
+/// newer than the binary, one Proxy using a new field must not make the whole LIST
+/// undecodable. The controller names such fields and refuses that Proxy
+/// ([`unknown_fields`]); manifest files are checked the same way ([`load_manifest`]).
 // Each printcolumn(...) repeats the same keys; clippy reads them as duplicates.
 #[allow(clippy::duplicated_attributes)]
 #[derive(CustomResource, Debug, Clone, Default, PartialEq, Serialize, Deserialize, JsonSchema)]
@@ -60,9 +65,12 @@ pub const GROUP: &str = "egress-operator.dev";
         name = "Age",
         type_ = "date",
         json_path = ".metadata.creationTimestamp"
-    )
+    ),
+    validation = kube::core::Rule::new(NAME_RULE)
+        .message(NAME_RULE_MESSAGE)
+        .field_path(".metadata.name")
 )]
-#[serde(rename_all = "camelCase", deny_unknown_fields)]
+#[serde(rename_all = "camelCase")]
 #[schemars(extend("x-kubernetes-validations" = [{
     "rule": "self == oldSelf",
     "message": "spec is immutable: create a new Proxy to change it"
@@ -93,6 +101,14 @@ pub struct ProxySpec {
     pub template_settings: Option<TemplateSettingsOverrides>,
 }
 
+/// CEL rule at the CRD's root: a Proxy's name must be a DNS-1123 label. Kubernetes already
+/// holds every name to a DNS-1123 subdomain, so "no dots and at most 63 characters" is
+/// exactly a label (and costs the API server less than a regular expression).
+pub const NAME_RULE: &str = "size(self.metadata.name) <= 63 && !self.metadata.name.contains('.')";
+/// What the API server answers when [`NAME_RULE`] refuses a name.
+pub const NAME_RULE_MESSAGE: &str = "a Proxy's name must be a DNS-1123 label (at most 63 \
+     characters, no dots): it becomes the VM's host name and its domain mark";
+
 /// DNS-1123 label, as Kubernetes and the providers config spell it.
 const DNS1123_LABEL: &str = "^[a-z0-9]([-a-z0-9]*[a-z0-9])?$";
 /// DNS-1123 subdomain (Secret names).
@@ -103,7 +119,7 @@ const SECRET_KEY: &str = "^[-._a-zA-Z0-9]+$";
 
 /// Where the cloud-init user-data comes from.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize, JsonSchema)]
-#[serde(rename_all = "camelCase", deny_unknown_fields)]
+#[serde(rename_all = "camelCase")]
 pub struct UserDataSource {
     /// A key of a Secret in the Proxy's namespace.
     pub secret_ref: SecretKeyRef,
@@ -111,7 +127,7 @@ pub struct UserDataSource {
 
 /// A key of a Secret in the same namespace.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize, JsonSchema)]
-#[serde(rename_all = "camelCase", deny_unknown_fields)]
+#[serde(rename_all = "camelCase")]
 pub struct SecretKeyRef {
     /// Secret name.
     #[schemars(regex(pattern = DNS1123_SUBDOMAIN), length(min = 1, max = 253))]
@@ -124,7 +140,7 @@ pub struct SecretKeyRef {
 /// Per-Proxy plugin settings. Free-form objects in the schema: the plugin's own settings
 /// schema is what checks them, at reconcile time.
 #[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize, JsonSchema)]
-#[serde(rename_all = "camelCase", deny_unknown_fields)]
+#[serde(rename_all = "camelCase")]
 pub struct TemplateSettingsOverrides {
     /// Merged over `templates.domain.settings`.
     #[serde(default, skip_serializing_if = "Option::is_none")]
@@ -136,12 +152,51 @@ pub struct TemplateSettingsOverrides {
     pub vendor_data: Option<serde_json::Map<String, serde_json::Value>>,
 }
 
+/// A map of any JSON values. A map (`additionalProperties`), not an object with
+/// `x-kubernetes-preserve-unknown-fields`: the API server's CEL equality skips the keys of
+/// such an object that the other side lacks, so `self == oldSelf` let `{a: 1}` become
+/// `{b: 1}`. As a map, every key is looked up on both sides and the values (preserved,
+/// untyped) compare deeply; `null` values are kept (nullable), so a key set to null and a
+/// missing key differ too.
 fn free_form_object(_: &mut schemars::SchemaGenerator) -> schemars::Schema {
     schemars::json_schema!({
         "type": "object",
         "nullable": true,
-        "x-kubernetes-preserve-unknown-fields": true
+        "additionalProperties": {
+            "nullable": true,
+            "x-kubernetes-preserve-unknown-fields": true
+        }
     })
+}
+
+/// Paths (under `prefix`) set in `raw` but missing from `known`, `raw`'s round trip through
+/// our types: the fields our types dropped because they do not know them. `null` counts as
+/// unset; free-form maps round-trip whole.
+pub fn unknown_fields(prefix: &str, raw: &serde_json::Value, known: &serde_json::Value) -> Vec<String> {
+    let mut out = Vec::new();
+    collect_unknown(prefix, raw, known, &mut out);
+    out
+}
+
+fn collect_unknown(
+    path: &str,
+    raw: &serde_json::Value,
+    known: &serde_json::Value,
+    out: &mut Vec<String>,
+) {
+    let (serde_json::Value::Object(raw), serde_json::Value::Object(known)) = (raw, known) else {
+        return;
+    };
+    for (k, v) in raw {
+        if v.is_null() {
+            continue;
+        }
+        let p = format!("{path}.{k}");
+        match known.get(k) {
+            None => out.push(p),
+            Some(kv) => collect_unknown(&p, v, kv, out),
+        }
+    }
 }
 
 /// Where a Proxy is in its life.
@@ -399,7 +454,13 @@ pub fn load_manifest(path: &Path, config: &ValidConfig) -> Result<ProxyManifest,
     let source = path.display().to_string();
     let text = config::read_capped(path)?;
     let manifest: ProxyManifest = config::parse_yaml(&text, &source)?;
-    let problems = manifest.check(config).into_vec();
+    let raw: serde_json::Value = config::parse_yaml(&text, &source)?;
+    let mut problems = manifest.check(config);
+    let known = serde_json::to_value(&manifest.spec).unwrap_or_default();
+    for field in unknown_fields("spec", &raw["spec"], &known) {
+        problems.push(field, "is not a known field");
+    }
+    let problems = problems.into_vec();
     if problems.is_empty() {
         Ok(manifest)
     } else {
