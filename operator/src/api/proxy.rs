@@ -66,9 +66,7 @@ pub const GROUP: &str = "egress-operator.dev";
         type_ = "date",
         json_path = ".metadata.creationTimestamp"
     ),
-    validation = kube::core::Rule::new(NAME_RULE)
-        .message(NAME_RULE_MESSAGE)
-        .field_path(".metadata.name")
+    validation = kube::core::Rule::new(NAME_RULE).message(NAME_RULE_MESSAGE)
 )]
 #[serde(rename_all = "camelCase")]
 #[schemars(extend("x-kubernetes-validations" = [{
@@ -220,8 +218,13 @@ pub enum ProxyPhase {
 #[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize, JsonSchema)]
 #[serde(rename_all = "camelCase")]
 pub struct ProxyStatus {
-    /// Summary of the conditions, for people.
-    #[serde(default, skip_serializing_if = "Option::is_none")]
+    /// Summary of the conditions, for people. A phase this binary does not know (written
+    /// by a newer one) reads as none rather than making the whole Proxy undecodable.
+    #[serde(
+        default,
+        skip_serializing_if = "Option::is_none",
+        deserialize_with = "lenient_phase"
+    )]
     pub phase: Option<ProxyPhase>,
     /// Host the instance runs on.
     #[serde(default, skip_serializing_if = "Option::is_none")]
@@ -257,6 +260,11 @@ pub struct ProxyStatus {
     /// success.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub last_error_class: Option<String>,
+}
+
+fn lenient_phase<'de, D: serde::Deserializer<'de>>(d: D) -> Result<Option<ProxyPhase>, D::Error> {
+    let v = Option::<serde_json::Value>::deserialize(d)?;
+    Ok(v.and_then(|v| serde_json::from_value(v).ok()))
 }
 
 /// The parts of object metadata a Proxy file carries.
@@ -468,5 +476,90 @@ pub fn load_manifest(path: &Path, config: &ValidConfig) -> Result<ProxyManifest,
             document: source,
             problems,
         })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use kube::CustomResourceExt;
+    use serde_json::json;
+
+    #[test]
+    fn a_spec_with_fields_of_a_newer_crd_still_decodes() {
+        let p: Proxy = serde_json::from_value(json!({
+            "apiVersion": API_VERSION, "kind": KIND,
+            "metadata": {"name": "p"},
+            "spec": {"provider": "kvm2", "dnsServers": ["192.0.2.1"],
+                     "userData": {"secretRef": {"name": "s", "key": "k", "optional": true}}},
+            "status": {"phase": "Draining"},
+        }))
+        .expect("unknown fields and an unknown phase must not fail the decode");
+        assert_eq!(p.spec.provider, "kvm2");
+        assert_eq!(p.status.unwrap().phase, None);
+    }
+
+    #[test]
+    fn unknown_fields_are_named_with_their_path() {
+        let raw = json!({"a": 1, "b": {"c": 2, "d": null}, "e": null, "f": {"g": 3}});
+        let known = json!({"a": 1, "b": {}, "f": {"g": 3}});
+        assert_eq!(unknown_fields("spec", &raw, &known), ["spec.b.c"]);
+    }
+
+    #[test]
+    fn a_manifest_file_with_an_unknown_field_is_refused_naming_it() {
+        let dir = tempfile::tempdir().unwrap();
+        let config = crate::config::parse(
+            r#"
+clusterId: test
+kvm2:
+  ssh: {user: egress, privateKeyFile: /k/id, knownHostsFile: /k/known_hosts}
+  hosts:
+    - {name: h1, address: "127.0.0.1:2222", storagePool: default, bridge: br0}
+  images:
+    - name: debian
+      url: https://images.example.org/debian.qcow2
+      sha256: "0000000000000000000000000000000000000000000000000000000000000000"
+      format: qcow2
+  machineTypes:
+    - {name: small, vcpus: 1, memoryMiB: 512, diskGiB: 4}
+  defaults: {machineType: small, image: debian}
+  templates:
+    domain: {path: /p/domain.wasm}
+    vendorData: {path: /p/vendor-data.wasm}
+"#,
+            "test.yaml",
+            Path::new("/"),
+        )
+        .unwrap();
+        let proxy = dir.path().join("proxy.yaml");
+        std::fs::write(
+            &proxy,
+            "apiVersion: egress-operator.dev/v1alpha1\nkind: Proxy\nmetadata: {name: p}\n\
+             spec: {provider: kvm2, imgae: debian}\n",
+        )
+        .unwrap();
+        let err = load_manifest(&proxy, &config).unwrap_err().to_string();
+        assert!(err.contains("spec.imgae"), "{err}");
+    }
+
+    #[test]
+    fn the_crd_holds_the_name_rule_and_template_settings_are_maps() {
+        let crd = serde_json::to_value(Proxy::crd()).unwrap();
+        let schema = &crd["spec"]["versions"][0]["schema"]["openAPIV3Schema"];
+        assert_eq!(
+            schema["x-kubernetes-validations"],
+            json!([{"rule": NAME_RULE, "message": NAME_RULE_MESSAGE}])
+        );
+        for field in ["domain", "vendorData"] {
+            let s = &schema["properties"]["spec"]["properties"]["templateSettings"]["properties"]
+                [field];
+            assert_eq!(
+                s["additionalProperties"],
+                json!({"nullable": true, "x-kubernetes-preserve-unknown-fields": true}),
+                "{field}: {s}"
+            );
+            assert!(s.get("x-kubernetes-preserve-unknown-fields").is_none(), "{s}");
+        }
     }
 }

@@ -177,7 +177,7 @@ fn decode_event(
     health: &WatchHealth,
     skew: &Skew,
 ) -> Option<watcher::Event<Proxy>> {
-    let mut one = |obj: DynamicObject| -> Option<Proxy> {
+    let one = |obj: DynamicObject| -> Option<Proxy> {
         let key = key_of(&obj);
         let uid = obj.metadata.uid.clone().unwrap_or_default();
         match decode(obj) {
