@@ -885,7 +885,8 @@ async fn recording_api(seed: Vec<(String, Value)>) -> (kube::Client, Arc<Mutex<R
                                "metadata": {"resourceVersion": version}, "items": items}),
                     )
                 }
-                "watch" => json(StatusCode::OK, Value::Null).into_response(),
+                // A watch that ends at once, with no event.
+                "watch" => (StatusCode::OK, String::new()).into_response(),
                 "create" => {
                     let name = body["metadata"]["name"].as_str().unwrap_or("created");
                     let p = format!("{path}/{name}");

@@ -104,8 +104,8 @@ pub struct ProxySpec {
 /// exactly a label (and costs the API server less than a regular expression).
 pub const NAME_RULE: &str = "size(self.metadata.name) <= 63 && !self.metadata.name.contains('.')";
 /// What the API server answers when [`NAME_RULE`] refuses a name.
-pub const NAME_RULE_MESSAGE: &str = "a Proxy's name must be a DNS-1123 label (at most 63 \
-     characters, no dots): it becomes the VM's host name and its domain mark";
+pub const NAME_RULE_MESSAGE: &str = "metadata.name must be a DNS-1123 label (at most 63 \
+     characters, no dots): it becomes the host name of the VM and its domain mark";
 
 /// DNS-1123 label, as Kubernetes and the providers config spell it.
 const DNS1123_LABEL: &str = "^[a-z0-9]([-a-z0-9]*[a-z0-9])?$";
