@@ -42,8 +42,8 @@ use std::time::{Duration, Instant};
 
 use k8s_openapi::api::coordination::v1::{Lease, LeaseSpec};
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::{MicroTime, ObjectMeta};
-use kube::api::{Api, PostParams};
 use kube::Client;
+use kube::api::{Api, PostParams};
 use tokio::sync::{oneshot, watch};
 use tokio::task::JoinHandle;
 use tracing::{info, warn};
@@ -1011,8 +1011,11 @@ mod tests {
                 }
                 Some(_) => {}
             }
-            let (before, expiry_before, renew_before) =
-                (stored.holder(), stored.expiry(), stored.spec.get("renewTime").cloned());
+            let (before, expiry_before, renew_before) = (
+                stored.holder(),
+                stored.expiry(),
+                stored.spec.get("renewTime").cloned(),
+            );
             let mut spec = lease
                 .get("spec")
                 .and_then(Value::as_object)
@@ -1708,7 +1711,14 @@ mod tests {
         let sampler = tokio::spawn(async move {
             let mut both = 0;
             while !stopped.load(Ordering::Relaxed) {
-                if sampled.lock().unwrap().iter().filter(|v| v.is_leader()).count() > 1 {
+                if sampled
+                    .lock()
+                    .unwrap()
+                    .iter()
+                    .filter(|v| v.is_leader())
+                    .count()
+                    > 1
+                {
                     both += 1;
                 }
                 tokio::time::sleep(Duration::from_millis(2)).await;

@@ -85,15 +85,22 @@ async fn admission_refuses_bad_values_names_and_spec_edits() -> Result<()> {
     );
     let create_raw = |name: &str, spec: Value| {
         let raw = raw.clone();
-        let body: kube::api::DynamicObject = serde_json::from_value(proxy_json(name, spec)).unwrap();
+        let body: kube::api::DynamicObject =
+            serde_json::from_value(proxy_json(name, spec)).unwrap();
         async move { guard("create", raw.create(&PostParams::default(), &body)).await }
     };
 
     // Values the schema refuses.
     let table: Vec<(&str, Value)> = vec![
         ("enum", json!({"provider": "aws"})),
-        ("pattern machineType", json!({"provider": "kvm2", "machineType": "Small_1"})),
-        ("pattern image", json!({"provider": "kvm2", "image": "debian 12"})),
+        (
+            "pattern machineType",
+            json!({"provider": "kvm2", "machineType": "Small_1"}),
+        ),
+        (
+            "pattern image",
+            json!({"provider": "kvm2", "image": "debian 12"}),
+        ),
         ("pattern host", json!({"provider": "kvm2", "host": "-h1"})),
         (
             "pattern secret name",
@@ -117,7 +124,13 @@ async fn admission_refuses_bad_values_names_and_spec_edits() -> Result<()> {
         ("64 characters", "a".repeat(64)),
         (
             "253 characters, dotted",
-            format!("{}.{}.{}.{}", "a".repeat(63), "b".repeat(63), "c".repeat(63), "d".repeat(61)),
+            format!(
+                "{}.{}.{}.{}",
+                "a".repeat(63),
+                "b".repeat(63),
+                "c".repeat(63),
+                "d".repeat(61)
+            ),
         ),
     ] {
         let r = create(&api, proxy_json(&name, spec.clone())).await;
@@ -263,7 +276,12 @@ impl egress_operator::serving::Dialer for Answers {
 }
 
 /// A controller context on `client` with the fake provider as `kvm2`.
-fn context(client: kube::Client) -> (Arc<Context>, Arc<egress_operator::provider::fake::FakeProvider>) {
+fn context(
+    client: kube::Client,
+) -> (
+    Arc<Context>,
+    Arc<egress_operator::provider::fake::FakeProvider>,
+) {
     let config = Arc::new(
         egress_operator::config::parse(CONFIG, "cluster-api.yaml", Path::new("/")).unwrap(),
     );
@@ -293,7 +311,10 @@ async fn reconcile(
     api: &Api<Proxy>,
     ctx: &Arc<Context>,
     name: &str,
-) -> (Proxy, Result<kube::runtime::controller::Action, ControllerError>) {
+) -> (
+    Proxy,
+    Result<kube::runtime::controller::Action, ControllerError>,
+) {
     let p = guard("get", api.get(name)).await.unwrap();
     ctx.attempts.expire(&p.uid().unwrap());
     let r = guard(
@@ -363,7 +384,10 @@ async fn a_steady_proxy_writes_nothing_and_status_is_our_apply() -> Result<()> {
         reconcile(&api, &ctx, "p").await.1.unwrap();
     }
     let after = guard("get", api.get("p")).await?.resource_version();
-    assert_eq!(before, after, "a reconcile that changed nothing wrote the Proxy");
+    assert_eq!(
+        before, after,
+        "a reconcile that changed nothing wrote the Proxy"
+    );
 
     // Delete: the finalizer goes after the instance.
     guard("delete", api.delete("p", &Default::default())).await?;
@@ -417,7 +441,10 @@ async fn a_finalizer_race_with_another_writer_is_transient_and_recovers() -> Res
     let p = guard("get", api.get("p")).await?;
     assert_eq!(
         p.finalizers(),
-        ["example.org/other".to_string(), controller::FINALIZER.to_string()]
+        [
+            "example.org/other".to_string(),
+            controller::FINALIZER.to_string()
+        ]
     );
     // Let the namespace go.
     guard(
@@ -469,10 +496,7 @@ async fn an_error_over_2_kb_still_produces_an_event() -> Result<()> {
     let note = found.note.unwrap_or_default();
     assert!(note.len() <= controller::MAX_EVENT_NOTE, "{}", note.len());
     assert!(note.ends_with(" [truncated]"), "{note}");
-    assert_eq!(
-        found.regarding.and_then(|r| r.name).as_deref(),
-        Some("p")
-    );
+    assert_eq!(found.regarding.and_then(|r| r.name).as_deref(), Some("p"));
     // The condition message is cut too; the status write went through.
     let s = guard("get", api.get("p")).await?.status.unwrap_or_default();
     assert_eq!(s.last_error_class.as_deref(), Some("permanent"));
@@ -543,7 +567,9 @@ async fn a_proxy_using_a_field_of_a_newer_crd_is_named_and_the_others_still_deco
     guard("the initial list", async {
         while let Some(e) = events.next().await {
             match e.unwrap() {
-                kube::runtime::watcher::Event::InitApply(p) if p.namespace().as_deref() == Some(ns.name()) => {
+                kube::runtime::watcher::Event::InitApply(p)
+                    if p.namespace().as_deref() == Some(ns.name()) =>
+                {
                     seen.push(p)
                 }
                 kube::runtime::watcher::Event::InitDone => break,
@@ -564,7 +590,9 @@ async fn a_proxy_using_a_field_of_a_newer_crd_is_named_and_the_others_still_deco
     // Back to the shipped CRD (for a cluster that outlives this test).
     let mut crd = guard("crd", crds.get("proxies.egress-operator.dev")).await?;
     let mut schema = serde_json::to_value(&crd.spec.versions[0].schema)?;
-    if let Some(props) = schema["openAPIV3Schema"]["properties"]["spec"]["properties"].as_object_mut() {
+    if let Some(props) =
+        schema["openAPIV3Schema"]["properties"]["spec"]["properties"].as_object_mut()
+    {
         props.remove("dnsServers");
     }
     crd.spec.versions[0].schema = Some(serde_json::from_value(schema)?);

@@ -5,8 +5,8 @@
 
 use std::collections::{BTreeMap, BTreeSet};
 use std::path::{Path, PathBuf};
-use std::sync::{Arc, Mutex};
 use std::process::Command;
+use std::sync::{Arc, Mutex};
 
 use egress_operator::config;
 use integration_tests::workspace_root;
@@ -806,7 +806,9 @@ fn call_of(method: &str, path: &str, query: &str) -> Call {
         [r, n, sub] => (format!("{r}/{sub}"), Some(n.to_string())),
         _ => panic!("unexpected path {path}"),
     };
-    let watch = query.split('&').any(|kv| kv == "watch=true" || kv == "watch=1");
+    let watch = query
+        .split('&')
+        .any(|kv| kv == "watch=true" || kv == "watch=1");
     let verb = match (method, name.is_some()) {
         ("GET", true) => "get",
         ("GET", false) if watch => "watch",
@@ -876,7 +878,9 @@ async fn recording_api(seed: Vec<(String, Value)>) -> (kube::Client, Arc<Mutex<R
                     let items: Vec<Value> = s
                         .objects
                         .iter()
-                        .filter(|(p, _)| p.starts_with(&prefix) || p.contains(&format!("/{}/", call.resource)))
+                        .filter(|(p, _)| {
+                            p.starts_with(&prefix) || p.contains(&format!("/{}/", call.resource))
+                        })
                         .map(|(_, o)| o.clone())
                         .collect();
                     json(
@@ -1060,10 +1064,12 @@ async fn calls_the_code_makes() -> Vec<Call> {
     .await;
 
     // A Proxy's life: finalizer, user-data, create, status, events, delete, finalizer off.
-    let config = Arc::new(
-        config::parse(RBAC_TEST_CONFIG, "rbac-test.yaml", Path::new("/")).unwrap(),
-    );
-    let fake = Arc::new(egress_operator::provider::fake::FakeProvider::named("kvm2", &["h1"]));
+    let config =
+        Arc::new(config::parse(RBAC_TEST_CONFIG, "rbac-test.yaml", Path::new("/")).unwrap());
+    let fake = Arc::new(egress_operator::provider::fake::FakeProvider::named(
+        "kvm2",
+        &["h1"],
+    ));
     let mut registry = egress_operator::provider::registry::Registry::new();
     registry.insert(fake.clone());
     let mut ctx = Context::new(
@@ -1091,16 +1097,20 @@ async fn calls_the_code_makes() -> Vec<Call> {
         action: "Test".into(),
         secondary: None,
     };
-    ctx.recorder.publish(&ev, &proxy.object_ref(&())).await.unwrap();
-    ctx.recorder.publish(&ev, &proxy.object_ref(&())).await.unwrap();
-    proxy.metadata.deletion_timestamp = Some(
-        k8s_openapi::apimachinery::pkg::apis::meta::v1::Time(jiff::Timestamp::now()),
-    );
+    ctx.recorder
+        .publish(&ev, &proxy.object_ref(&()))
+        .await
+        .unwrap();
+    ctx.recorder
+        .publish(&ev, &proxy.object_ref(&()))
+        .await
+        .unwrap();
+    proxy.metadata.deletion_timestamp = Some(k8s_openapi::apimachinery::pkg::apis::meta::v1::Time(
+        jiff::Timestamp::now(),
+    ));
     proxy.status = Some(
-        serde_json::from_value(
-            recorded.lock().unwrap().objects[&proxy_path]["status"].clone(),
-        )
-        .unwrap(),
+        serde_json::from_value(recorded.lock().unwrap().objects[&proxy_path]["status"].clone())
+            .unwrap(),
     );
     reconcile(&proxy).await.unwrap();
     assert!(fake.instances().is_empty(), "the delete ran");
@@ -1112,7 +1122,10 @@ async fn calls_the_code_makes() -> Vec<Call> {
 
     // The health monitor's sink: creates its object, then writes the status.
     let status = serde_json::from_value(json!({"healthyTargets": 1, "totalTargets": 1})).unwrap();
-    KubeSink::new(client.clone()).write("kvm2", &status).await.unwrap();
+    KubeSink::new(client.clone())
+        .write("kvm2", &status)
+        .await
+        .unwrap();
 
     // The elector: creates the Lease, takes it, releases it.
     let options = LeaderOptions {
@@ -1224,7 +1237,11 @@ fn the_rbac_check_sees_a_missing_and_an_extra_grant() {
     };
     assert!(allowed(&rules(json!(["patch"])), &call));
     assert!(!allowed(&rules(json!(["get"])), &call));
-    let watch = call_of("GET", "/apis/egress-operator.dev/v1alpha1/proxies", "watch=true&x=1");
+    let watch = call_of(
+        "GET",
+        "/apis/egress-operator.dev/v1alpha1/proxies",
+        "watch=true&x=1",
+    );
     assert_eq!((watch.verb.as_str(), watch.namespace), ("watch", None));
     let lease = call_of(
         "PUT",
@@ -1233,8 +1250,13 @@ fn the_rbac_check_sees_a_missing_and_an_extra_grant() {
     );
     let lease_rules = vec![(
         Some(NAMESPACE.to_string()),
-        grants(&json!([{"apiGroups": ["coordination.k8s.io"], "resources": ["leases"],
-                        "resourceNames": ["other"], "verbs": ["update"]}])),
+        grants(
+            &json!([{"apiGroups": ["coordination.k8s.io"], "resources": ["leases"],
+                        "resourceNames": ["other"], "verbs": ["update"]}]),
+        ),
     )];
-    assert!(!allowed(&lease_rules, &lease), "the name restriction counts");
+    assert!(
+        !allowed(&lease_rules, &lease),
+        "the name restriction counts"
+    );
 }

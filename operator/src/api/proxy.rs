@@ -170,7 +170,11 @@ fn free_form_object(_: &mut schemars::SchemaGenerator) -> schemars::Schema {
 /// Paths (under `prefix`) set in `raw` but missing from `known`, `raw`'s round trip through
 /// our types: the fields our types dropped because they do not know them. `null` counts as
 /// unset; free-form maps round-trip whole.
-pub fn unknown_fields(prefix: &str, raw: &serde_json::Value, known: &serde_json::Value) -> Vec<String> {
+pub fn unknown_fields(
+    prefix: &str,
+    raw: &serde_json::Value,
+    known: &serde_json::Value,
+) -> Vec<String> {
     let mut out = Vec::new();
     collect_unknown(prefix, raw, known, &mut out);
     out
@@ -559,7 +563,10 @@ kvm2:
                 json!({"nullable": true, "x-kubernetes-preserve-unknown-fields": true}),
                 "{field}: {s}"
             );
-            assert!(s.get("x-kubernetes-preserve-unknown-fields").is_none(), "{s}");
+            assert!(
+                s.get("x-kubernetes-preserve-unknown-fields").is_none(),
+                "{s}"
+            );
         }
     }
 }

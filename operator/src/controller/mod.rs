@@ -912,7 +912,9 @@ async fn read_user_data(
 /// instead of being pruned in silence (which would also make every later reconcile see
 /// its status "changed" and write it again).
 pub fn status_apply_params() -> PatchParams {
-    PatchParams::apply(FIELD_MANAGER).force().validation_strict()
+    PatchParams::apply(FIELD_MANAGER)
+        .force()
+        .validation_strict()
 }
 
 async fn write_status(

@@ -72,15 +72,11 @@ impl WatchHealth {
 
     /// Errors counted of this kind (`watch` or `decode`).
     pub fn errors(&self, kind: &str) -> u64 {
-        self.errors
-            .get_or_create(&Kind { kind: kind.into() })
-            .get()
+        self.errors.get_or_create(&Kind { kind: kind.into() }).get()
     }
 
     fn count(&self, kind: &str) {
-        self.errors
-            .get_or_create(&Kind { kind: kind.into() })
-            .inc();
+        self.errors.get_or_create(&Kind { kind: kind.into() }).inc();
     }
 
     /// The watch failed; it is retried with backoff.
@@ -230,8 +226,7 @@ pub fn proxies(
         Ok(_) => inspect.watch_ok(),
         Err(e) => inspect.watch_failed(e),
     });
-    kube::runtime::WatchStreamExt::default_backoff(events)
-    .filter_map(move |r| {
+    kube::runtime::WatchStreamExt::default_backoff(events).filter_map(move |r| {
         let out = match r {
             Ok(ev) => decode_event(ev, &health, &skew).map(Ok),
             Err(e) => Some(Err(e)),
@@ -293,7 +288,10 @@ mod tests {
         ));
         assert_eq!(health.errors("decode"), 1);
         let lines = health.degraded().expect("degraded");
-        assert!(lines[0].starts_with("proxy ns/p cannot be decoded"), "{lines:?}");
+        assert!(
+            lines[0].starts_with("proxy ns/p cannot be decoded"),
+            "{lines:?}"
+        );
         // Deleted: no longer reported, and its cache entry goes.
         let bad = dynamic(json!({"provider": 7}));
         assert!(matches!(

@@ -60,7 +60,11 @@ fn event_notes_are_cut_to_1024_bytes_on_a_character_boundary() {
     let cut = event_note(long);
     assert!(cut.len() <= MAX_EVENT_NOTE, "{}", cut.len());
     assert!(cut.ends_with(" [truncated]"), "{cut}");
-    assert!(cut.trim_end_matches(" [truncated]").chars().all(|c| c == '€'));
+    assert!(
+        cut.trim_end_matches(" [truncated]")
+            .chars()
+            .all(|c| c == '€')
+    );
 }
 
 #[tokio::test]
@@ -101,7 +105,10 @@ async fn a_dotted_or_long_name_is_refused_naming_metadata_name() {
             text.contains("metadata.name") && text.contains("DNS-1123 label"),
             "{text}"
         );
-        assert!(!text.contains("dropped"), "no misleading plugin text: {text}");
+        assert!(
+            !text.contains("dropped"),
+            "no misleading plugin text: {text}"
+        );
         assert!(w.fake.calls().is_empty(), "{:?}", w.fake.calls());
     }
 }
