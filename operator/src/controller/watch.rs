@@ -28,7 +28,6 @@ use prometheus_client::encoding::EncodeLabelSet;
 use prometheus_client::metrics::counter::Counter;
 use prometheus_client::metrics::family::Family;
 use prometheus_client::registry::Registry;
-use serde_json::Value;
 
 use crate::api::proxy::{Proxy, unknown_fields};
 
@@ -238,7 +237,7 @@ pub fn proxies(
 #[cfg(test)]
 mod tests {
     use super::*;
-    use serde_json::json;
+    use serde_json::{Value, json};
 
     fn dynamic(spec: Value) -> DynamicObject {
         named("p", spec)
