@@ -1,17 +1,25 @@
 //! Leader election over a `coordination.k8s.io/v1` Lease, so that two replicas can run and
 //! only one reconciles.
 //!
-//! The Lease protocol itself (server-side apply to take a free lease, renewal before expiry,
-//! forced release of an expired one) is `kube-lease-manager`'s. This module adds what the
-//! operator needs around it:
+//! The protocol is client-go's, and ours (it replaced `kube-lease-manager`, whose forced
+//! release of an expired lease was an unconditional patch: two followers that both saw the
+//! lease expire could wipe the hold one of them had just taken, and both would lead):
 //!
-//! - a state channel that is `true` only while we hold the lease, wrapped in [`Leadership`]
-//!   with [`Leadership::acquired`] and [`Leadership::lost`];
-//! - prompt takeover after a graceful release: the crate lets a follower sleep until the
-//!   holder's lease would expire, so a follower here re-reads the lease every
-//!   [`LeaderOptions::retry_period`] (as client-go does) and sees a released lease at once;
-//! - stepping down on any API error while leading (see [`LeaderElector`]);
-//! - release on shutdown, bounded by a timeout.
+//! - every write is an update carrying the `resourceVersion` of the read it is based on, so
+//!   a write based on a stale read fails with a conflict instead of overwriting someone
+//!   else's hold; the loser re-reads and follows;
+//! - a follower takes a held lease only after it has seen the same record, unchanged, for
+//!   the lease duration by its own clock (so clock skew between nodes does not matter),
+//!   and a free one (released) at once;
+//! - the holder renews every `lease_duration - renew_before_expiry` and steps down when a
+//!   renewal fails or does not finish within `renew_before_expiry`, so it has stopped before
+//!   any follower can see its lease expire;
+//! - a follower re-reads every [`LeaderOptions::retry_period`], so a released lease is
+//!   taken within it;
+//! - release on shutdown (clear the holder, also guarded), bounded by a timeout.
+//!
+//! Around it: a state channel that is `true` only while we hold the lease, wrapped in
+//! [`Leadership`] with [`Leadership::acquired`] and [`Leadership::lost`].
 //!
 //! Typical use in the binary:
 //!
@@ -30,10 +38,12 @@
 //! # }
 //! ```
 
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
+use k8s_openapi::api::coordination::v1::{Lease, LeaseSpec};
+use k8s_openapi::apimachinery::pkg::apis::meta::v1::{MicroTime, ObjectMeta};
 use kube::Client;
-use kube_lease_manager::{LeaseCreateMode, LeaseManager, LeaseManagerError, LeaseParams};
+use kube::api::{Api, PostParams};
 use tokio::sync::{oneshot, watch};
 use tokio::task::JoinHandle;
 use tracing::{info, warn};
@@ -46,15 +56,16 @@ pub const DEFAULT_LEASE_NAME: &str = "egress-operator";
 /// crashed leader is replaced within seconds.
 pub const DEFAULT_LEASE_DURATION: Duration = Duration::from_secs(15);
 /// The holder renews this long before expiry: every 5 s with the default duration, which
-/// leaves room for a slow request and for clock skew between nodes.
+/// leaves room for a slow request; also how long a renewal may take before the holder
+/// steps down.
 pub const DEFAULT_RENEW_BEFORE_EXPIRY: Duration = Duration::from_secs(10);
 /// How often a follower re-reads the lease (client-go's retry period).
 pub const DEFAULT_RETRY_PERIOD: Duration = Duration::from_secs(2);
 /// Shutdown must not hang on an unreachable API server.
 pub const DEFAULT_RELEASE_TIMEOUT: Duration = Duration::from_secs(5);
 
-/// Our field manager on the Lease is this plus the identity: unique per replica, as server-side
-/// apply requires, and readable in `managedFields`.
+/// Our field manager on the Lease is this plus the identity: unique per replica, and
+/// readable in `managedFields` (who wrote the lease last).
 const FIELD_MANAGER_PREFIX: &str = "egress-operator-leader-";
 
 /// First wait after an API error; doubles up to the lease duration.
@@ -95,13 +106,13 @@ impl LeaderOptions {
         }
     }
 
-    /// Checks the options; `kube-lease-manager` panics on some invalid timings, so they are
-    /// refused here first.
+    /// Checks the options: names set, timings that can work.
     pub fn validate(&self) -> Result<(), LeaderError> {
         self.seconds().map(|_| ())
     }
 
-    /// Lease duration and renew-before-expiry in whole seconds, as the crate takes them.
+    /// Lease duration and renew-before-expiry in whole seconds (the Lease API counts in
+    /// seconds).
     fn seconds(&self) -> Result<(u64, u64), LeaderError> {
         let invalid = |reason: String| Err(LeaderError::InvalidOptions(reason));
         for (what, value) in [
@@ -186,9 +197,9 @@ pub enum LeaderError {
         namespace: String,
         /// Name of the Lease.
         name: String,
-        /// What the crate reported.
+        /// What the API server answered.
         #[source]
-        source: LeaseManagerError,
+        source: kube::Error,
     },
     /// Releasing the lease at shutdown took too long; the other replica takes over once
     /// the lease expires instead.
@@ -213,21 +224,9 @@ impl Classified for LeaderError {
     fn class(&self) -> ErrorClass {
         match self {
             LeaderError::InvalidOptions(_) | LeaderError::NoIdentity => ErrorClass::Permanent,
-            LeaderError::Lease { source, .. } => lease_class(source),
+            LeaderError::Lease { source, .. } => crate::error::kube_error_class(source),
             LeaderError::ReleaseTimeout { .. } => ErrorClass::Transient,
             LeaderError::Stopped | LeaderError::Task(_) => ErrorClass::Permanent,
-        }
-    }
-}
-
-fn lease_class(e: &LeaseManagerError) -> ErrorClass {
-    match e {
-        LeaseManagerError::KubeError(e) => crate::error::kube_error_class(e),
-        LeaseManagerError::NonexistentLease(_) => ErrorClass::NotFound,
-        // The crate re-reads the lease on the next attempt.
-        LeaseManagerError::InconsistentState(_) => ErrorClass::Transient,
-        LeaseManagerError::LeaseAlreadyExists(_) | LeaseManagerError::ControlChannelError(_) => {
-            ErrorClass::Permanent
         }
     }
 }
@@ -288,11 +287,10 @@ impl Leadership {
 /// Handle on the background task that acquires and keeps the lease.
 ///
 /// The task publishes `true` only after the API confirmed we hold the lease, and `false`
-/// before any point where that may no longer be so. In particular an API error while
-/// leading counts as losing the lease at once: the crate does not expose when the lease
-/// was last renewed, so we cannot prove it is still ours. The elector then re-reads the
-/// lease and, if it still names us, leads again; a blip costs the caller one restart of its
-/// reconcilers, never two leaders.
+/// before any point where that may no longer be so. In particular a failed or slow
+/// renewal counts as losing the lease at once. The elector then re-reads the lease and, if
+/// it still names us, leads again; a blip costs the caller one restart of its reconcilers,
+/// never two leaders.
 ///
 /// Dropping the handle shuts the elector down as [`LeaderElector::shutdown`] does, without
 /// waiting for the release.
@@ -311,16 +309,19 @@ impl LeaderElector {
     ) -> Result<(Leadership, LeaderElector), LeaderError> {
         let (duration, grace) = options.seconds()?;
         let runner = Runner {
-            client,
+            api: LeaseApi::new(client, &options, duration),
             lease: format!("{}/{}", options.namespace, options.lease_name),
-            duration,
-            grace,
+            renew_every: Duration::from_secs(duration.saturating_sub(grace).max(1)),
             options,
         };
-        let manager = runner.build().await.map_err(|e| runner.error(e))?;
+        runner
+            .api
+            .read_or_create()
+            .await
+            .map_err(|e| runner.error(e))?;
         let (tx, rx) = watch::channel(false);
         let (shutdown_tx, shutdown_rx) = oneshot::channel();
-        let task = tokio::spawn(runner.run(manager, tx, shutdown_rx));
+        let task = tokio::spawn(runner.run(tx, shutdown_rx));
         Ok((
             Leadership { rx },
             LeaderElector {
@@ -354,42 +355,176 @@ impl LeaderElector {
     }
 }
 
-/// What ended one wait of the election loop.
-enum Step {
-    Shutdown,
-    Changed(Result<bool, LeaseManagerError>),
-    /// A follower's periodic re-read is due.
-    Repoll,
+/// The Lease API as the elector uses it: read, create, and update guarded by the
+/// `resourceVersion` of the read.
+struct LeaseApi {
+    api: Api<Lease>,
+    name: String,
+    identity: String,
+    duration_secs: i32,
+    params: PostParams,
+}
+
+/// What a replica last read of the lease and when it first saw that version, by its own
+/// clock: a held lease counts as expired once the same version has been seen for its
+/// duration, whatever the holder's clock wrote in `renewTime`.
+#[derive(Default)]
+struct Observed {
+    version: Option<String>,
+    since: Option<Instant>,
+}
+
+impl Observed {
+    fn saw(&mut self, lease: &Lease) {
+        let version = lease.metadata.resource_version.clone();
+        if version != self.version || self.since.is_none() {
+            self.version = version;
+            self.since = Some(Instant::now());
+        }
+    }
+
+    fn expired(&self, spec: &LeaseSpec) -> bool {
+        let duration = spec
+            .lease_duration_seconds
+            .and_then(|s| u64::try_from(s).ok())
+            .unwrap_or(0);
+        self.since
+            .is_none_or(|t| t.elapsed() >= Duration::from_secs(duration))
+    }
+}
+
+/// The holder, unless the lease names none.
+fn holder_of(spec: &LeaseSpec) -> Option<&str> {
+    spec.holder_identity.as_deref().filter(|h| !h.is_empty())
+}
+
+fn is_conflict(e: &kube::Error) -> bool {
+    matches!(e, kube::Error::Api(s) if s.code == 409)
+}
+
+impl LeaseApi {
+    fn new(client: Client, options: &LeaderOptions, duration_secs: u64) -> Self {
+        let params = PostParams {
+            field_manager: Some(format!("{FIELD_MANAGER_PREFIX}{}", options.identity)),
+            ..PostParams::default()
+        };
+        Self {
+            api: Api::namespaced(client, &options.namespace),
+            name: options.lease_name.clone(),
+            identity: options.identity.clone(),
+            duration_secs: i32::try_from(duration_secs).unwrap_or(i32::MAX),
+            params,
+        }
+    }
+
+    /// Reads the lease, creating it free when missing (another replica creating it first
+    /// is fine).
+    async fn read_or_create(&self) -> Result<Lease, kube::Error> {
+        if let Some(lease) = self.api.get_opt(&self.name).await? {
+            return Ok(lease);
+        }
+        let empty = Lease {
+            metadata: ObjectMeta {
+                name: Some(self.name.clone()),
+                ..ObjectMeta::default()
+            },
+            spec: Some(LeaseSpec::default()),
+        };
+        match self.api.create(&self.params, &empty).await {
+            Ok(lease) => Ok(lease),
+            Err(e) if is_conflict(&e) => self.api.get(&self.name).await,
+            Err(e) => Err(e),
+        }
+    }
+
+    /// Writes `spec` over `read`, only if nobody wrote the lease since; `None` if someone
+    /// did (the caller re-reads).
+    async fn write(&self, read: &Lease, spec: LeaseSpec) -> Result<Option<Lease>, kube::Error> {
+        let mut next = read.clone();
+        next.metadata.managed_fields = None;
+        next.spec = Some(spec);
+        match self.api.replace(&self.name, &self.params, &next).await {
+            Ok(lease) => Ok(Some(lease)),
+            Err(e) if is_conflict(&e) => Ok(None),
+            Err(e) => Err(e),
+        }
+    }
+
+    /// One round: take the lease if it is free, expired or ours (renewing it), from what
+    /// was just read. True if we hold it now.
+    async fn acquire_or_renew(&self, observed: &mut Observed) -> Result<bool, kube::Error> {
+        let lease = self.read_or_create().await?;
+        observed.saw(&lease);
+        self.take(&lease, observed).await
+    }
+
+    /// The write half of [`LeaseApi::acquire_or_renew`], based on `lease` as read.
+    async fn take(&self, lease: &Lease, observed: &mut Observed) -> Result<bool, kube::Error> {
+        let spec = lease.spec.clone().unwrap_or_default();
+        let holder = holder_of(&spec);
+        let ours = holder == Some(self.identity.as_str());
+        if holder.is_some() && !ours && !observed.expired(&spec) {
+            return Ok(false);
+        }
+        let now = MicroTime(jiff::Timestamp::now());
+        let next = LeaseSpec {
+            holder_identity: Some(self.identity.clone()),
+            lease_duration_seconds: Some(self.duration_secs),
+            renew_time: Some(now.clone()),
+            acquire_time: if ours {
+                spec.acquire_time.clone()
+            } else {
+                Some(now)
+            },
+            lease_transitions: if ours || holder.is_none() && spec.lease_transitions.is_none() {
+                spec.lease_transitions
+            } else {
+                Some(spec.lease_transitions.unwrap_or(0).saturating_add(1))
+            },
+            ..spec
+        };
+        match self.write(lease, next).await? {
+            Some(written) => {
+                observed.saw(&written);
+                Ok(true)
+            }
+            None => Ok(false),
+        }
+    }
+
+    /// Clears the holder if it is us; someone else's lease is left alone.
+    async fn release(&self) -> Result<(), kube::Error> {
+        let Some(lease) = self.api.get_opt(&self.name).await? else {
+            return Ok(());
+        };
+        let spec = lease.spec.clone().unwrap_or_default();
+        if holder_of(&spec) != Some(self.identity.as_str()) {
+            return Ok(());
+        }
+        let cleared = LeaseSpec {
+            holder_identity: None,
+            acquire_time: None,
+            renew_time: None,
+            lease_duration_seconds: None,
+            ..spec
+        };
+        // A conflict: someone wrote since, so it is not ours any more.
+        self.write(&lease, cleared).await.map(|_| ())
+    }
 }
 
 /// The background task's state.
 struct Runner {
-    client: Client,
+    api: LeaseApi,
     options: LeaderOptions,
     /// `namespace/name`, for logs.
     lease: String,
-    duration: u64,
-    grace: u64,
+    /// How often the holder renews: `lease_duration - renew_before_expiry`.
+    renew_every: Duration,
 }
 
 impl Runner {
-    /// A fresh manager: it re-reads the lease on first use, which is how a follower notices
-    /// a released lease before the old holder's expiry.
-    async fn build(&self) -> Result<LeaseManager, LeaseManagerError> {
-        let identity = self.options.identity.clone();
-        let params = LeaseParams::new(identity.clone(), self.duration, self.grace)
-            .with_field_manager(format!("{FIELD_MANAGER_PREFIX}{identity}"));
-        LeaseManager::new(
-            self.client.clone(),
-            self.options.lease_name.clone(),
-            self.options.namespace.clone(),
-            params,
-            LeaseCreateMode::AutoCreate,
-        )
-        .await
-    }
-
-    fn error(&self, source: LeaseManagerError) -> LeaderError {
+    fn error(&self, source: kube::Error) -> LeaderError {
         LeaderError::Lease {
             namespace: self.options.namespace.clone(),
             name: self.options.lease_name.clone(),
@@ -399,7 +534,6 @@ impl Runner {
 
     async fn run(
         self,
-        first: LeaseManager,
         tx: watch::Sender<bool>,
         mut shutdown: oneshot::Receiver<()>,
     ) -> Result<(), LeaderError> {
@@ -407,94 +541,64 @@ impl Runner {
         let lease = self.lease.as_str();
         let mut backoff = FIRST_ERROR_BACKOFF;
         let max_backoff = self.options.lease_duration;
-        let mut current = Some(first);
+        let mut observed = Observed::default();
         loop {
-            let manager = match current.take() {
-                Some(m) => m,
-                None => {
-                    let built = tokio::select! {
-                        biased;
-                        _ = &mut shutdown => return self.release(None, &tx).await,
-                        built = self.build() => built,
-                    };
-                    match built {
-                        Ok(m) => m,
-                        Err(e) => {
-                            warn!(%identity, %lease, error = %e, "cannot read the leader lease; retrying");
-                            if sleep_or_shutdown(
-                                next_backoff(&mut backoff, max_backoff),
-                                &mut shutdown,
-                            )
-                            .await
-                            {
-                                return self.release(None, &tx).await;
-                            }
-                            continue;
-                        }
-                    }
-                }
-            };
-
-            // Invariant: the manager's own idea of leadership equals what we published, since
-            // a fresh manager starts as follower and we publish `false` before dropping one.
             let leading = *tx.borrow();
-            let step = tokio::select! {
-                biased;
-                _ = &mut shutdown => Step::Shutdown,
-                result = manager.changed() => Step::Changed(result),
-                () = tokio::time::sleep(self.options.retry_period), if !leading => Step::Repoll,
+            // A renewal that takes longer than the margin before expiry counts as failed:
+            // the holder must have stopped before a follower can see its lease expire.
+            let bound = if leading {
+                self.options.renew_before_expiry
+            } else {
+                self.options.lease_duration
             };
-            match step {
-                Step::Shutdown => return self.release(Some(manager), &tx).await,
-                Step::Repoll => backoff = FIRST_ERROR_BACKOFF,
-                Step::Changed(Ok(now_leading)) => {
+            let attempt = tokio::select! {
+                biased;
+                _ = &mut shutdown => return self.release(&tx).await,
+                r = tokio::time::timeout(bound, self.api.acquire_or_renew(&mut observed)) => r,
+            };
+            let wait = match attempt {
+                Ok(Ok(true)) => {
                     backoff = FIRST_ERROR_BACKOFF;
-                    if publish(&tx, now_leading) {
-                        if now_leading {
-                            info!(%identity, %lease, "acquired leadership");
-                        } else {
-                            info!(%identity, %lease, "lost leadership: the lease is held by another replica");
-                        }
+                    if publish(&tx, true) {
+                        info!(%identity, %lease, "acquired leadership");
                     }
-                    current = Some(manager);
+                    self.renew_every
                 }
-                Step::Changed(Err(e)) => {
+                Ok(Ok(false)) => {
+                    backoff = FIRST_ERROR_BACKOFF;
                     if publish(&tx, false) {
-                        info!(%identity, %lease, error = %e, "lost leadership: the lease could not be renewed");
+                        info!(%identity, %lease, "lost leadership: the lease is held by another replica");
+                    }
+                    self.options.retry_period
+                }
+                Ok(Err(e)) => {
+                    if publish(&tx, false) {
+                        warn!(%identity, %lease, error = %e, "lost leadership: the lease could not be renewed");
                     } else {
                         warn!(%identity, %lease, error = %e, "leader election failed; retrying");
                     }
-                    drop(manager);
-                    if sleep_or_shutdown(next_backoff(&mut backoff, max_backoff), &mut shutdown)
-                        .await
-                    {
-                        return self.release(None, &tx).await;
-                    }
+                    next_backoff(&mut backoff, max_backoff)
                 }
+                Err(_) => {
+                    if publish(&tx, false) {
+                        warn!(%identity, %lease, timeout = ?bound, "lost leadership: the renewal took too long");
+                    }
+                    next_backoff(&mut backoff, max_backoff)
+                }
+            };
+            if sleep_or_shutdown(wait, &mut shutdown).await {
+                return self.release(&tx).await;
             }
         }
     }
 
     /// Shutdown: step down first (the caller stops reconciling on `false`), then clear the
     /// lease if it is ours, within the release timeout.
-    async fn release(
-        &self,
-        manager: Option<LeaseManager>,
-        tx: &watch::Sender<bool>,
-    ) -> Result<(), LeaderError> {
+    async fn release(&self, tx: &watch::Sender<bool>) -> Result<(), LeaderError> {
         let identity = self.options.identity.as_str();
         let lease = self.lease.as_str();
         let was_leading = publish(tx, false);
-        let attempt = async {
-            // Without a manager (shutdown during a retry) a fresh one finds out whether the
-            // lease still names us; releasing someone else's valid lease is a no-op.
-            let manager = match manager {
-                Some(m) => m,
-                None => self.build().await?,
-            };
-            manager.release().await
-        };
-        match tokio::time::timeout(self.options.release_timeout, attempt).await {
+        match tokio::time::timeout(self.options.release_timeout, self.api.release()).await {
             Ok(Ok(())) => {
                 if was_leading {
                     info!(%identity, %lease, "released leadership");
@@ -561,7 +665,7 @@ mod tests {
 
     // ---- An in-memory Lease API ----------------------------------------------------------
 
-    /// The part of the Kubernetes API that `kube-lease-manager` uses, on
+    /// The part of the Kubernetes API that a Lease elector may use, on
     /// `coordination.k8s.io/v1` Leases, shared by every client made with [`client`]:
     ///
     /// - GET one lease; 404 `NotFound` if missing.
@@ -571,13 +675,16 @@ mod tests {
     ///   different value than it has while another manager owns it is a 409 `Conflict`:
     ///   this is what keeps two replicas from taking a free lease at once. Fields the manager
     ///   applied before and now leaves out are given up (removed if nobody else owns them).
-    /// - PATCH strategic-merge or merge patch (an "update", which the crate uses to renew and
+    /// - PATCH strategic-merge or merge patch (what `kube-lease-manager` used to renew and
     ///   release): sets fields, `null` deletes; never conflicts; takes ownership of changed
-    ///   fields from everyone else.
+    ///   fields from everyone else. Counted as an unguarded write.
+    /// - PUT (update): replaces the spec; with `metadata.resourceVersion` it is refused with
+    ///   409 `Conflict` unless that is the stored version; without it, it is accepted and
+    ///   counted as an unguarded write.
     ///
     /// Ownership is tracked per top-level `spec` field and per manager and operation, as
     /// `managedFields` would. Not implemented (not used): metadata beyond name, namespace
-    /// and resourceVersion; preconditions; list, watch, delete; JSON patch. Any other
+    /// and resourceVersion; list, watch, delete; JSON patch. Any other
     /// request is recorded in `unexpected` and refused, so a test notices.
     #[derive(Default)]
     struct FakeApi {
@@ -594,6 +701,8 @@ mod tests {
         unexpected: Vec<String>,
         /// Answer everything with 503, as an unreachable API server would.
         failing: bool,
+        /// Writes that no resourceVersion guarded (patches, updates without a version).
+        unguarded: Vec<String>,
         resource_version: u64,
     }
 
@@ -782,6 +891,10 @@ mod tests {
         fn set_failing(&self, failing: bool) {
             self.state.lock().unwrap().failing = failing;
         }
+
+        fn unguarded(&self) -> Vec<String> {
+            self.state.lock().unwrap().unguarded.clone()
+        }
     }
 
     impl FakeState {
@@ -815,8 +928,10 @@ mod tests {
                 },
                 (&Method::POST, [ns, "leases"]) => self.create(ns, body),
                 (&Method::PATCH, [ns, "leases", name]) => {
+                    self.unguarded.push(format!("PATCH {content_type}"));
                     self.patch(ns, name, content_type, &query, body)
                 }
+                (&Method::PUT, [ns, "leases", name]) => self.replace(ns, name, &query, body),
                 _ => {
                     self.unexpected.push(format!("{method} {uri}"));
                     status(
@@ -862,6 +977,74 @@ mod tests {
             let json = stored.to_json(ns, name);
             self.leases.insert(key(ns, name), stored);
             respond(StatusCode::CREATED, &json)
+        }
+
+        fn replace(
+            &mut self,
+            ns: &str,
+            name: &str,
+            query: &BTreeMap<String, String>,
+            body: &[u8],
+        ) -> Response<Body> {
+            let lease: Value = match serde_json::from_slice(body) {
+                Ok(v) => v,
+                Err(e) => return status(StatusCode::BAD_REQUEST, "BadRequest", &e.to_string()),
+            };
+            let manager = query.get("fieldManager").cloned().unwrap_or_default();
+            let Some(stored) = self.leases.get(&key(ns, name)) else {
+                return not_found(name);
+            };
+            match lease
+                .pointer("/metadata/resourceVersion")
+                .and_then(Value::as_str)
+            {
+                None => self.unguarded.push(format!("PUT by {manager}")),
+                Some(v) if v != stored.resource_version.to_string() => {
+                    return status(
+                        StatusCode::CONFLICT,
+                        "Conflict",
+                        &format!(
+                            "Operation cannot be fulfilled on leases.coordination.k8s.io \
+                             \"{name}\": the object has been modified"
+                        ),
+                    );
+                }
+                Some(_) => {}
+            }
+            let (before, expiry_before, renew_before) = (
+                stored.holder(),
+                stored.expiry(),
+                stored.spec.get("renewTime").cloned(),
+            );
+            let mut spec = lease
+                .get("spec")
+                .and_then(Value::as_object)
+                .cloned()
+                .unwrap_or_default();
+            spec.retain(|_, v| !v.is_null());
+            self.resource_version += 1;
+            let resource_version = self.resource_version;
+            let Some(stored) = self.leases.get_mut(&key(ns, name)) else {
+                return not_found(name);
+            };
+            stored.spec = spec;
+            stored.owners.clear();
+            stored.resource_version = resource_version;
+            let after = stored.holder();
+            let renew_after = stored.spec.get("renewTime").cloned();
+            let json = stored.to_json(ns, name);
+            if before != after {
+                self.changes.push(HolderChange {
+                    at: Timestamp::now(),
+                    by: manager,
+                    before,
+                    after,
+                    expiry_before,
+                });
+            } else if before.is_some() && renew_before != renew_after {
+                self.renewals += 1;
+            }
+            respond(StatusCode::OK, &json)
         }
 
         fn patch(
@@ -1457,6 +1640,125 @@ mod tests {
         assert!(fake.unexpected().is_empty(), "{:?}", fake.unexpected());
     }
 
+    // ---- Every write is guarded ------------------------------------------------------------
+
+    /// Two followers read the same expired lease; one takes it; the other's write, based on
+    /// its stale read, must fail instead of wiping (or overwriting) the new hold.
+    /// `kube-lease-manager` released an expired lease with an unconditional patch, so the
+    /// slower follower cleared the faster one's fresh hold and both led.
+    #[tokio::test]
+    async fn a_write_based_on_a_stale_read_cannot_take_or_wipe_a_fresh_hold() {
+        let fake = Arc::new(FakeApi::default());
+        // An expired hold by a crashed replica.
+        {
+            let mut state = fake.state.lock().unwrap();
+            state.resource_version = 7;
+            let mut spec = Map::new();
+            spec.insert("holderIdentity".into(), json!("crashed"));
+            spec.insert("leaseDurationSeconds".into(), json!(1));
+            spec.insert("renewTime".into(), json!("2020-01-01T00:00:00.000000Z"));
+            state.leases.insert(
+                key("egress-system", DEFAULT_LEASE_NAME),
+                StoredLease {
+                    spec,
+                    owners: BTreeMap::new(),
+                    resource_version: 7,
+                },
+            );
+        }
+        let a = LeaseApi::new(client(&fake), &options("replica-a", 3, 1), 3);
+        let b = LeaseApi::new(client(&fake), &options("replica-b", 3, 1), 3);
+        let (mut seen_a, mut seen_b) = (Observed::default(), Observed::default());
+        let read_a = a.read_or_create().await.unwrap();
+        let read_b = b.read_or_create().await.unwrap();
+        seen_a.saw(&read_a);
+        seen_b.saw(&read_b);
+        // Both have watched the crashed hold, unchanged, for longer than its duration.
+        tokio::time::sleep(Duration::from_millis(1100)).await;
+
+        assert!(a.take(&read_a, &mut seen_a).await.unwrap(), "a takes it");
+        assert!(
+            !b.take(&read_b, &mut seen_b).await.unwrap(),
+            "b's write was based on the version before a's"
+        );
+        assert_eq!(fake.holder().as_deref(), Some("replica-a"));
+        // b re-reads: a fresh hold, so b follows.
+        assert!(!b.acquire_or_renew(&mut seen_b).await.unwrap());
+        assert_eq!(fake.holder().as_deref(), Some("replica-a"));
+        assert!(a.acquire_or_renew(&mut seen_a).await.unwrap(), "a renews");
+        let changes = fake.changes();
+        assert_eq!(changes.len(), 1, "one change of holder: {changes:?}");
+        assert!(fake.unguarded().is_empty(), "{:?}", fake.unguarded());
+    }
+
+    /// Three replicas, the holder killed and restarted over and over: at most one leads at
+    /// any sample, and no write of any replica is unguarded.
+    #[tokio::test]
+    async fn three_replicas_never_lead_together_and_every_write_is_guarded() {
+        let fake = Arc::new(FakeApi::default());
+        let mut replicas = Vec::new();
+        for id in ["replica-a", "replica-b", "replica-c"] {
+            let (l, e) = LeaderElector::start(client(&fake), options(id, 2, 1))
+                .await
+                .unwrap();
+            replicas.push((id.to_string(), l, Some(e)));
+        }
+        let views: Arc<Mutex<Vec<Leadership>>> =
+            Arc::new(Mutex::new(replicas.iter().map(|r| r.1.clone()).collect()));
+        let sampled = Arc::clone(&views);
+        let stop = Arc::new(AtomicBool::new(false));
+        let stopped = Arc::clone(&stop);
+        let sampler = tokio::spawn(async move {
+            let mut both = 0;
+            while !stopped.load(Ordering::Relaxed) {
+                if sampled
+                    .lock()
+                    .unwrap()
+                    .iter()
+                    .filter(|v| v.is_leader())
+                    .count()
+                    > 1
+                {
+                    both += 1;
+                }
+                tokio::time::sleep(Duration::from_millis(2)).await;
+            }
+            both
+        });
+        for round in 0..3 {
+            let leader = within(15, "a leader", async {
+                loop {
+                    if let Some(i) = replicas.iter().position(|r| r.1.is_leader()) {
+                        return i;
+                    }
+                    tokio::time::sleep(Duration::from_millis(10)).await;
+                }
+            })
+            .await;
+            // Killed without a release: the others must wait out the lease. It comes back
+            // as a new pod (a new identity).
+            if let Some(e) = replicas[leader].2.take() {
+                e.abort();
+            }
+            let id = format!("{}-{round}", replicas[leader].0);
+            let (l, e) = LeaderElector::start(client(&fake), options(&id, 2, 1))
+                .await
+                .unwrap();
+            views.lock().unwrap()[leader] = l.clone();
+            replicas[leader] = (id, l, Some(e));
+        }
+        stop.store(true, Ordering::Relaxed);
+        assert_eq!(sampler.await.unwrap(), 0, "two replicas led at once");
+        assert_no_early_takeover(&fake.changes());
+        for (_, _, e) in replicas {
+            if let Some(e) = e {
+                e.shutdown().await.unwrap();
+            }
+        }
+        assert!(fake.unguarded().is_empty(), "{:?}", fake.unguarded());
+        assert!(fake.unexpected().is_empty(), "{:?}", fake.unexpected());
+    }
+
     // ---- The fake itself -----------------------------------------------------------------
 
     /// The handover tests rely on the fake refusing a second replica's apply; check it does.
@@ -1572,20 +1874,21 @@ mod tests {
     #[test]
     fn api_failures_are_classified_by_status_code() {
         let api = |code: u16| {
-            lease_class(&LeaseManagerError::KubeError(kube::Error::Api(
-                kube::core::Status::failure("x", "y")
-                    .with_code(code)
-                    .boxed(),
-            )))
+            LeaderError::Lease {
+                namespace: "ns".into(),
+                name: "l".into(),
+                source: kube::Error::Api(
+                    kube::core::Status::failure("x", "y")
+                        .with_code(code)
+                        .boxed(),
+                ),
+            }
+            .class()
         };
         assert_eq!(api(403), ErrorClass::Permanent);
         assert_eq!(api(404), ErrorClass::NotFound);
         assert_eq!(api(409), ErrorClass::Transient);
         assert_eq!(api(429), ErrorClass::Transient);
         assert_eq!(api(503), ErrorClass::Transient);
-        assert_eq!(
-            lease_class(&LeaseManagerError::NonexistentLease("l".into())),
-            ErrorClass::NotFound
-        );
     }
 }

@@ -6,6 +6,7 @@
 use std::collections::{BTreeMap, BTreeSet};
 use std::path::{Path, PathBuf};
 use std::process::Command;
+use std::sync::{Arc, Mutex};
 
 use egress_operator::config;
 use integration_tests::workspace_root;
@@ -292,47 +293,24 @@ fn rbac_is_least_privilege() {
     let Some(docs) = kustomize_default() else {
         return;
     };
-    const G: &str = "egress-operator.dev";
-    let want = expand(&[
-        (
-            G,
-            "proxies",
-            &["get", "list", "watch", "patch", "update"],
-            "*",
-        ),
-        (G, "proxies/status", &["get", "patch"], "*"),
-        (G, "proxies/finalizers", &["update"], "*"),
-        (
-            G,
-            "providerhealths",
-            &["get", "list", "watch", "create", "patch"],
-            "*",
-        ),
-        (G, "providerhealths/status", &["get", "patch"], "*"),
-        // user-data is read by name at create time: no list, no watch.
-        ("", "secrets", &["get"], "*"),
-        ("events.k8s.io", "events", &["create", "patch"], "*"),
-    ]);
+    // Which verbs: `rbac_grants_exactly_the_calls_the_code_makes` derives them from the
+    // code. Here: kustomize renders the rules of config/rbac unchanged, one ClusterRole
+    // and one Role (the Lease's, in the operator's namespace).
+    let shipped = shipped_rules();
     let cluster_roles = of_kind(&docs, "ClusterRole");
     assert_eq!(cluster_roles.len(), 1);
     assert!(cluster_roles[0].get("aggregationRule").is_none());
-    assert_eq!(grants(&cluster_roles[0]["rules"]), want);
-
-    // Leader election: only the Lease `egress-operator`, only in the operator's namespace.
     let roles = of_kind(&docs, "Role");
     assert_eq!(roles.len(), 1);
-    let lease = "coordination.k8s.io";
-    let want_role = expand(&[
-        (lease, "leases", &["create"], "*"),
-        (
-            lease,
-            "leases",
-            &["get", "update", "patch"],
-            "egress-operator",
-        ),
-    ]);
-    assert_eq!(grants(&roles[0]["rules"]), want_role);
     assert_eq!(roles[0]["metadata"]["namespace"], NAMESPACE);
+    let mut rendered = vec![
+        (None, grants(&cluster_roles[0]["rules"])),
+        (Some(NAMESPACE.to_string()), grants(&roles[0]["rules"])),
+    ];
+    let mut shipped = shipped;
+    rendered.sort();
+    shipped.sort();
+    assert_eq!(rendered, shipped);
 
     let crb = of_kind(&docs, "ClusterRoleBinding");
     assert_eq!(crb.len(), 1);
@@ -761,4 +739,501 @@ fn dockerfile_ships_what_the_manifests_expect() {
     }
     let ignore = std::fs::read_to_string(workspace_root().join(".dockerignore")).unwrap();
     assert!(ignore.lines().any(|l| l.trim() == "target/"));
+}
+
+// ---- RBAC against the calls the code makes ----------------------------------------------
+
+/// One API request, as RBAC sees it.
+#[derive(Debug, Clone, PartialEq, Eq, PartialOrd, Ord)]
+struct Call {
+    group: String,
+    /// `resource` or `resource/subresource`.
+    resource: String,
+    verb: String,
+    namespace: Option<String>,
+    name: Option<String>,
+}
+
+/// What the recording API server saw and holds.
+#[derive(Default)]
+struct Recorded {
+    calls: Vec<Call>,
+    /// Objects by path (without query), as last written.
+    objects: BTreeMap<String, Value>,
+    version: u64,
+}
+
+/// RBAC's view of a request: group, resource (with subresource), verb, namespace, name.
+/// A patch that creates its object (server-side apply) is also a `create`, as the API
+/// server authorises it.
+fn call_of(method: &str, path: &str, query: &str) -> Call {
+    let segs: Vec<&str> = path.trim_start_matches('/').split('/').collect();
+    let (group, rest) = match segs.as_slice() {
+        ["api", _v, rest @ ..] => (String::new(), rest.to_vec()),
+        ["apis", g, _v, rest @ ..] => (g.to_string(), rest.to_vec()),
+        _ => panic!("not a resource path: {path}"),
+    };
+    let (namespace, rest) = match rest.as_slice() {
+        ["namespaces", ns, rest @ ..] if !rest.is_empty() => (Some(ns.to_string()), rest.to_vec()),
+        _ => (None, rest),
+    };
+    let (resource, name) = match rest.as_slice() {
+        [r] => (r.to_string(), None),
+        [r, n] => (r.to_string(), Some(n.to_string())),
+        [r, n, sub] => (format!("{r}/{sub}"), Some(n.to_string())),
+        _ => panic!("unexpected path {path}"),
+    };
+    let watch = query
+        .split('&')
+        .any(|kv| kv == "watch=true" || kv == "watch=1");
+    let verb = match (method, name.is_some()) {
+        ("GET", true) => "get",
+        ("GET", false) if watch => "watch",
+        ("GET", false) => "list",
+        ("POST", _) => "create",
+        ("PUT", _) => "update",
+        ("PATCH", _) => "patch",
+        ("DELETE", _) => "delete",
+        _ => panic!("unexpected method {method} {path}"),
+    };
+    Call {
+        group,
+        resource,
+        verb: verb.to_string(),
+        namespace,
+        name,
+    }
+}
+
+/// A tiny API server on loopback: records every request as a [`Call`] and answers like
+/// a real one for the objects the operator touches (a missing object is a 404; a write
+/// stores the object; a watch ends at once; a `create` of something present is a 409).
+async fn recording_api(seed: Vec<(String, Value)>) -> (kube::Client, Arc<Mutex<Recorded>>) {
+    use axum::body::Bytes;
+    use axum::http::{Method, StatusCode, Uri};
+    use axum::response::IntoResponse;
+
+    let state = Arc::new(Mutex::new(Recorded {
+        objects: seed.into_iter().collect(),
+        ..Recorded::default()
+    }));
+    let shared = Arc::clone(&state);
+    let app = axum::Router::new().fallback(move |method: Method, uri: Uri, body: Bytes| {
+        let state = Arc::clone(&shared);
+        async move {
+            let path = uri.path().to_string();
+            let query = uri.query().unwrap_or_default().to_string();
+            let call = call_of(method.as_str(), &path, &query);
+            let mut s = state.lock().unwrap();
+            s.version += 1;
+            let version = s.version.to_string();
+            let body: Value = serde_json::from_slice(&body).unwrap_or(Value::Null);
+            let json = |code: StatusCode, v: Value| {
+                (code, [("content-type", "application/json")], v.to_string()).into_response()
+            };
+            let not_found = || {
+                json(
+                    StatusCode::NOT_FOUND,
+                    json!({"kind": "Status", "apiVersion": "v1", "status": "Failure",
+                           "reason": "NotFound", "code": 404, "message": "not found"}),
+                )
+            };
+            // The object a request is about (a subresource acts on its parent).
+            let object_path = match &call.name {
+                Some(_) if call.resource.contains('/') => {
+                    path.rsplit_once('/').map(|(p, _)| p.to_string()).unwrap()
+                }
+                _ => path.clone(),
+            };
+            let response = match call.verb.as_str() {
+                "get" => match s.objects.get(&object_path) {
+                    Some(o) => json(StatusCode::OK, o.clone()),
+                    None => not_found(),
+                },
+                "list" => {
+                    let prefix = format!("{path}/");
+                    let items: Vec<Value> = s
+                        .objects
+                        .iter()
+                        .filter(|(p, _)| {
+                            p.starts_with(&prefix) || p.contains(&format!("/{}/", call.resource))
+                        })
+                        .map(|(_, o)| o.clone())
+                        .collect();
+                    json(
+                        StatusCode::OK,
+                        json!({"kind": "List", "apiVersion": "v1",
+                               "metadata": {"resourceVersion": version}, "items": items}),
+                    )
+                }
+                // A watch that ends at once, with no event.
+                "watch" => (StatusCode::OK, String::new()).into_response(),
+                "create" => {
+                    let name = body["metadata"]["name"].as_str().unwrap_or("created");
+                    let p = format!("{path}/{name}");
+                    if s.objects.contains_key(&p) {
+                        json(
+                            StatusCode::CONFLICT,
+                            json!({"kind": "Status", "apiVersion": "v1", "status": "Failure",
+                                   "reason": "AlreadyExists", "code": 409, "message": "exists"}),
+                        )
+                    } else {
+                        let mut o = body.clone();
+                        o["metadata"]["resourceVersion"] = json!(version);
+                        o["metadata"]["uid"] = json!(format!("uid-{version}"));
+                        s.objects.insert(p, o.clone());
+                        json(StatusCode::CREATED, o)
+                    }
+                }
+                "update" | "patch" => {
+                    let existing = s.objects.get(&object_path).cloned();
+                    let apply = query.contains("fieldManager") && body.is_object();
+                    let mut o = match (existing, apply) {
+                        (Some(o), _) => o,
+                        // Server-side apply creates a missing object: RBAC `create` too.
+                        (None, true) => {
+                            s.calls.push(Call {
+                                verb: "create".into(),
+                                ..call.clone()
+                            });
+                            body.clone()
+                        }
+                        (None, false) => {
+                            s.calls.push(call);
+                            return not_found();
+                        }
+                    };
+                    if call.verb == "update" {
+                        o = body.clone();
+                    } else if let (Some(obj), Some(patch)) = (o.as_object_mut(), body.as_object()) {
+                        for (k, v) in patch {
+                            if k != "metadata" {
+                                obj.insert(k.clone(), v.clone());
+                            }
+                        }
+                    }
+                    o["metadata"]["resourceVersion"] = json!(version);
+                    s.objects.insert(object_path.clone(), o.clone());
+                    json(StatusCode::OK, o)
+                }
+                _ => not_found(),
+            };
+            s.calls.push(call);
+            response
+        }
+    });
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr = listener.local_addr().unwrap();
+    tokio::spawn(async move { axum::serve(listener, app).await });
+    let config = kube::Config::new(format!("http://{addr}").parse().unwrap());
+    (kube::Client::try_from(config).unwrap(), state)
+}
+
+/// Every proxy the controller probes answers `200 Connection established`, in memory.
+struct Answers;
+
+impl egress_operator::serving::Dialer for Answers {
+    fn dial(
+        &self,
+        _: std::net::SocketAddr,
+    ) -> egress_operator::serving::BoxFuture<
+        '_,
+        std::io::Result<Box<dyn egress_operator::serving::ProbeStream>>,
+    > {
+        Box::pin(async move {
+            use tokio::io::{AsyncReadExt, AsyncWriteExt};
+            let (client, mut proxy) = tokio::io::duplex(4096);
+            tokio::spawn(async move {
+                let mut head = [0u8; 512];
+                let _ = proxy.read(&mut head).await;
+                let _ = proxy
+                    .write_all(b"HTTP/1.1 200 Connection established\r\n\r\n")
+                    .await;
+                let mut rest = Vec::new();
+                let _ = proxy.read_to_end(&mut rest).await;
+            });
+            Ok(Box::new(client) as Box<dyn egress_operator::serving::ProbeStream>)
+        })
+    }
+}
+
+const RBAC_TEST_CONFIG: &str = r#"
+clusterId: test
+kvm2:
+  ssh: {user: egress, privateKeyFile: /k/id, knownHostsFile: /k/known_hosts}
+  hosts:
+    - {name: h1, address: "127.0.0.1:2222", storagePool: default, bridge: br0}
+  images:
+    - name: debian
+      url: https://images.example.org/debian.qcow2
+      sha256: "0000000000000000000000000000000000000000000000000000000000000000"
+      format: qcow2
+  machineTypes:
+    - {name: small, vcpus: 1, memoryMiB: 512, diskGiB: 4}
+  defaults: {machineType: small, image: debian}
+  templates:
+    domain: {path: /p/domain.wasm}
+    vendorData: {path: /p/vendor-data.wasm}
+"#;
+
+/// Runs the operator's own Kubernetes code paths (the controller's watch, a Proxy's
+/// create and delete with user-data and events, the garbage collector's index, the
+/// health sink, the leader elector) against the recording API server; returns every call.
+async fn calls_the_code_makes() -> Vec<Call> {
+    use egress_operator::api::proxy::{Proxy, ProxySpec, SecretKeyRef, UserDataSource};
+    use egress_operator::controller::{self, Context, ControllerMetrics};
+    use egress_operator::gc::{KubeProxyIndex, ProxyIndex};
+    use egress_operator::leader::{LeaderElector, LeaderOptions};
+    use egress_operator::providerhealth::{HealthSink, KubeSink};
+    use futures_util::StreamExt;
+    use kube::runtime::events::{Event, EventType};
+    use kube::{Resource, ResourceExt};
+
+    const NS: &str = "team";
+    let proxy_path = format!("/apis/egress-operator.dev/v1alpha1/namespaces/{NS}/proxies/p");
+    let mut proxy = Proxy::new(
+        "p",
+        ProxySpec {
+            provider: "kvm2".into(),
+            user_data: Some(UserDataSource {
+                secret_ref: SecretKeyRef {
+                    name: "ud".into(),
+                    key: "user-data".into(),
+                },
+            }),
+            ..Default::default()
+        },
+    );
+    proxy.metadata.namespace = Some(NS.into());
+    proxy.metadata.uid = Some("uid-p".into());
+    proxy.metadata.generation = Some(1);
+    proxy.metadata.resource_version = Some("1".into());
+    let secret = json!({
+        "apiVersion": "v1", "kind": "Secret",
+        "metadata": {"name": "ud", "namespace": NS,
+                     "labels": {controller::USER_DATA_LABEL: "true"}},
+        "data": {"user-data": "I2Nsb3VkLWNvbmZpZwo="},
+    });
+    let (client, recorded) = recording_api(vec![
+        (proxy_path.clone(), serde_json::to_value(&proxy).unwrap()),
+        (format!("/api/v1/namespaces/{NS}/secrets/ud"), secret),
+    ])
+    .await;
+
+    // The controller's watch, as `controller::run` opens it: the list, then the watch.
+    let metrics = ControllerMetrics::default();
+    let events = controller::watch::proxies(
+        client.clone(),
+        kube::runtime::watcher::Config::default().any_semantic(),
+        metrics.watch.clone(),
+        controller::watch::Skew::default(),
+    );
+    tokio::pin!(events);
+    let _ = tokio::time::timeout(std::time::Duration::from_secs(3), async {
+        let mut done = false;
+        while let Some(e) = events.next().await {
+            if done {
+                break;
+            }
+            done = matches!(e, Ok(kube::runtime::watcher::Event::InitDone));
+        }
+    })
+    .await;
+
+    // A Proxy's life: finalizer, user-data, create, status, events, delete, finalizer off.
+    let config =
+        Arc::new(config::parse(RBAC_TEST_CONFIG, "rbac-test.yaml", Path::new("/")).unwrap());
+    let fake = Arc::new(egress_operator::provider::fake::FakeProvider::named(
+        "kvm2",
+        &["h1"],
+    ));
+    let mut registry = egress_operator::provider::registry::Registry::new();
+    registry.insert(fake.clone());
+    let mut ctx = Context::new(
+        client.clone(),
+        config.clone(),
+        Arc::new(registry),
+        metrics,
+        Some("egress-operator-0".into()),
+    );
+    ctx.prober = egress_operator::serving::Prober::with_dialer(
+        &config.serving,
+        Arc::new(Answers),
+        ctx.metrics.probes.clone(),
+    );
+    let ctx = Arc::new(ctx);
+    let reconcile = |p: &Proxy| controller::reconcile(Arc::new(p.clone()), ctx.clone());
+    reconcile(&proxy).await.unwrap();
+    proxy.metadata.finalizers = Some(vec![controller::FINALIZER.into()]);
+    reconcile(&proxy).await.unwrap();
+    // The Recorder patches an event it sent before (a series): publish one twice.
+    let ev = Event {
+        type_: EventType::Normal,
+        reason: "Test".into(),
+        note: Some("twice".into()),
+        action: "Test".into(),
+        secondary: None,
+    };
+    ctx.recorder
+        .publish(&ev, &proxy.object_ref(&()))
+        .await
+        .unwrap();
+    ctx.recorder
+        .publish(&ev, &proxy.object_ref(&()))
+        .await
+        .unwrap();
+    proxy.metadata.deletion_timestamp = Some(k8s_openapi::apimachinery::pkg::apis::meta::v1::Time(
+        jiff::Timestamp::now(),
+    ));
+    proxy.status = Some(
+        serde_json::from_value(recorded.lock().unwrap().objects[&proxy_path]["status"].clone())
+            .unwrap(),
+    );
+    reconcile(&proxy).await.unwrap();
+    assert!(fake.instances().is_empty(), "the delete ran");
+
+    // The garbage collector's index: a paged list and a fresh read before a delete.
+    let index = KubeProxyIndex::new(client.clone());
+    index.owners().await.unwrap();
+    index.owner("uid-p", NS, &proxy.name_any()).await.unwrap();
+
+    // The health monitor's sink: creates its object, then writes the status.
+    let status = serde_json::from_value(json!({"healthyTargets": 1, "totalTargets": 1})).unwrap();
+    KubeSink::new(client.clone())
+        .write("kvm2", &status)
+        .await
+        .unwrap();
+
+    // The elector: creates the Lease, takes it, releases it.
+    let options = LeaderOptions {
+        lease_duration: std::time::Duration::from_secs(4),
+        renew_before_expiry: std::time::Duration::from_secs(2),
+        retry_period: std::time::Duration::from_millis(200),
+        ..LeaderOptions::new(NAMESPACE, "replica-a")
+    };
+    let (mut leadership, elector) = LeaderElector::start(client.clone(), options).await.unwrap();
+    tokio::time::timeout(std::time::Duration::from_secs(10), leadership.acquired())
+        .await
+        .unwrap()
+        .unwrap();
+    elector.shutdown().await.unwrap();
+
+    let calls = recorded.lock().unwrap().calls.clone();
+    calls
+}
+
+/// A rule set read from `config/rbac`: (group, resource, verb, resourceName or `*`), and
+/// the namespace it applies in (`None`: cluster-wide).
+fn shipped_rules() -> Vec<(Option<String>, BTreeSet<(String, String, String, String)>)> {
+    let dir = config_dir().join("rbac");
+    let mut out = Vec::new();
+    for entry in std::fs::read_dir(&dir).unwrap() {
+        let path = entry.unwrap().path();
+        for doc in documents(&std::fs::read_to_string(&path).unwrap()) {
+            match doc["kind"].as_str() {
+                Some("ClusterRole") => out.push((None, grants(&doc["rules"]))),
+                Some("Role") => out.push((
+                    Some(str_at(&doc, "/metadata/namespace").to_string()),
+                    grants(&doc["rules"]),
+                )),
+                _ => {}
+            }
+        }
+    }
+    out
+}
+
+fn allowed(
+    rules: &[(Option<String>, BTreeSet<(String, String, String, String)>)],
+    c: &Call,
+) -> bool {
+    rules.iter().any(|(ns, grants)| {
+        (ns.is_none() || *ns == c.namespace)
+            && grants.iter().any(|(g, r, v, n)| {
+                *g == c.group
+                    && *r == c.resource
+                    && *v == c.verb
+                    && (n == "*" || c.name.as_deref() == Some(n.as_str()))
+            })
+    })
+}
+
+#[tokio::test]
+async fn rbac_grants_exactly_the_calls_the_code_makes() {
+    let calls = calls_the_code_makes().await;
+    let rules = shipped_rules();
+    assert!(!rules.is_empty(), "no roles in config/rbac");
+
+    let refused: BTreeSet<&Call> = calls.iter().filter(|c| !allowed(&rules, c)).collect();
+    assert!(
+        refused.is_empty(),
+        "config/rbac does not grant these calls the operator makes: {refused:#?}"
+    );
+    // Every grant is used by some call: no verb the code does not need.
+    for (ns, grants) in &rules {
+        for (g, r, v, n) in grants {
+            let used = calls.iter().any(|c| {
+                c.group == *g
+                    && c.resource == *r
+                    && c.verb == *v
+                    && (n == "*" || c.name.as_deref() == Some(n.as_str()))
+                    && (ns.is_none() || *ns == c.namespace)
+            });
+            assert!(
+                used,
+                "config/rbac grants {v} on {g}/{r} (name {n}, namespace {ns:?}), which the \
+                 operator never calls; calls: {calls:#?}"
+            );
+        }
+    }
+    // Secrets are read by name only: never listed or watched.
+    assert!(
+        calls
+            .iter()
+            .filter(|c| c.resource == "secrets")
+            .all(|c| c.verb == "get" && c.name.is_some()),
+        "{calls:#?}"
+    );
+}
+
+#[test]
+fn the_rbac_check_sees_a_missing_and_an_extra_grant() {
+    let call = call_of(
+        "PATCH",
+        "/apis/egress-operator.dev/v1alpha1/namespaces/a/proxies/p/status",
+        "fieldManager=x",
+    );
+    assert_eq!(call.resource, "proxies/status");
+    assert_eq!(call.verb, "patch");
+    let rules = |verbs: Value| {
+        vec![(
+            None,
+            grants(&json!([{"apiGroups": ["egress-operator.dev"],
+                            "resources": ["proxies/status"], "verbs": verbs}])),
+        )]
+    };
+    assert!(allowed(&rules(json!(["patch"])), &call));
+    assert!(!allowed(&rules(json!(["get"])), &call));
+    let watch = call_of(
+        "GET",
+        "/apis/egress-operator.dev/v1alpha1/proxies",
+        "watch=true&x=1",
+    );
+    assert_eq!((watch.verb.as_str(), watch.namespace), ("watch", None));
+    let lease = call_of(
+        "PUT",
+        "/apis/coordination.k8s.io/v1/namespaces/egress-system/leases/egress-operator",
+        "",
+    );
+    let lease_rules = vec![(
+        Some(NAMESPACE.to_string()),
+        grants(
+            &json!([{"apiGroups": ["coordination.k8s.io"], "resources": ["leases"],
+                        "resourceNames": ["other"], "verbs": ["update"]}]),
+        ),
+    )];
+    assert!(
+        !allowed(&lease_rules, &lease),
+        "the name restriction counts"
+    );
 }

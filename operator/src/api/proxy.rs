@@ -30,6 +30,11 @@ pub const GROUP: &str = "egress-operator.dev";
 /// What a Proxy asks for. The spec is immutable (a CEL rule): a VM is replaced, not
 /// edited, so a change means a new Proxy, and the controller never has to reconcile a
 /// running VM towards a different machine type or image.
+///
+/// The spec types accept fields they do not know (no `deny_unknown_fields`): under a CRD
+/// newer than the binary, one Proxy using a new field must not make the whole LIST
+/// undecodable. The controller names such fields and refuses that Proxy
+/// ([`unknown_fields`]); manifest files are checked the same way ([`load_manifest`]).
 // Each printcolumn(...) repeats the same keys; clippy reads them as duplicates.
 #[allow(clippy::duplicated_attributes)]
 #[derive(CustomResource, Debug, Clone, Default, PartialEq, Serialize, Deserialize, JsonSchema)]
@@ -60,9 +65,10 @@ pub const GROUP: &str = "egress-operator.dev";
         name = "Age",
         type_ = "date",
         json_path = ".metadata.creationTimestamp"
-    )
+    ),
+    validation = kube::core::Rule::new(NAME_RULE).message(NAME_RULE_MESSAGE)
 )]
-#[serde(rename_all = "camelCase", deny_unknown_fields)]
+#[serde(rename_all = "camelCase")]
 #[schemars(extend("x-kubernetes-validations" = [{
     "rule": "self == oldSelf",
     "message": "spec is immutable: create a new Proxy to change it"
@@ -93,6 +99,14 @@ pub struct ProxySpec {
     pub template_settings: Option<TemplateSettingsOverrides>,
 }
 
+/// CEL rule at the CRD's root: a Proxy's name must be a DNS-1123 label. Kubernetes already
+/// holds every name to a DNS-1123 subdomain, so "no dots and at most 63 characters" is
+/// exactly a label (and costs the API server less than a regular expression).
+pub const NAME_RULE: &str = "size(self.metadata.name) <= 63 && !self.metadata.name.contains('.')";
+/// What the API server answers when [`NAME_RULE`] refuses a name.
+pub const NAME_RULE_MESSAGE: &str = "metadata.name must be a DNS-1123 label (at most 63 \
+     characters, no dots): it becomes the host name of the VM and its domain mark";
+
 /// DNS-1123 label, as Kubernetes and the providers config spell it.
 const DNS1123_LABEL: &str = "^[a-z0-9]([-a-z0-9]*[a-z0-9])?$";
 /// DNS-1123 subdomain (Secret names).
@@ -103,7 +117,7 @@ const SECRET_KEY: &str = "^[-._a-zA-Z0-9]+$";
 
 /// Where the cloud-init user-data comes from.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize, JsonSchema)]
-#[serde(rename_all = "camelCase", deny_unknown_fields)]
+#[serde(rename_all = "camelCase")]
 pub struct UserDataSource {
     /// A key of a Secret in the Proxy's namespace.
     pub secret_ref: SecretKeyRef,
@@ -111,7 +125,7 @@ pub struct UserDataSource {
 
 /// A key of a Secret in the same namespace.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize, JsonSchema)]
-#[serde(rename_all = "camelCase", deny_unknown_fields)]
+#[serde(rename_all = "camelCase")]
 pub struct SecretKeyRef {
     /// Secret name.
     #[schemars(regex(pattern = DNS1123_SUBDOMAIN), length(min = 1, max = 253))]
@@ -124,7 +138,7 @@ pub struct SecretKeyRef {
 /// Per-Proxy plugin settings. Free-form objects in the schema: the plugin's own settings
 /// schema is what checks them, at reconcile time.
 #[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize, JsonSchema)]
-#[serde(rename_all = "camelCase", deny_unknown_fields)]
+#[serde(rename_all = "camelCase")]
 pub struct TemplateSettingsOverrides {
     /// Merged over `templates.domain.settings`.
     #[serde(default, skip_serializing_if = "Option::is_none")]
@@ -136,12 +150,55 @@ pub struct TemplateSettingsOverrides {
     pub vendor_data: Option<serde_json::Map<String, serde_json::Value>>,
 }
 
+/// A map of any JSON values. A map (`additionalProperties`), not an object with
+/// `x-kubernetes-preserve-unknown-fields`: the API server's CEL equality skips the keys of
+/// such an object that the other side lacks, so `self == oldSelf` let `{a: 1}` become
+/// `{b: 1}`. As a map, every key is looked up on both sides and the values (preserved,
+/// untyped) compare deeply; `null` values are kept (nullable), so a key set to null and a
+/// missing key differ too.
 fn free_form_object(_: &mut schemars::SchemaGenerator) -> schemars::Schema {
     schemars::json_schema!({
         "type": "object",
         "nullable": true,
-        "x-kubernetes-preserve-unknown-fields": true
+        "additionalProperties": {
+            "nullable": true,
+            "x-kubernetes-preserve-unknown-fields": true
+        }
     })
+}
+
+/// Paths (under `prefix`) set in `raw` but missing from `known`, `raw`'s round trip through
+/// our types: the fields our types dropped because they do not know them. `null` counts as
+/// unset; free-form maps round-trip whole.
+pub fn unknown_fields(
+    prefix: &str,
+    raw: &serde_json::Value,
+    known: &serde_json::Value,
+) -> Vec<String> {
+    let mut out = Vec::new();
+    collect_unknown(prefix, raw, known, &mut out);
+    out
+}
+
+fn collect_unknown(
+    path: &str,
+    raw: &serde_json::Value,
+    known: &serde_json::Value,
+    out: &mut Vec<String>,
+) {
+    let (serde_json::Value::Object(raw), serde_json::Value::Object(known)) = (raw, known) else {
+        return;
+    };
+    for (k, v) in raw {
+        if v.is_null() {
+            continue;
+        }
+        let p = format!("{path}.{k}");
+        match known.get(k) {
+            None => out.push(p),
+            Some(kv) => collect_unknown(&p, v, kv, out),
+        }
+    }
 }
 
 /// Where a Proxy is in its life.
@@ -165,8 +222,13 @@ pub enum ProxyPhase {
 #[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize, JsonSchema)]
 #[serde(rename_all = "camelCase")]
 pub struct ProxyStatus {
-    /// Summary of the conditions, for people.
-    #[serde(default, skip_serializing_if = "Option::is_none")]
+    /// Summary of the conditions, for people. A phase this binary does not know (written
+    /// by a newer one) reads as none rather than making the whole Proxy undecodable.
+    #[serde(
+        default,
+        skip_serializing_if = "Option::is_none",
+        deserialize_with = "lenient_phase"
+    )]
     pub phase: Option<ProxyPhase>,
     /// Host the instance runs on.
     #[serde(default, skip_serializing_if = "Option::is_none")]
@@ -202,6 +264,11 @@ pub struct ProxyStatus {
     /// success.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub last_error_class: Option<String>,
+}
+
+fn lenient_phase<'de, D: serde::Deserializer<'de>>(d: D) -> Result<Option<ProxyPhase>, D::Error> {
+    let v = Option::<serde_json::Value>::deserialize(d)?;
+    Ok(v.and_then(|v| serde_json::from_value(v).ok()))
 }
 
 /// The parts of object metadata a Proxy file carries.
@@ -399,7 +466,13 @@ pub fn load_manifest(path: &Path, config: &ValidConfig) -> Result<ProxyManifest,
     let source = path.display().to_string();
     let text = config::read_capped(path)?;
     let manifest: ProxyManifest = config::parse_yaml(&text, &source)?;
-    let problems = manifest.check(config).into_vec();
+    let raw: serde_json::Value = config::parse_yaml(&text, &source)?;
+    let mut problems = manifest.check(config);
+    let known = serde_json::to_value(&manifest.spec).unwrap_or_default();
+    for field in unknown_fields("spec", &raw["spec"], &known) {
+        problems.push(field, "is not a known field");
+    }
+    let problems = problems.into_vec();
     if problems.is_empty() {
         Ok(manifest)
     } else {
@@ -407,5 +480,93 @@ pub fn load_manifest(path: &Path, config: &ValidConfig) -> Result<ProxyManifest,
             document: source,
             problems,
         })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use kube::CustomResourceExt;
+    use serde_json::json;
+
+    #[test]
+    fn a_spec_with_fields_of_a_newer_crd_still_decodes() {
+        let p: Proxy = serde_json::from_value(json!({
+            "apiVersion": API_VERSION, "kind": KIND,
+            "metadata": {"name": "p"},
+            "spec": {"provider": "kvm2", "dnsServers": ["192.0.2.1"],
+                     "userData": {"secretRef": {"name": "s", "key": "k", "optional": true}}},
+            "status": {"phase": "Draining"},
+        }))
+        .expect("unknown fields and an unknown phase must not fail the decode");
+        assert_eq!(p.spec.provider, "kvm2");
+        assert_eq!(p.status.unwrap().phase, None);
+    }
+
+    #[test]
+    fn unknown_fields_are_named_with_their_path() {
+        let raw = json!({"a": 1, "b": {"c": 2, "d": null}, "e": null, "f": {"g": 3}});
+        let known = json!({"a": 1, "b": {}, "f": {"g": 3}});
+        assert_eq!(unknown_fields("spec", &raw, &known), ["spec.b.c"]);
+    }
+
+    #[test]
+    fn a_manifest_file_with_an_unknown_field_is_refused_naming_it() {
+        let dir = tempfile::tempdir().unwrap();
+        let config = crate::config::parse(
+            r#"
+clusterId: test
+kvm2:
+  ssh: {user: egress, privateKeyFile: /k/id, knownHostsFile: /k/known_hosts}
+  hosts:
+    - {name: h1, address: "127.0.0.1:2222", storagePool: default, bridge: br0}
+  images:
+    - name: debian
+      url: https://images.example.org/debian.qcow2
+      sha256: "0000000000000000000000000000000000000000000000000000000000000000"
+      format: qcow2
+  machineTypes:
+    - {name: small, vcpus: 1, memoryMiB: 512, diskGiB: 4}
+  defaults: {machineType: small, image: debian}
+  templates:
+    domain: {path: /p/domain.wasm}
+    vendorData: {path: /p/vendor-data.wasm}
+"#,
+            "test.yaml",
+            Path::new("/"),
+        )
+        .unwrap();
+        let proxy = dir.path().join("proxy.yaml");
+        std::fs::write(
+            &proxy,
+            "apiVersion: egress-operator.dev/v1alpha1\nkind: Proxy\nmetadata: {name: p}\n\
+             spec: {provider: kvm2, imgae: debian}\n",
+        )
+        .unwrap();
+        let err = load_manifest(&proxy, &config).unwrap_err().to_string();
+        assert!(err.contains("spec.imgae"), "{err}");
+    }
+
+    #[test]
+    fn the_crd_holds_the_name_rule_and_template_settings_are_maps() {
+        let crd = serde_json::to_value(Proxy::crd()).unwrap();
+        let schema = &crd["spec"]["versions"][0]["schema"]["openAPIV3Schema"];
+        assert_eq!(
+            schema["x-kubernetes-validations"],
+            json!([{"rule": NAME_RULE, "message": NAME_RULE_MESSAGE}])
+        );
+        for field in ["domain", "vendorData"] {
+            let s = &schema["properties"]["spec"]["properties"]["templateSettings"]["properties"]
+                [field];
+            assert_eq!(
+                s["additionalProperties"],
+                json!({"nullable": true, "x-kubernetes-preserve-unknown-fields": true}),
+                "{field}: {s}"
+            );
+            assert!(
+                s.get("x-kubernetes-preserve-unknown-fields").is_none(),
+                "{s}"
+            );
+        }
     }
 }

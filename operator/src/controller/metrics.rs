@@ -7,6 +7,7 @@ use prometheus_client::metrics::family::Family;
 use prometheus_client::metrics::histogram::Histogram;
 use prometheus_client::registry::Registry;
 
+use super::watch::WatchHealth;
 use crate::serving::ProbeMetrics;
 
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
@@ -26,8 +27,11 @@ pub struct ControllerMetrics {
     duration: Family<Outcome, Histogram, fn() -> Histogram>,
     instances: Family<Action, Counter>,
     deferred: Counter,
+    events_failed: Counter,
     /// The proxy probes behind the `Serving` condition.
     pub probes: ProbeMetrics,
+    /// The Proxy watch: its failures and the Proxies it cannot decode (also `/readyz`).
+    pub watch: WatchHealth,
 }
 
 fn histogram() -> Histogram {
@@ -42,7 +46,9 @@ impl Default for ControllerMetrics {
             duration: Family::new_with_constructor(histogram as fn() -> Histogram),
             instances: Family::default(),
             deferred: Counter::default(),
+            events_failed: Counter::default(),
             probes: ProbeMetrics::default(),
+            watch: WatchHealth::default(),
         }
     }
 }
@@ -52,6 +58,7 @@ impl ControllerMetrics {
     pub fn register(registry: &mut Registry) -> Self {
         let m = Self {
             probes: ProbeMetrics::register(registry, "egress_controller"),
+            watch: WatchHealth::register(registry),
             ..Self::default()
         };
         registry.register(
@@ -75,7 +82,21 @@ impl ControllerMetrics {
              depends on and came before the requested delay, so only rescheduled the Proxy",
             m.deferred.clone(),
         );
+        registry.register(
+            "egress_controller_events_failed",
+            "events the API server refused or that could not be sent",
+            m.events_failed.clone(),
+        );
         m
+    }
+
+    pub(super) fn event_failed(&self) {
+        self.events_failed.inc();
+    }
+
+    /// Events that could not be published (for tests).
+    pub fn events_failed(&self) -> u64 {
+        self.events_failed.get()
     }
 
     pub(super) fn reconciled(&self, outcome: &str, seconds: f64) {

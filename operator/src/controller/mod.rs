@@ -31,6 +31,7 @@ pub mod metrics;
 pub mod requeue;
 pub mod serving;
 pub mod status;
+pub mod watch;
 
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -65,6 +66,12 @@ pub const FINALIZER: &str = "egress-operator.dev/instance";
 pub const FIELD_MANAGER: &str = "egress-operator";
 /// Largest user-data accepted from a Secret (the NoCloud seed holds it in memory).
 pub const MAX_USER_DATA: usize = 1024 * 1024;
+/// The label a Secret must carry, with the value `"true"`, before a Proxy may use it as
+/// user-data. The operator may read every Secret (RBAC cannot grant by label), so without
+/// this opt-in anyone allowed to create a Proxy in a namespace could copy any Secret of
+/// that namespace (a token, a TLS key) into a VM's seed and read it there. Only someone
+/// who may label the Secret can opt it in.
+pub const USER_DATA_LABEL: &str = "egress-operator.dev/user-data";
 
 /// Why a reconcile failed. Every variant has a class; none carries Secret content.
 #[derive(Debug, thiserror::Error)]
@@ -98,6 +105,11 @@ pub enum ControllerError {
     /// The Kubernetes API failed.
     #[error("kubernetes API: {0}")]
     Kube(#[from] kube::Error),
+    /// Adding or removing our finalizer lost a race with another writer: kube-runtime's
+    /// JSON patch carries `test` ops on the finalizer list, which the API server answers
+    /// with a 422 when the list changed meanwhile. The next reconcile reads the new list.
+    #[error("the finalizer patch lost a race with another writer: {0}")]
+    FinalizerRace(#[source] kube::Error),
     /// This replica lost the leader lease; the new leader reconciles the Proxy.
     #[error(transparent)]
     LeaseLost(#[from] LeaseLost),
@@ -112,6 +124,7 @@ impl Classified for ControllerError {
             ControllerError::UserData { class, .. } => *class,
             ControllerError::Provider(e) => e.class(),
             ControllerError::Kube(e) => kube_class(e),
+            ControllerError::FinalizerRace(_) => ErrorClass::Transient,
             ControllerError::LeaseLost(e) => e.class(),
         }
     }
@@ -129,7 +142,7 @@ impl ControllerError {
                 ErrorClass::Permanent => "ProviderRefused",
                 _ => "ProviderError",
             },
-            ControllerError::Kube(_) => "KubernetesAPIError",
+            ControllerError::Kube(_) | ControllerError::FinalizerRace(_) => "KubernetesAPIError",
             ControllerError::LeaseLost(_) => "LeaseLost",
         }
     }
@@ -174,6 +187,8 @@ pub struct Context {
     pub serving: serving::Memory,
     /// The wall clock of condition times and the replacement grace; replaceable in tests.
     pub clock: Clock,
+    /// Spec fields this binary does not know, per Proxy (filled by the watch).
+    pub skew: watch::Skew,
 }
 
 /// A wall clock.
@@ -225,6 +240,7 @@ impl Context {
             prober,
             serving: serving::Memory::default(),
             clock: Arc::new(jiff::Timestamp::now),
+            skew: watch::Skew::default(),
         }
     }
 
@@ -242,15 +258,33 @@ pub async fn run<F>(ctx: Arc<Context>, concurrency: u16, shutdown: F)
 where
     F: std::future::Future<Output = ()> + Send + Sync + 'static,
 {
-    let proxies = Api::<Proxy>::all(ctx.client.clone());
-    Controller::new(proxies, watcher::Config::default().any_semantic())
+    let (reader, writer) = kube::runtime::reflector::store();
+    let events = watch::proxies(
+        ctx.client.clone(),
+        watcher::Config::default().any_semantic(),
+        ctx.metrics.watch.clone(),
+        ctx.skew.clone(),
+    );
+    let proxies = kube::runtime::WatchStreamExt::applied_objects(
+        kube::runtime::WatchStreamExt::reflect(events, writer),
+    );
+    Controller::for_stream(proxies, reader)
         .with_config(kube::runtime::controller::Config::default().concurrency(concurrency))
         .graceful_shutdown_on(shutdown)
         .run(reconcile, error_policy, ctx)
         .for_each(|result| async move {
             match result {
                 Ok((obj, action)) => tracing::debug!(proxy = %obj, ?action, "reconciled"),
-                Err(e) => tracing::debug!(error = %e, "controller stream"),
+                // error_policy has logged the reconcile failure.
+                Err(kube::runtime::controller::Error::ReconcilerFailed(..)) => {}
+                // Watch failures were counted and logged by the watch (readyz: degraded).
+                Err(kube::runtime::controller::Error::QueueError(e)) => {
+                    tracing::debug!(error = %e, "controller queue")
+                }
+                Err(kube::runtime::controller::Error::ObjectNotFound(o)) => {
+                    tracing::debug!(proxy = %o, "trigger for a Proxy that is gone")
+                }
+                Err(e) => tracing::warn!(error = %e, "controller stream"),
             }
         })
         .await;
@@ -287,7 +321,7 @@ pub async fn reconcile(proxy: Arc<Proxy>, ctx: Arc<Context>) -> Result<Action, C
         kube::runtime::finalizer::Error::ApplyFailed(e)
         | kube::runtime::finalizer::Error::CleanupFailed(e) => e,
         kube::runtime::finalizer::Error::AddFinalizer(e)
-        | kube::runtime::finalizer::Error::RemoveFinalizer(e) => ControllerError::Kube(e),
+        | kube::runtime::finalizer::Error::RemoveFinalizer(e) => finalizer_error(e),
         kube::runtime::finalizer::Error::UnnamedObject => {
             ControllerError::Incomplete("metadata.name")
         }
@@ -302,6 +336,16 @@ pub async fn reconcile(proxy: Arc<Proxy>, ctx: Arc<Context>) -> Result<Action, C
     ctx.metrics
         .reconciled(outcome, started.elapsed().as_secs_f64());
     result
+}
+
+/// A failed finalizer patch: a 422 is a failed `test` op (the finalizer list changed under
+/// us: another controller added or removed its own), a race to retry at once, not a
+/// refusal; everything else is classed like any API error.
+fn finalizer_error(e: kube::Error) -> ControllerError {
+    match &e {
+        kube::Error::Api(s) if s.code == 422 => ControllerError::FinalizerRace(e),
+        _ => ControllerError::Kube(e),
+    }
 }
 
 /// Requeue by error class and the Proxy's failure count, with jitter; the delay is also
@@ -554,6 +598,14 @@ async fn converge(
 ) -> Result<(Instance, Option<Change>), ControllerError> {
     let spec = &t.proxy.spec;
     let mut problems = Problems::new();
+    check_name(&t.owner.name, &mut problems);
+    for field in ctx.skew.unknown(&t.owner.uid) {
+        problems.push(
+            field,
+            "is not a field this operator knows (is the installed CRD newer than the operator?); \
+             nothing is created until the operator is updated or the field removed",
+        );
+    }
     spec.check(&ctx.config, &mut problems);
     let problems = problems.into_vec();
     if !problems.is_empty() {
@@ -636,6 +688,21 @@ async fn converge(
         "instance ready for the Proxy"
     );
     Ok((instance, Some(change)))
+}
+
+/// A Proxy's name becomes the VM's host name and goes into the domain's mark, which both
+/// want a DNS-1123 label; Kubernetes allows any DNS subdomain (dots, 253 characters). The
+/// CRD refuses such names at admission; this catches objects made before that rule.
+fn check_name(name: &str, problems: &mut Problems) {
+    if let Err(why) = crate::validation::dns1123_label(name) {
+        problems.push(
+            "metadata.name",
+            format!(
+                "{why}; a Proxy's name must be a DNS-1123 label (at most 63 characters, no \
+                 dots) because it becomes the VM's host name and its domain mark"
+            ),
+        );
+    }
 }
 
 /// Reads the user-data and creates (or adopts) the Proxy's instance.
@@ -815,6 +882,21 @@ async fn read_user_data(
         .get_opt(&r.name)
         .await?
         .ok_or_else(|| err("the Secret does not exist", ErrorClass::NotFound))?;
+    let opted_in = secret
+        .metadata
+        .labels
+        .as_ref()
+        .and_then(|l| l.get(USER_DATA_LABEL))
+        .is_some_and(|v| v == "true");
+    if !opted_in {
+        return Err(err(
+            &format!(
+                "the Secret does not carry the label {USER_DATA_LABEL}=true; a Proxy may only \
+                 use a Secret that opts in to being copied into a VM's seed"
+            ),
+            ErrorClass::Permanent,
+        ));
+    }
     let bytes = secret
         .data
         .as_ref()
@@ -840,6 +922,16 @@ async fn read_user_data(
     Ok(Some(UserData::new(bytes)))
 }
 
+/// Server-side apply of the whole status, forced (the controller owns every status field)
+/// and strict: a field the installed CRD does not know is refused with a 422 naming it,
+/// instead of being pruned in silence (which would also make every later reconcile see
+/// its status "changed" and write it again).
+pub fn status_apply_params() -> PatchParams {
+    PatchParams::apply(FIELD_MANAGER)
+        .force()
+        .validation_strict()
+}
+
 async fn write_status(
     ctx: &Context,
     proxy: &Proxy,
@@ -858,7 +950,7 @@ async fn write_status(
     match api
         .patch_status(
             &proxy.name_any(),
-            &PatchParams::apply(FIELD_MANAGER).force(),
+            &status_apply_params(),
             &Patch::Apply(&body),
         )
         .await
@@ -874,7 +966,27 @@ async fn write_status(
     }
 }
 
-/// Publishes an event; a failure is logged, never fails the reconcile.
+/// The largest event note events.k8s.io accepts, in bytes; a longer one is refused
+/// with a 422, so the whole event would be lost.
+pub const MAX_EVENT_NOTE: usize = 1024;
+/// Ends a note that was cut to [`MAX_EVENT_NOTE`].
+const NOTE_CUT: &str = " [truncated]";
+
+/// `note` cut to at most [`MAX_EVENT_NOTE`] bytes on a UTF-8 character boundary, marked
+/// as cut; unchanged when it fits.
+pub fn event_note(note: String) -> String {
+    if note.len() <= MAX_EVENT_NOTE {
+        return note;
+    }
+    let mut end = MAX_EVENT_NOTE - NOTE_CUT.len();
+    while !note.is_char_boundary(end) {
+        end -= 1;
+    }
+    format!("{}{NOTE_CUT}", &note[..end])
+}
+
+/// Publishes an event; a failure is logged at warn (events are how people learn of a
+/// failure), never fails the reconcile.
 async fn event(
     ctx: &Context,
     proxy: &Proxy,
@@ -886,12 +998,18 @@ async fn event(
     let ev = Event {
         type_,
         reason: reason.into(),
-        note: Some(note),
+        note: Some(event_note(note)),
         action: action.into(),
         secondary: None,
     };
     if let Err(e) = ctx.recorder.publish(&ev, &proxy.object_ref(&())).await {
-        tracing::debug!(error = %e, reason, "could not publish event");
+        ctx.metrics.event_failed();
+        tracing::warn!(
+            proxy = %format!("{}/{}", proxy.namespace().unwrap_or_default(), proxy.name_any()),
+            error = %e,
+            reason,
+            "could not publish event"
+        );
     }
 }
 

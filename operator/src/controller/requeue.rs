@@ -206,8 +206,8 @@ impl Attempts {
     }
 
     /// Makes the Proxy's next reconcile due now, as if its requeue delay had passed
-    /// (tests that reconcile one Proxy several times in a row).
-    #[cfg(test)]
+    /// (tests that reconcile one Proxy several times in a row, also against a real API
+    /// server in `tests/tests/cluster_api.rs`).
     pub fn expire(&self, uid: &str) {
         self.with(uid, |e| e.due = None);
     }

@@ -522,6 +522,7 @@ fn user_data_secret() -> Secret {
     let mut s = Secret::default();
     s.metadata.name = Some(SECRET_NAME.into());
     s.metadata.namespace = Some(NS.into());
+    s.metadata.labels = Some([(USER_DATA_LABEL.to_string(), "true".to_string())].into());
     s.data = Some(
         [
             (SECRET_KEY.to_string(), ByteString(USER_DATA.to_vec())),
@@ -730,6 +731,11 @@ fn assert_status_applies_are_ssa(t: &Timeline) {
             "{a:?}"
         );
         assert_eq!(a.content_type, "application/apply-patch+yaml", "{a:?}");
+        assert_eq!(
+            a.query.get("fieldValidation").map(String::as_str),
+            Some("Strict"),
+            "a field the installed CRD lacks must be refused, not pruned: {a:?}"
+        );
         assert_eq!(a.body["apiVersion"], "egress-operator.dev/v1alpha1");
         assert_eq!(a.body["kind"], "Proxy");
         let keys: Vec<&String> = a.body.as_object().unwrap().keys().collect();
@@ -1032,6 +1038,7 @@ async fn events_that_cannot_be_published_do_not_fail_the_reconcile() {
     assert_eq!(action, requeue(30));
     assert_eq!(w.timeline.last_status()["phase"], "Running");
     assert_eq!(w.timeline.events().len(), 2, "both were attempted");
+    assert_eq!(w.ctx.metrics.events_failed(), 2, "and counted");
 }
 
 // ---- 3. Refresh --------------------------------------------------------------------------
@@ -2959,3 +2966,4 @@ fn is_ready_value(p: &Proxy) -> bool {
 }
 
 mod churn;
+mod server_rules;

@@ -16,6 +16,11 @@
 //! plugin vendor-data "vendor-data:/plugins/v.wasm": loaded
 //! ```
 //!
+//! While leading, a `watch:` line follows the role: `watch: ok`, or `watch: degraded` with
+//! a line per reason (the Proxy watch fails, or a Proxy cannot be decoded: a CRD newer
+//! than the binary), also without changing the status code: the replica keeps
+//! reconciling the Proxies it can read.
+//!
 //! `plugins: ok` when every plugin is loaded; states are `loaded`, `loading` (not loaded
 //! yet, retried) and `failed` (permanent until the config is fixed).
 
@@ -50,6 +55,7 @@ pub enum Role {
 pub struct Probes {
     role: AtomicU8,
     wedged: AtomicBool,
+    watch: std::sync::OnceLock<crate::controller::watch::WatchHealth>,
 }
 
 impl Probes {
@@ -76,6 +82,11 @@ impl Probes {
     /// Ready: standing by or leading.
     pub fn is_ready(&self) -> bool {
         matches!(self.role(), Role::Standby | Role::Leading)
+    }
+
+    /// Reports the Proxy watch's health in the `/readyz` body while leading.
+    pub fn set_watch(&self, health: crate::controller::watch::WatchHealth) {
+        let _ = self.watch.set(health);
     }
 
     /// Live: not wedged.
@@ -136,6 +147,22 @@ pub fn plugin_report(set: &TemplateSet) -> String {
     out
 }
 
+/// The watch part of the `/readyz` body: `watch: ok`, or `watch: degraded` and why, one
+/// line each (a failing watch, Proxies that cannot be decoded).
+pub fn watch_report(health: &crate::controller::watch::WatchHealth) -> String {
+    match health.degraded() {
+        None => "watch: ok\n".to_string(),
+        Some(lines) => {
+            let mut out = String::from("watch: degraded\n");
+            for l in lines {
+                out.push_str(&l.replace(['\r', '\n'], " "));
+                out.push('\n');
+            }
+            out
+        }
+    }
+}
+
 async fn metrics(State(s): State<AppState>) -> Response {
     let mut body = String::new();
     match prometheus_client::encoding::text::encode(&mut body, &s.registry) {
@@ -181,6 +208,11 @@ async fn readyz(State(s): State<AppState>) -> Response {
         StatusCode::SERVICE_UNAVAILABLE
     };
     let mut body = text.to_string();
+    if role == Role::Leading
+        && let Some(health) = s.probes.watch.get()
+    {
+        body.push_str(&watch_report(health));
+    }
     if let Some(set) = &s.plugins {
         body.push_str(&plugin_report(set));
     }
@@ -240,6 +272,31 @@ mod tests {
         assert_eq!(code, 200);
         assert!(body.contains("egress_test_things_total 1"), "{body}");
         assert_eq!(get_text(app(), "/nothing").await.0, 404);
+    }
+
+    #[tokio::test]
+    async fn readyz_reports_a_failing_watch_as_degraded_while_leading() {
+        let probes = Arc::new(Probes::default());
+        let health = crate::controller::watch::WatchHealth::default();
+        probes.set_watch(health.clone());
+        probes.set_role(Role::Leading);
+        let app = || router(probes.clone(), Arc::new(Registry::default()), None);
+        assert_eq!(
+            get_text(app(), "/readyz").await,
+            (200, "ready: leading\nwatch: ok\n".into())
+        );
+        health.watch_failed(&kube::runtime::watcher::Error::NoResourceVersion);
+        let (code, body) = get_text(app(), "/readyz").await;
+        assert_eq!(code, 200);
+        assert!(
+            body.starts_with("ready: leading\nwatch: degraded\nwatch failing: "),
+            "{body}"
+        );
+        health.watch_ok();
+        assert_eq!(
+            get_text(app(), "/readyz").await.1,
+            "ready: leading\nwatch: ok\n"
+        );
     }
 
     #[tokio::test]

@@ -244,6 +244,7 @@ async fn serve(args: RunArgs, config: Arc<ValidConfig>) -> Result<(), RunError> 
     };
 
     let probes = Arc::new(Probes::default());
+    probes.set_watch(parts.controller_metrics.watch.clone());
     let listener = tokio::net::TcpListener::bind(args.http_addr)
         .await
         .map_err(|source| RunError::Listen {

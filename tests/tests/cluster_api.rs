@@ -1,0 +1,606 @@
+//! What a real kube-apiserver demands of the operator (issue 18, findings 1-6), against
+//! the control plane of the harness (or the cluster `KUBECONFIG` names):
+//!
+//! - **admission** after applying `config/crd/bases` by server-side apply: enum and
+//!   pattern violations, spec edits (a `templateSettings` key rename, a value change,
+//!   null versus absent) and dotted or over-long names are refused with a 422; what is
+//!   no edit (a label, the same spec again) passes;
+//! - **write semantics** of the controller, run in-process against the real server with
+//!   the fake provider: a reconcile that changes nothing bumps no resourceVersion; the
+//!   status is owned by our manager through Apply on the status subresource; a finalizer
+//!   race with another writer is transient and recovers; an error text over 2 KB still
+//!   gives an event (notes are cut to 1024 bytes);
+//! - **skew**: an installed CRD with a spec field this binary does not know, and a Proxy
+//!   using it, is reported by name while the other Proxies still decode.
+#![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)] // tests fail loudly
+
+use std::path::Path;
+use std::sync::Arc;
+use std::time::Duration;
+
+use anyhow::Result;
+use egress_operator::api::proxy::{Proxy, ProxySpec};
+use egress_operator::controller::{self, Context, ControllerError, ControllerMetrics};
+use egress_operator::error::{Classified, ErrorClass};
+use futures_util::StreamExt;
+use integration_tests::harness::ControlPlane;
+use k8s_openapi::api::events::v1::Event as KubeEvent;
+use kube::api::{ListParams, Patch, PatchParams, PostParams};
+use kube::{Api, ResourceExt};
+use serde_json::{Value, json};
+
+/// Hang guard for one API round trip or a short wait; never a timing assertion.
+const GUARD: Duration = Duration::from_secs(60);
+
+async fn guard<F: std::future::Future>(what: &str, f: F) -> F::Output {
+    match tokio::time::timeout(GUARD, f).await {
+        Ok(out) => out,
+        Err(_) => panic!("{what}: no answer within {GUARD:?}"),
+    }
+}
+
+/// The shared control plane with the CRDs installed.
+async fn plane() -> Result<&'static ControlPlane> {
+    let cp = ControlPlane::shared()?;
+    cp.install_crds().await?;
+    Ok(cp)
+}
+
+fn proxy_json(name: &str, spec: Value) -> Value {
+    json!({
+        "apiVersion": "egress-operator.dev/v1alpha1",
+        "kind": "Proxy",
+        "metadata": {"name": name},
+        "spec": spec,
+    })
+}
+
+/// The HTTP code of a refusal, or 0 for a success.
+fn code<T>(r: &Result<T, kube::Error>) -> u16 {
+    match r {
+        Ok(_) => 0,
+        Err(kube::Error::Api(s)) => s.code,
+        Err(e) => panic!("not an API answer: {e}"),
+    }
+}
+
+async fn create(api: &Api<Proxy>, body: Value) -> Result<Proxy, kube::Error> {
+    let p: Proxy = serde_json::from_value(body).unwrap();
+    guard("create", api.create(&PostParams::default(), &p)).await
+}
+
+// ---- (a) Admission ------------------------------------------------------------------
+
+#[tokio::test]
+async fn admission_refuses_bad_values_names_and_spec_edits() -> Result<()> {
+    let cp = plane().await?;
+    let ns = cp.namespace("admission").await?;
+    let client = cp.client().await?;
+    let api: Api<Proxy> = Api::namespaced(client.clone(), ns.name());
+    // Untyped, so that values our types could not even hold reach the server.
+    let raw: Api<kube::api::DynamicObject> = Api::namespaced_with(
+        client.clone(),
+        ns.name(),
+        &kube::api::ApiResource::erase::<Proxy>(&()),
+    );
+    let create_raw = |name: &str, spec: Value| {
+        let raw = raw.clone();
+        let body: kube::api::DynamicObject =
+            serde_json::from_value(proxy_json(name, spec)).unwrap();
+        async move { guard("create", raw.create(&PostParams::default(), &body)).await }
+    };
+
+    // Values the schema refuses.
+    let table: Vec<(&str, Value)> = vec![
+        ("enum", json!({"provider": "aws"})),
+        (
+            "pattern machineType",
+            json!({"provider": "kvm2", "machineType": "Small_1"}),
+        ),
+        (
+            "pattern image",
+            json!({"provider": "kvm2", "image": "debian 12"}),
+        ),
+        ("pattern host", json!({"provider": "kvm2", "host": "-h1"})),
+        (
+            "pattern secret name",
+            json!({"provider": "kvm2", "userData": {"secretRef": {"name": "UD", "key": "k"}}}),
+        ),
+        (
+            "pattern secret key",
+            json!({"provider": "kvm2", "userData": {"secretRef": {"name": "ud", "key": "a/b"}}}),
+        ),
+        ("missing provider", json!({"image": "debian"})),
+    ];
+    for (i, (what, spec)) in table.into_iter().enumerate() {
+        let r = create_raw(&format!("bad-{i}"), spec).await;
+        assert_eq!(code(&r), 422, "{what}: {r:?}");
+    }
+
+    // Names: a DNS subdomain is not enough, a Proxy's name must be a label.
+    let spec = json!({"provider": "kvm2"});
+    for (what, name) in [
+        ("dotted", "office.egress".to_string()),
+        ("64 characters", "a".repeat(64)),
+        (
+            "253 characters, dotted",
+            format!(
+                "{}.{}.{}.{}",
+                "a".repeat(63),
+                "b".repeat(63),
+                "c".repeat(63),
+                "d".repeat(61)
+            ),
+        ),
+    ] {
+        let r = create(&api, proxy_json(&name, spec.clone())).await;
+        assert_eq!(code(&r), 422, "{what}: {r:?}");
+        let text = r.unwrap_err().to_string();
+        assert!(text.contains("DNS-1123 label"), "{what}: {text}");
+    }
+    let r = create(&api, proxy_json(&"a".repeat(63), spec.clone())).await;
+    assert_eq!(code(&r), 0, "63 characters is a label: {r:?}");
+
+    // Spec edits, each on a fresh Proxy.
+    let base = json!({
+        "provider": "kvm2",
+        "image": "debian",
+        "templateSettings": {"domain": {"a": 1, "n": null}, "vendorData": {"x": {"y": [1, 2]}}},
+    });
+    let edits: Vec<(&str, Value)> = vec![
+        (
+            "a templateSettings key renamed (same size, same value)",
+            json!([{"op": "move", "from": "/spec/templateSettings/domain/a",
+                    "path": "/spec/templateSettings/domain/b"}]),
+        ),
+        (
+            "a templateSettings value changed",
+            json!([{"op": "replace", "path": "/spec/templateSettings/domain/a", "value": 2}]),
+        ),
+        (
+            "a nested templateSettings value changed",
+            json!([{"op": "replace", "path": "/spec/templateSettings/vendorData/x/y/1",
+                    "value": 3}]),
+        ),
+        (
+            "a templateSettings null removed (null versus absent)",
+            json!([{"op": "remove", "path": "/spec/templateSettings/domain/n"}]),
+        ),
+        (
+            "a templateSettings key set to null (absent versus null)",
+            json!([{"op": "add", "path": "/spec/templateSettings/domain/z", "value": null}]),
+        ),
+        (
+            "a spec field set to null where it was absent",
+            json!([{"op": "add", "path": "/spec/host", "value": null}]),
+        ),
+        (
+            "a spec field changed",
+            json!([{"op": "replace", "path": "/spec/image", "value": "ubuntu"}]),
+        ),
+        (
+            "a spec field removed",
+            json!([{"op": "remove", "path": "/spec/image"}]),
+        ),
+    ];
+    for (i, (what, patch)) in edits.into_iter().enumerate() {
+        let name = format!("edit-{i}");
+        create_raw(&name, base.clone()).await.unwrap();
+        let patch: json_patch::Patch = serde_json::from_value(patch).unwrap();
+        let r = guard(
+            "patch",
+            raw.patch(&name, &PatchParams::default(), &Patch::Json::<()>(patch)),
+        )
+        .await;
+        assert_eq!(code(&r), 422, "{what}: {r:?}");
+        let text = r.unwrap_err().to_string();
+        assert!(text.contains("spec is immutable"), "{what}: {text}");
+    }
+
+    // Not edits: a label, and the same spec again with its keys in another order.
+    create_raw("steady", base.clone()).await.unwrap();
+    let r = guard(
+        "label",
+        raw.patch(
+            "steady",
+            &PatchParams::default(),
+            &Patch::Merge(json!({"metadata": {"labels": {"team": "a"}}})),
+        ),
+    )
+    .await;
+    assert_eq!(code(&r), 0, "{r:?}");
+    let reordered = json!({
+        "templateSettings": {"vendorData": {"x": {"y": [1, 2]}}, "domain": {"n": null, "a": 1}},
+        "image": "debian",
+        "provider": "kvm2",
+    });
+    // A JSON patch, not a merge patch: a merge patch's null would delete the key.
+    let same: json_patch::Patch =
+        serde_json::from_value(json!([{"op": "replace", "path": "/spec", "value": reordered}]))?;
+    let r = guard(
+        "same spec",
+        raw.patch("steady", &PatchParams::default(), &Patch::Json::<()>(same)),
+    )
+    .await;
+    assert_eq!(code(&r), 0, "{r:?}");
+    Ok(())
+}
+
+// ---- (b) Write semantics --------------------------------------------------------------
+
+const CONFIG: &str = r#"
+clusterId: test
+kvm2:
+  ssh: {user: egress, privateKeyFile: /k/id, knownHostsFile: /k/known_hosts}
+  hosts:
+    - {name: h1, address: "127.0.0.1:2222", storagePool: default, bridge: br0}
+  images:
+    - name: debian
+      url: https://images.example.org/debian.qcow2
+      sha256: "0000000000000000000000000000000000000000000000000000000000000000"
+      format: qcow2
+  machineTypes:
+    - {name: small, vcpus: 1, memoryMiB: 512, diskGiB: 4}
+  defaults: {machineType: small, image: debian}
+  templates:
+    domain: {path: /p/domain.wasm}
+    vendorData: {path: /p/vendor-data.wasm}
+"#;
+
+/// Every probed proxy answers `200 Connection established`, in memory (no network).
+struct Answers;
+
+impl egress_operator::serving::Dialer for Answers {
+    fn dial(
+        &self,
+        _: std::net::SocketAddr,
+    ) -> egress_operator::serving::BoxFuture<
+        '_,
+        std::io::Result<Box<dyn egress_operator::serving::ProbeStream>>,
+    > {
+        Box::pin(async move {
+            use tokio::io::{AsyncReadExt, AsyncWriteExt};
+            let (client, mut proxy) = tokio::io::duplex(4096);
+            tokio::spawn(async move {
+                let mut head = [0u8; 512];
+                let _ = proxy.read(&mut head).await;
+                let _ = proxy
+                    .write_all(b"HTTP/1.1 200 Connection established\r\n\r\n")
+                    .await;
+                let mut rest = Vec::new();
+                let _ = proxy.read_to_end(&mut rest).await;
+            });
+            Ok(Box::new(client) as Box<dyn egress_operator::serving::ProbeStream>)
+        })
+    }
+}
+
+/// A controller context on `client` with the fake provider as `kvm2`.
+fn context(
+    client: kube::Client,
+) -> (
+    Arc<Context>,
+    Arc<egress_operator::provider::fake::FakeProvider>,
+) {
+    let config = Arc::new(
+        egress_operator::config::parse(CONFIG, "cluster-api.yaml", Path::new("/")).unwrap(),
+    );
+    let fake = Arc::new(egress_operator::provider::fake::FakeProvider::named(
+        "kvm2",
+        &["h1"],
+    ));
+    let mut registry = egress_operator::provider::registry::Registry::new();
+    registry.insert(fake.clone());
+    let mut ctx = Context::new(
+        client,
+        config.clone(),
+        Arc::new(registry),
+        ControllerMetrics::default(),
+        Some("cluster-api-test".into()),
+    );
+    ctx.prober = egress_operator::serving::Prober::with_dialer(
+        &config.serving,
+        Arc::new(Answers),
+        ctx.metrics.probes.clone(),
+    );
+    (Arc::new(ctx), fake)
+}
+
+/// Reconciles the Proxy as it is on the server now (due now, not deferred).
+async fn reconcile(
+    api: &Api<Proxy>,
+    ctx: &Arc<Context>,
+    name: &str,
+) -> (
+    Proxy,
+    Result<kube::runtime::controller::Action, ControllerError>,
+) {
+    let p = guard("get", api.get(name)).await.unwrap();
+    ctx.attempts.expire(&p.uid().unwrap());
+    let r = guard(
+        "reconcile",
+        controller::reconcile(Arc::new(p.clone()), ctx.clone()),
+    )
+    .await;
+    (p, r)
+}
+
+async fn new_proxy(api: &Api<Proxy>, name: &str) -> Proxy {
+    let p = Proxy::new(
+        name,
+        ProxySpec {
+            provider: "kvm2".into(),
+            ..Default::default()
+        },
+    );
+    guard("create", api.create(&PostParams::default(), &p))
+        .await
+        .unwrap()
+}
+
+#[tokio::test]
+async fn a_steady_proxy_writes_nothing_and_status_is_our_apply() -> Result<()> {
+    let cp = plane().await?;
+    let ns = cp.namespace("steady").await?;
+    let client = cp.client().await?;
+    let api: Api<Proxy> = Api::namespaced(client.clone(), ns.name());
+    let (ctx, fake) = context(client);
+    new_proxy(&api, "p").await;
+
+    // Finalizer, then create and status.
+    reconcile(&api, &ctx, "p").await.1.unwrap();
+    reconcile(&api, &ctx, "p").await.1.unwrap();
+    assert_eq!(fake.instances().len(), 1);
+    let p = guard("get", api.get("p")).await?;
+    let status = p.status.clone().expect("status written");
+    assert!(status.address.is_some(), "{status:?}");
+    assert!(
+        p.finalizers().iter().any(|f| f == controller::FINALIZER),
+        "{:?}",
+        p.finalizers()
+    );
+
+    // Status is ours, by Apply, on the status subresource, and only there.
+    let fields = p.metadata.managed_fields.clone().unwrap_or_default();
+    let ours: Vec<_> = fields
+        .iter()
+        .filter(|m| m.manager.as_deref() == Some(controller::FIELD_MANAGER))
+        .collect();
+    assert!(
+        ours.iter().any(|m| m.operation.as_deref() == Some("Apply")
+            && m.subresource.as_deref() == Some("status")),
+        "managedFields: {fields:#?}"
+    );
+    assert!(
+        ours.iter()
+            .filter(|m| m.operation.as_deref() == Some("Apply"))
+            .all(|m| m.subresource.as_deref() == Some("status")),
+        "{fields:#?}"
+    );
+
+    // Nothing changed: more reconciles bump no resourceVersion.
+    let before = p.resource_version();
+    for _ in 0..3 {
+        reconcile(&api, &ctx, "p").await.1.unwrap();
+    }
+    let after = guard("get", api.get("p")).await?.resource_version();
+    assert_eq!(
+        before, after,
+        "a reconcile that changed nothing wrote the Proxy"
+    );
+
+    // Delete: the finalizer goes after the instance.
+    guard("delete", api.delete("p", &Default::default())).await?;
+    reconcile(&api, &ctx, "p").await.1.unwrap();
+    assert!(fake.instances().is_empty());
+    guard("gone", async {
+        while api.get_opt("p").await.unwrap().is_some() {
+            tokio::time::sleep(Duration::from_millis(100)).await;
+        }
+    })
+    .await;
+    Ok(())
+}
+
+#[tokio::test]
+async fn a_finalizer_race_with_another_writer_is_transient_and_recovers() -> Result<()> {
+    let cp = plane().await?;
+    let ns = cp.namespace("race").await?;
+    let client = cp.client().await?;
+    let api: Api<Proxy> = Api::namespaced(client.clone(), ns.name());
+    let (ctx, _fake) = context(client);
+    new_proxy(&api, "p").await;
+
+    // Our read, then another controller adds its finalizer, then our patch.
+    let stale = guard("get", api.get("p")).await?;
+    guard(
+        "other writer",
+        api.patch(
+            "p",
+            &PatchParams::default(),
+            &Patch::Merge(json!({"metadata": {"finalizers": ["example.org/other"]}})),
+        ),
+    )
+    .await?;
+    let e = guard(
+        "reconcile",
+        controller::reconcile(Arc::new(stale.clone()), ctx.clone()),
+    )
+    .await
+    .expect_err("the stale finalizer patch must fail");
+    assert!(matches!(e, ControllerError::FinalizerRace(_)), "{e:?}");
+    assert_eq!(e.class(), ErrorClass::Transient);
+    let action = controller::error_policy(Arc::new(stale), &e, ctx.clone());
+    assert!(
+        action == kube::runtime::controller::Action::requeue(Duration::from_secs(5)),
+        "retried in seconds, not after the permanent delay: {action:?}"
+    );
+
+    // The retry reads the new list and adds ours beside the other one.
+    reconcile(&api, &ctx, "p").await.1.unwrap();
+    let p = guard("get", api.get("p")).await?;
+    assert_eq!(
+        p.finalizers(),
+        [
+            "example.org/other".to_string(),
+            controller::FINALIZER.to_string()
+        ]
+    );
+    // Let the namespace go.
+    guard(
+        "drop finalizers",
+        api.patch(
+            "p",
+            &PatchParams::default(),
+            &Patch::Merge(json!({"metadata": {"finalizers": null}})),
+        ),
+    )
+    .await?;
+    Ok(())
+}
+
+#[tokio::test]
+async fn an_error_over_2_kb_still_produces_an_event() -> Result<()> {
+    let cp = plane().await?;
+    let ns = cp.namespace("events").await?;
+    let client = cp.client().await?;
+    let api: Api<Proxy> = Api::namespaced(client.clone(), ns.name());
+    let (ctx, fake) = context(client.clone());
+    let p = new_proxy(&api, "p").await;
+    reconcile(&api, &ctx, "p").await.1.unwrap(); // the finalizer
+    // A spec the controller refuses with a long message: fields of a newer operator.
+    let fields: Vec<String> = (0..60)
+        .map(|i| format!("spec.someFieldFromANewerOperatorVersion{i:03}"))
+        .collect();
+    ctx.skew.set(&p.uid().unwrap(), fields);
+
+    let e = reconcile(&api, &ctx, "p").await.1.expect_err("refused");
+    assert!(e.to_string().len() > 2048, "{}", e.to_string().len());
+    assert!(fake.instances().is_empty());
+
+    let events: Api<KubeEvent> = Api::namespaced(client, ns.name());
+    let found = guard("the event", async {
+        loop {
+            let list = events.list(&ListParams::default()).await.unwrap();
+            if let Some(e) = list
+                .items
+                .into_iter()
+                .find(|e| e.reason.as_deref() == Some("InvalidSpec"))
+            {
+                return e;
+            }
+            tokio::time::sleep(Duration::from_millis(100)).await;
+        }
+    })
+    .await;
+    let note = found.note.unwrap_or_default();
+    assert!(note.len() <= controller::MAX_EVENT_NOTE, "{}", note.len());
+    assert!(note.ends_with(" [truncated]"), "{note}");
+    assert_eq!(found.regarding.and_then(|r| r.name).as_deref(), Some("p"));
+    // The condition message is cut too; the status write went through.
+    let s = guard("get", api.get("p")).await?.status.unwrap_or_default();
+    assert_eq!(s.last_error_class.as_deref(), Some("permanent"));
+    Ok(())
+}
+
+// ---- Skew ----------------------------------------------------------------------------
+
+#[tokio::test]
+async fn a_proxy_using_a_field_of_a_newer_crd_is_named_and_the_others_still_decode() -> Result<()> {
+    let cp = plane().await?;
+    // Its own CRD version would disturb the other tests: a newer CRD is one that adds a
+    // spec field, which the others never set, so adding it is invisible to them.
+    let client = cp.client().await?;
+    let crds: Api<k8s_openapi::apiextensions_apiserver::pkg::apis::apiextensions::v1::CustomResourceDefinition> =
+        Api::all(client.clone());
+    let mut crd = guard("crd", crds.get("proxies.egress-operator.dev")).await?;
+    let mut schema = serde_json::to_value(&crd.spec.versions[0].schema)?;
+    schema["openAPIV3Schema"]["properties"]["spec"]["properties"]["dnsServers"] =
+        json!({"type": "array", "items": {"type": "string"}});
+    crd.spec.versions[0].schema = Some(serde_json::from_value(schema)?);
+    crd.metadata.managed_fields = None;
+    guard(
+        "newer crd",
+        crds.replace("proxies.egress-operator.dev", &PostParams::default(), &crd),
+    )
+    .await?;
+
+    let ns = cp.namespace("skew").await?;
+    let raw: Api<kube::api::DynamicObject> = Api::namespaced_with(
+        client.clone(),
+        ns.name(),
+        &kube::api::ApiResource::erase::<Proxy>(&()),
+    );
+    // The API server serves the new schema a moment after the update: until then the
+    // field is pruned, so create until it is kept.
+    guard("the newer schema in use", async {
+        loop {
+            let spec = json!({"provider": "kvm2", "dnsServers": ["192.0.2.53"]});
+            let body: kube::api::DynamicObject =
+                serde_json::from_value(proxy_json("newer", spec)).unwrap();
+            let made = raw.create(&PostParams::default(), &body).await.unwrap();
+            if made.data["spec"]["dnsServers"].is_array() {
+                return;
+            }
+            raw.delete("newer", &Default::default()).await.unwrap();
+            while raw.get_opt("newer").await.unwrap().is_some() {
+                tokio::time::sleep(Duration::from_millis(100)).await;
+            }
+        }
+    })
+    .await;
+    let body: kube::api::DynamicObject =
+        serde_json::from_value(proxy_json("older", json!({"provider": "kvm2"})))?;
+    guard("create", raw.create(&PostParams::default(), &body)).await?;
+    // kube-runtime's own typed watcher of these Proxies: would the LIST decode? It does
+    // (the spec types accept unknown fields), and the controller's watch names the field.
+    let health = egress_operator::controller::watch::WatchHealth::default();
+    let skew = egress_operator::controller::watch::Skew::default();
+    let events = controller::watch::proxies(
+        client.clone(),
+        kube::runtime::watcher::Config::default().any_semantic(),
+        health.clone(),
+        skew.clone(),
+    );
+    tokio::pin!(events);
+    let mut seen = Vec::new();
+    guard("the initial list", async {
+        while let Some(e) = events.next().await {
+            match e.unwrap() {
+                kube::runtime::watcher::Event::InitApply(p)
+                    if p.namespace().as_deref() == Some(ns.name()) =>
+                {
+                    seen.push(p)
+                }
+                kube::runtime::watcher::Event::InitDone => break,
+                _ => {}
+            }
+        }
+    })
+    .await;
+    let mut names: Vec<String> = seen.iter().map(|p| p.name_any()).collect();
+    names.sort();
+    assert_eq!(names, ["newer", "older"]);
+    let newer = seen.iter().find(|p| p.name_any() == "newer").unwrap();
+    let older = seen.iter().find(|p| p.name_any() == "older").unwrap();
+    assert_eq!(skew.unknown(&newer.uid().unwrap()), ["spec.dnsServers"]);
+    assert!(skew.unknown(&older.uid().unwrap()).is_empty());
+    assert_eq!(health.errors("decode"), 0);
+
+    // Back to the shipped CRD (for a cluster that outlives this test).
+    let mut crd = guard("crd", crds.get("proxies.egress-operator.dev")).await?;
+    let mut schema = serde_json::to_value(&crd.spec.versions[0].schema)?;
+    if let Some(props) =
+        schema["openAPIV3Schema"]["properties"]["spec"]["properties"].as_object_mut()
+    {
+        props.remove("dnsServers");
+    }
+    crd.spec.versions[0].schema = Some(serde_json::from_value(schema)?);
+    crd.metadata.managed_fields = None;
+    guard(
+        "shipped crd",
+        crds.replace("proxies.egress-operator.dev", &PostParams::default(), &crd),
+    )
+    .await?;
+    Ok(())
+}
