@@ -148,23 +148,17 @@ fn a_changed_crd_is_reported_stale() {
     }
 }
 
-/// `kubectl kustomize config/default`, or `None` (with the reason printed) when kubectl
-/// is not installed; `make test` installs it (`make setup`).
+/// `kubectl kustomize config/default`, with the kubectl built beside the test control plane
+/// (`scripts/controlplane.sh`), so its kustomize is the one that version ships.
 fn kustomize_default() -> Option<Vec<Value>> {
-    let out = match Command::new("kubectl")
+    let kubectl = integration_tests::harness::controlplane::binaries_dir()
+        .unwrap_or_else(|e| panic!("{e:#}"))
+        .join("kubectl");
+    let out = Command::new(&kubectl)
         .arg("kustomize")
         .arg(config_dir().join("default"))
         .output()
-    {
-        Ok(out) => out,
-        Err(e) if e.kind() == std::io::ErrorKind::NotFound => {
-            integration_tests::harness::cannot_run(
-                "kubectl is not installed (`make setup` installs it)",
-            );
-            return None;
-        }
-        Err(e) => panic!("cannot run kubectl: {e}"),
-    };
+        .unwrap_or_else(|e| panic!("cannot run {}: {e}", kubectl.display()));
     assert!(
         out.status.success(),
         "kubectl kustomize config/default failed: {}",
