@@ -865,18 +865,19 @@ async fn recording_api(seed: Vec<(String, Value)>) -> (kube::Client, Arc<Mutex<R
                 "create" => {
                     let name = body["metadata"]["name"].as_str().unwrap_or("created");
                     let p = format!("{path}/{name}");
-                    if s.objects.contains_key(&p) {
-                        json(
+                    match s.objects.entry(p) {
+                        std::collections::btree_map::Entry::Occupied(_) => json(
                             StatusCode::CONFLICT,
                             json!({"kind": "Status", "apiVersion": "v1", "status": "Failure",
                                    "reason": "AlreadyExists", "code": 409, "message": "exists"}),
-                        )
-                    } else {
-                        let mut o = body.clone();
-                        o["metadata"]["resourceVersion"] = json!(version);
-                        o["metadata"]["uid"] = json!(format!("uid-{version}"));
-                        s.objects.insert(p, o.clone());
-                        json(StatusCode::CREATED, o)
+                        ),
+                        std::collections::btree_map::Entry::Vacant(slot) => {
+                            let mut o = body.clone();
+                            o["metadata"]["resourceVersion"] = json!(version);
+                            o["metadata"]["uid"] = json!(format!("uid-{version}"));
+                            slot.insert(o.clone());
+                            json(StatusCode::CREATED, o)
+                        }
                     }
                 }
                 "update" | "patch" => {
@@ -1112,13 +1113,15 @@ async fn calls_the_code_makes() -> Vec<Call> {
         .unwrap();
     elector.shutdown().await.unwrap();
 
-    let calls = recorded.lock().unwrap().calls.clone();
-    calls
+    recorded.lock().unwrap().calls.clone()
 }
 
-/// A rule set read from `config/rbac`: (group, resource, verb, resourceName or `*`), and
-/// the namespace it applies in (`None`: cluster-wide).
-fn shipped_rules() -> Vec<(Option<String>, BTreeSet<(String, String, String, String)>)> {
+/// Grants of one Role or ClusterRole: (group, resource, verb, resourceName or `*`).
+type Grants = BTreeSet<(String, String, String, String)>;
+
+/// A rule set read from `config/rbac`: its grants, and the namespace it applies in
+/// (`None`: cluster-wide).
+fn shipped_rules() -> Vec<(Option<String>, Grants)> {
     let dir = config_dir().join("rbac");
     let mut out = Vec::new();
     for entry in std::fs::read_dir(&dir).unwrap() {
@@ -1137,10 +1140,7 @@ fn shipped_rules() -> Vec<(Option<String>, BTreeSet<(String, String, String, Str
     out
 }
 
-fn allowed(
-    rules: &[(Option<String>, BTreeSet<(String, String, String, String)>)],
-    c: &Call,
-) -> bool {
+fn allowed(rules: &[(Option<String>, Grants)], c: &Call) -> bool {
     rules.iter().any(|(ns, grants)| {
         (ns.is_none() || *ns == c.namespace)
             && grants.iter().any(|(g, r, v, n)| {

@@ -1,7 +1,7 @@
 //! The domain collector: deletes instances that no Proxy owns any more, and duplicates a
 //! Proxy no longer names.
 //!
-//! A sweep lists every provider's instances, then which Proxies exist ([`ProxyIndex`]),
+//! A sweep lists every provider's instances, then which Proxies exist ([`ProxyIndex`](super::ProxyIndex)),
 //! and deletes an instance when
 //! - no Proxy has its UID (`no-proxy`), or
 //! - its Proxy's `status.instanceId` names a *different* instance (`duplicate`: left by a

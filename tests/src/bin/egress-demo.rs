@@ -239,9 +239,8 @@ fn demo(image: &Path, operator: &Path) -> Result<()> {
         || Ok(matches!(op.http_get("/readyz"), Some((200, _)))),
     )?;
     println!(
-        "    operator ready (identity {}, as {OPERATOR_NAMESPACE}/{OPERATOR_SERVICE_ACCOUNT}); its log: {}",
-        op.identity(),
-        "JSON lines, shown on failure"
+        "    operator ready (identity {}, as {OPERATOR_NAMESPACE}/{OPERATOR_SERVICE_ACCOUNT}); its log (JSON lines) is shown on failure",
+        op.identity()
     );
     kubectl(&plane, &["get", "lease", "-n", OPERATOR_NAMESPACE])?;
 

@@ -231,7 +231,7 @@ fn resources_are_bounded_by_the_machine_type() {
             ),
         ),
     ];
-    let cases: Vec<(&str, &str, String)> = cases.into_iter().map(|(r, p, x)| (r, p, x)).collect();
+    let cases: Vec<(&str, &str, String)> = cases.into_iter().collect();
     refused_on(&cases, &input(), &HostPolicy::default());
     // At the bound they pass.
     accepted_on(

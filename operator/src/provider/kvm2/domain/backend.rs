@@ -306,6 +306,9 @@ impl Default for Kvm2Options {
     }
 }
 
+/// An upload heartbeat record as last read, and since when it has not changed.
+type HeartbeatSeen = (Option<Vec<u8>>, tokio::time::Instant);
+
 /// The kvm2 provider.
 pub struct Kvm2Provider {
     config: Arc<ValidConfig>,
@@ -322,7 +325,7 @@ pub struct Kvm2Provider {
     options: Kvm2Options,
     /// Image upload heartbeats the garbage collector saw, by host and volume name: the
     /// record and since when it has not changed (see [`Kvm2Provider::upload_alive`]).
-    beats: std::sync::Mutex<BTreeMap<(String, String), (Option<Vec<u8>>, tokio::time::Instant)>>,
+    beats: std::sync::Mutex<BTreeMap<(String, String), HeartbeatSeen>>,
 }
 
 /// A slot on a host held by a Create in flight; released on drop.

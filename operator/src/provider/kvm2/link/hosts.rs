@@ -114,9 +114,9 @@ pub enum HostError {
     SocketNotYet {
         /// The host.
         host: String,
-        /// The channel refusal.
+        /// The channel refusal (boxed: it keeps every error of a host call small).
         #[source]
-        source: SshError,
+        source: Box<SshError>,
         /// Seconds since the first refusal.
         waited_secs: u64,
         /// [`SOCKET_PATIENCE`] as configured.
@@ -154,9 +154,8 @@ impl HostError {
     pub fn stage(&self) -> Option<&'static str> {
         match self {
             HostError::Unknown(_) => Some("config"),
-            HostError::Ssh(e)
-            | HostError::SocketGone { source: e, .. }
-            | HostError::SocketNotYet { source: e, .. } => e.stage(),
+            HostError::Ssh(e) | HostError::SocketGone { source: e, .. } => e.stage(),
+            HostError::SocketNotYet { source, .. } => source.stage(),
             HostError::Libvirt { source, .. } => {
                 (source.op() == Some("open")).then_some("libvirt-open")
             }
@@ -428,7 +427,7 @@ async fn dial_task(
                         if waited < socket_patience {
                             HostError::SocketNotYet {
                                 host: entry.name.clone(),
-                                source,
+                                source: Box::new(source),
                                 waited_secs: waited.as_secs(),
                                 patience_secs: socket_patience.as_secs(),
                             }
