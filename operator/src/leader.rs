@@ -398,6 +398,11 @@ fn holder_of(spec: &LeaseSpec) -> Option<&str> {
     spec.holder_identity.as_deref().filter(|h| !h.is_empty())
 }
 
+/// The API server refused who we are or what we asked (401, 403).
+fn is_refusal(e: &kube::Error) -> bool {
+    matches!(e, kube::Error::Api(s) if s.code == 401 || s.code == 403)
+}
+
 fn is_conflict(e: &kube::Error) -> bool {
     matches!(e, kube::Error::Api(s) if s.code == 409)
 }
@@ -542,6 +547,11 @@ impl Runner {
         let mut backoff = FIRST_ERROR_BACKOFF;
         let max_backoff = self.options.lease_duration;
         let mut observed = Observed::default();
+        // Whether the Lease was ever read or written: until then a refusal (401/403) is a
+        // misconfiguration (a Lease name or namespace the Role does not cover, a missing
+        // binding) that retrying cannot fix, so the elector fails and the process exits
+        // naming the Lease, instead of standing by forever.
+        let mut reached = false;
         loop {
             let leading = *tx.borrow();
             // A renewal that takes longer than the margin before expiry counts as failed:
@@ -557,7 +567,9 @@ impl Runner {
                 r = tokio::time::timeout(bound, self.api.acquire_or_renew(&mut observed)) => r,
             };
             let wait = match attempt {
+                Ok(Err(e)) if !reached && is_refusal(&e) => return Err(self.error(e)),
                 Ok(Ok(true)) => {
+                    reached = true;
                     backoff = FIRST_ERROR_BACKOFF;
                     if publish(&tx, true) {
                         info!(%identity, %lease, "acquired leadership");
@@ -565,6 +577,7 @@ impl Runner {
                     self.renew_every
                 }
                 Ok(Ok(false)) => {
+                    reached = true;
                     backoff = FIRST_ERROR_BACKOFF;
                     if publish(&tx, false) {
                         info!(%identity, %lease, "lost leadership: the lease is held by another replica");

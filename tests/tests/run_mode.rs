@@ -426,7 +426,7 @@ fn a_plugin_url_that_does_not_answer_leaves_it_ready_but_degraded_until_it_answe
     );
     op.wait_for_answer("ready but degraded", "/readyz", |code, body| {
         code == 200
-            && body.starts_with("ready: leading\nplugins: degraded\n")
+            && body.starts_with("ready: leading\nwatch: ok\nplugins: degraded\n")
             && body.contains(&degraded)
             && body.contains("plugin vendor-data \"vendor-data:")
     });
@@ -461,7 +461,7 @@ fn a_plugin_url_that_does_not_answer_leaves_it_ready_but_degraded_until_it_answe
     });
     op.wait_for_answer("the plugin loaded", "/readyz", |code, body| {
         code == 200
-            && body.starts_with("ready: leading\nplugins: ok\n")
+            && body.starts_with("ready: leading\nwatch: ok\nplugins: ok\n")
             && body.contains(&format!("plugin domain \"{plugin}\": loaded\n"))
     });
     assert!(server.requests() >= 1);

@@ -389,10 +389,16 @@ async fn lead_until_terminated(
         }
     };
     probes.set_role(Role::Stopping);
-    if let Err(e) = elector.shutdown().await {
-        tracing::warn!(error = %e, "could not release the lease; the other replica waits for it to expire");
+    match elector.shutdown().await {
+        // The elector ended on its own (a Lease the Role does not cover): that error,
+        // not "stopped", is what the operator exits with.
+        Err(e) if matches!(result, Err(RunError::Leader(LeaderError::Stopped))) => Err(e.into()),
+        Err(e) => {
+            tracing::warn!(error = %e, "could not release the lease; the other replica waits for it to expire");
+            result
+        }
+        Ok(()) => result,
     }
-    result
 }
 
 /// Reaches the API server (retrying: it may come up after us), so readiness means it.
