@@ -232,11 +232,16 @@ fn demo(image: &Path, operator: &Path) -> Result<()> {
         lab.dir(),
     );
     let mut op = OperatorProcess::start(&options)?;
+    // Leading, with the template plugins compiled: a Proxy applied before that only waits
+    // for them, with a warning event.
     wait_until(
-        "the operator to lead and be ready",
-        Duration::from_secs(120),
+        "the operator to lead with its plugins loaded",
+        Duration::from_secs(180),
         &op,
-        || Ok(matches!(op.http_get("/readyz"), Some((200, _)))),
+        || {
+            Ok(matches!(op.http_get("/readyz"),
+                Some((200, body)) if body.contains("leading") && body.contains("plugins: ok")))
+        },
     )?;
     println!(
         "    operator ready (identity {}, as {OPERATOR_NAMESPACE}/{OPERATOR_SERVICE_ACCOUNT}); its log (JSON lines) is shown on failure",

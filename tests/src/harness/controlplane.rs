@@ -66,10 +66,13 @@ pub const OPERATOR_SERVICE_ACCOUNT: &str = "egress-operator";
 
 /// Kills the daemons and removes the plane's directory once the test process is gone,
 /// whatever way it ended; an orderly stop removes the directory first, which ends the
-/// watchdog too. `setsid` keeps it out of a Ctrl-C to the test's process group.
+/// watchdog too. `setsid` keeps it out of a Ctrl-C to the test's process group, and it
+/// ignores the signals that end a session, so the daemons (kube-apiserver hangs in its
+/// graceful shutdown once etcd is gone) are always killed.
 const WATCHDOG: &str = r#"
+trap '' TERM HUP INT
 owner="$1"; dir="$2"
-while kill -0 "$owner" 2>/dev/null && [ -d "$dir" ]; do sleep 1; done
+while kill -0 "$owner" 2>/dev/null && [ -d "$dir" ]; do sleep 0.2; done
 [ -d "$dir" ] || exit 0
 for f in "$dir"/*.pid; do [ -f "$f" ] && kill -KILL "$(cat "$f")" 2>/dev/null; done
 sleep 1
@@ -169,7 +172,12 @@ impl ControlPlane {
                         scratch,
                     });
                 }
-                Err(e) => last = Some(e),
+                Err(e) => {
+                    eprintln!(
+                        "control plane: start attempt failed (retrying on fresh ports): {e:#}"
+                    );
+                    last = Some(e);
+                }
             }
         }
         Err(last.unwrap_or_else(|| anyhow!("no start attempt")))
@@ -416,11 +424,12 @@ impl ControlPlane {
     }
 }
 
-impl Drop for ControlPlane {
+/// Stops the daemons before the directory goes: also when a start attempt fails half-way
+/// (an early return drops the half-made plane; its watchdog, seeing the directory gone,
+/// would otherwise leave them running).
+impl Drop for Local {
     fn drop(&mut self) {
-        if let Some(local) = &self.local {
-            local.stop_all();
-        }
+        self.stop_all();
     }
 }
 
