@@ -349,7 +349,7 @@ async fn write_status(
     p: &Plan,
 ) -> Result<(), FleetError> {
     let c = &p.counts;
-    let gen = pool.metadata.generation;
+    let generation = pool.metadata.generation;
     let now = ctx.now();
     let mut conditions: Vec<Condition> = pool
         .status
@@ -365,7 +365,7 @@ async fn write_status(
         available,
         if available { "MinimumServing" } else { "BelowMinimum" },
         &format!("{} of at least {min} serve", c.available),
-        gen,
+        generation,
         now,
     );
     set_condition(
@@ -374,7 +374,7 @@ async fn write_status(
         c.progressing,
         if c.progressing { "RollingOut" } else { "Settled" },
         &format!("{} of {} made from the current template", c.updated, shape.replicas),
-        gen,
+        generation,
         now,
     );
     let (degraded, reason, msg) = if p.insufficient_hosts {
@@ -386,7 +386,7 @@ async fn write_status(
     } else {
         (false, "AsExpected", "")
     };
-    set_condition(&mut conditions, "Degraded", degraded, reason, msg, gen, now);
+    set_condition(&mut conditions, "Degraded", degraded, reason, msg, generation, now);
     let n = |v: usize| i32::try_from(v).unwrap_or(i32::MAX);
     let hosts: Vec<HostCount> = c
         .hosts
@@ -407,7 +407,7 @@ async fn write_status(
             "availableReplicas": n(c.available),
             "selector": pool_selector(name),
             "hosts": hosts,
-            "observedGeneration": gen,
+            "observedGeneration": generation,
             "conditions": conditions,
         },
     });
