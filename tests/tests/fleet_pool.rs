@@ -100,7 +100,10 @@ impl Provider for DistinctAddresses {
     fn name(&self) -> &str {
         self.inner.name()
     }
-    fn create<'a>(&'a self, req: &'a CreateRequest) -> BoxFuture<'a, Result<Instance, ProviderError>> {
+    fn create<'a>(
+        &'a self,
+        req: &'a CreateRequest,
+    ) -> BoxFuture<'a, Result<Instance, ProviderError>> {
         Box::pin(async move { self.inner.create(req).await.map(|i| self.fix(i)) })
     }
     fn get<'a>(&'a self, id: &'a InstanceId) -> BoxFuture<'a, Result<Instance, ProviderError>> {
@@ -121,7 +124,10 @@ struct InMemoryProxies {
 }
 
 impl Dialer for InMemoryProxies {
-    fn dial(&self, addr: SocketAddr) -> egress_operator::serving::BoxFuture<'_, std::io::Result<Box<dyn ProbeStream>>> {
+    fn dial(
+        &self,
+        addr: SocketAddr,
+    ) -> egress_operator::serving::BoxFuture<'_, std::io::Result<Box<dyn ProbeStream>>> {
         let down = self.down.lock().unwrap().contains(&addr.ip());
         Box::pin(async move {
             if down {
@@ -154,7 +160,10 @@ where
         if let Some(v) = probe().await {
             return v;
         }
-        assert!(Instant::now() < deadline, "{what}: not seen within {GUARD:?} (hang guard)");
+        assert!(
+            Instant::now() < deadline,
+            "{what}: not seen within {GUARD:?} (hang guard)"
+        );
         tokio::time::sleep(Duration::from_millis(200)).await;
     }
 }
@@ -207,7 +216,11 @@ async fn settled(client: &Client, ns: &str, n: usize) -> Vec<Proxy> {
             .into_iter()
             .filter(|p| p.metadata.deletion_timestamp.is_none())
             .collect();
-        if live.len() != n || live.iter().any(|p| p.labels().get(TEMPLATE_HASH_LABEL) != Some(&hash)) {
+        if live.len() != n
+            || live
+                .iter()
+                .any(|p| p.labels().get(TEMPLATE_HASH_LABEL) != Some(&hash))
+        {
             return None;
         }
         let addrs: BTreeSet<String> = live.iter().filter_map(address).collect();
@@ -219,7 +232,8 @@ async fn settled(client: &Client, ns: &str, n: usize) -> Vec<Proxy> {
 fn per_host(ps: &[Proxy]) -> BTreeMap<String, usize> {
     let mut m = BTreeMap::new();
     for p in ps {
-        *m.entry(p.spec.host.clone().unwrap_or_default()).or_insert(0) += 1;
+        *m.entry(p.spec.host.clone().unwrap_or_default())
+            .or_insert(0) += 1;
     }
     m
 }
@@ -230,12 +244,17 @@ async fn a_pool_converges_rolls_surge_first_keeps_its_slices_and_scales() {
     cp.install_crds().await.unwrap();
     cp.install_rbac().unwrap();
     let admin = cp.client().await.unwrap();
-    let operator = cp.client_for(&cp.operator_kubeconfig().unwrap()).await.unwrap();
+    let operator = cp
+        .client_for(&cp.operator_kubeconfig().unwrap())
+        .await
+        .unwrap();
     let ns_handle = cp.namespace("fleet").await.unwrap();
     let ns = ns_handle.name().to_string();
 
     // The operator's parts, in-process, as its ServiceAccount.
-    let config: Arc<ValidConfig> = Arc::new(egress_operator::config::parse(CONFIG, "fleet.yaml", std::path::Path::new("/")).unwrap());
+    let config: Arc<ValidConfig> = Arc::new(
+        egress_operator::config::parse(CONFIG, "fleet.yaml", std::path::Path::new("/")).unwrap(),
+    );
     let mut registry = Registry::new();
     registry.insert(Arc::new(DistinctAddresses {
         inner: FakeProvider::named("kvm2", &["h1", "h2"]),
@@ -250,8 +269,11 @@ async fn a_pool_converges_rolls_surge_first_keeps_its_slices_and_scales() {
         metrics.clone(),
         None,
     );
-    ctx.prober =
-        egress_operator::serving::Prober::with_dialer(&config.serving, dialer.clone(), metrics.probes.clone());
+    ctx.prober = egress_operator::serving::Prober::with_dialer(
+        &config.serving,
+        dialer.clone(),
+        metrics.probes.clone(),
+    );
     let (stop_tx, stop_rx) = tokio::sync::watch::channel(false);
     let stop = move || {
         let mut rx = stop_rx.clone();
@@ -302,11 +324,21 @@ async fn a_pool_converges_rolls_surge_first_keeps_its_slices_and_scales() {
     assert!(spread.values().all(|&n| n <= 2), "{spread:?}");
     assert_eq!(spread.len(), 2, "{spread:?}");
     for p in &first {
-        assert!(p.name_any().starts_with(&format!("{POOL}-")), "{}", p.name_any());
+        assert!(
+            p.name_any().starts_with(&format!("{POOL}-")),
+            "{}",
+            p.name_any()
+        );
         let owner = &p.owner_references()[0];
-        assert_eq!((owner.kind.as_str(), owner.name.as_str()), ("ProxyPool", POOL));
+        assert_eq!(
+            (owner.kind.as_str(), owner.name.as_str()),
+            ("ProxyPool", POOL)
+        );
     }
-    let svc = Api::<Service>::namespaced(admin.clone(), &ns).get(POOL).await.unwrap();
+    let svc = Api::<Service>::namespaced(admin.clone(), &ns)
+        .get(POOL)
+        .await
+        .unwrap();
     let spec = svc.spec.unwrap();
     assert!(spec.selector.is_none(), "selector-less");
     assert_eq!(spec.ports.unwrap()[0].port, PORT);
@@ -315,16 +347,26 @@ async fn a_pool_converges_rolls_surge_first_keeps_its_slices_and_scales() {
         .await
         .unwrap();
     assert_eq!(
-        slice.labels().get("endpointslice.kubernetes.io/managed-by").map(String::as_str),
+        slice
+            .labels()
+            .get("endpointslice.kubernetes.io/managed-by")
+            .map(String::as_str),
         Some("discovery.egress-operator.dev")
     );
-    assert_eq!(slice.labels().get("kubernetes.io/service-name").map(String::as_str), Some(POOL));
+    assert_eq!(
+        slice
+            .labels()
+            .get("kubernetes.io/service-name")
+            .map(String::as_str),
+        Some(POOL)
+    );
 
     // 2. A template change, sampled throughout.
     let sampling = Arc::new(std::sync::atomic::AtomicBool::new(true));
     let samples = Arc::new(Mutex::new(Vec::<usize>::new()));
     let sampler = {
-        let (client, ns, on, samples) = (admin.clone(), ns.clone(), sampling.clone(), samples.clone());
+        let (client, ns, on, samples) =
+            (admin.clone(), ns.clone(), sampling.clone(), samples.clone());
         tokio::spawn(async move {
             while on.load(std::sync::atomic::Ordering::SeqCst) {
                 if let Some(ready) = ready_in_slice(&client, &ns).await {
@@ -344,12 +386,24 @@ async fn a_pool_converges_rolls_surge_first_keeps_its_slices_and_scales() {
     sampler.await.unwrap();
     let samples = samples.lock().unwrap().clone();
     let min = samples.iter().min().copied().unwrap_or(0);
-    println!("rollout: {} samples of the slice, fewest ready {min}", samples.len());
+    println!(
+        "rollout: {} samples of the slice, fewest ready {min}",
+        samples.len()
+    );
     assert!(samples.len() > 5, "too few samples: {samples:?}");
     assert!(min >= 3, "F2: ready endpoints fell to {min}: {samples:?}");
     let old: BTreeSet<String> = first.iter().map(|p| p.name_any()).collect();
-    assert!(rolled.iter().all(|p| !old.contains(&p.name_any())), "all replaced");
-    assert_eq!(rolled.iter().map(|p| p.spec.image.clone().unwrap()).collect::<BTreeSet<_>>(), BTreeSet::from(["debian-13".to_string()]));
+    assert!(
+        rolled.iter().all(|p| !old.contains(&p.name_any())),
+        "all replaced"
+    );
+    assert_eq!(
+        rolled
+            .iter()
+            .map(|p| p.spec.image.clone().unwrap())
+            .collect::<BTreeSet<_>>(),
+        BTreeSet::from(["debian-13".to_string()])
+    );
 
     // 3. A deleted slice and a hand-edited one are put back.
     let want: BTreeSet<String> = rolled.iter().filter_map(address).collect();
@@ -364,7 +418,11 @@ async fn a_pool_converges_rolls_surge_first_keeps_its_slices_and_scales() {
     .await;
     let edit = serde_json::json!({"endpoints": [{"addresses": ["203.0.113.9"], "conditions": {"ready": true}}]});
     slices
-        .patch(&format!("{POOL}-ipv4"), &PatchParams::default(), &Patch::Merge(&edit))
+        .patch(
+            &format!("{POOL}-ipv4"),
+            &PatchParams::default(),
+            &Patch::Merge(&edit),
+        )
         .await
         .unwrap();
     poll("the hand-edited slice is put back", || async {
@@ -376,19 +434,32 @@ async fn a_pool_converges_rolls_surge_first_keeps_its_slices_and_scales() {
         .await
         .unwrap();
     poll("the deleted Service is back", || async {
-        Api::<Service>::namespaced(admin.clone(), &ns).get_opt(POOL).await.ok()?
+        Api::<Service>::namespaced(admin.clone(), &ns)
+            .get_opt(POOL)
+            .await
+            .ok()?
     })
     .await;
 
     // 4. kubectl scale to 5; one stops serving; scale to 2 removes it first.
-    cp.kubectl_run(&["scale", "-n", &ns, &format!("proxypool/{POOL}"), "--replicas=5"])
-        .unwrap();
+    cp.kubectl_run(&[
+        "scale",
+        "-n",
+        &ns,
+        &format!("proxypool/{POOL}"),
+        "--replicas=5",
+    ])
+    .unwrap();
     let five = settled(&admin, &ns, 5).await;
     let mut by_age = five.clone();
     by_age.sort_by_key(|p| p.metadata.creation_timestamp.clone().map(|t| t.0));
     let broken = by_age[0].clone();
     let broken_ip = address(&broken).unwrap();
-    dialer.down.lock().unwrap().insert(broken_ip.parse().unwrap());
+    dialer
+        .down
+        .lock()
+        .unwrap()
+        .insert(broken_ip.parse().unwrap());
     let stopped = Instant::now();
     poll("the stopped proxy leaves the slice", || async {
         (!ready_in_slice(&admin, &ns).await?.contains(&broken_ip)).then_some(())
@@ -398,19 +469,33 @@ async fn a_pool_converges_rolls_surge_first_keeps_its_slices_and_scales() {
         "a proxy that stopped serving left the slice after {:.2} s (bound 5 s)",
         stopped.elapsed().as_secs_f64()
     );
-    cp.kubectl_run(&["scale", "-n", &ns, &format!("proxypool/{POOL}"), "--replicas=2"])
-        .unwrap();
+    cp.kubectl_run(&[
+        "scale",
+        "-n",
+        &ns,
+        &format!("proxypool/{POOL}"),
+        "--replicas=2",
+    ])
+    .unwrap();
     let two = poll("scaled in to 2", || async {
         let live: Vec<Proxy> = proxies(&admin, &ns)
             .await
             .into_iter()
-            .filter(|p| p.metadata.deletion_timestamp.is_none() && !p.annotations().contains_key("egress-operator.dev/draining-since"))
+            .filter(|p| {
+                p.metadata.deletion_timestamp.is_none()
+                    && !p
+                        .annotations()
+                        .contains_key("egress-operator.dev/draining-since")
+            })
             .collect();
         (live.len() == 2).then_some(live)
     })
     .await;
     let left: BTreeSet<String> = two.iter().map(|p| p.name_any()).collect();
-    assert!(!left.contains(&broken.name_any()), "the non-serving proxy went first");
+    assert!(
+        !left.contains(&broken.name_any()),
+        "the non-serving proxy went first"
+    );
     // Then the newest: the two oldest serving ones stay.
     let oldest_serving: BTreeSet<String> = by_age[1..3].iter().map(|p| p.name_any()).collect();
     assert_eq!(left, oldest_serving);
@@ -419,7 +504,10 @@ async fn a_pool_converges_rolls_surge_first_keeps_its_slices_and_scales() {
     assert!(fleet_metrics.actions(&ns, POOL, "created") >= 8);
 
     // Tear down while the controllers still run, so the Proxies' finalizers are honoured.
-    pools.delete(POOL, &DeleteParams::background()).await.unwrap();
+    pools
+        .delete(POOL, &DeleteParams::background())
+        .await
+        .unwrap();
     poll("the pool's proxies are gone", || async {
         proxies(&admin, &ns).await.is_empty().then_some(())
     })

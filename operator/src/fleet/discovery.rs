@@ -116,9 +116,7 @@ pub fn service(pool: &str, namespace: &str, owner: &OwnerReference, port: u16) -
                 protocol: Some("TCP".into()),
                 port: i32::from(port),
                 target_port: Some(
-                    k8s_openapi::apimachinery::pkg::util::intstr::IntOrString::Int(i32::from(
-                        port,
-                    )),
+                    k8s_openapi::apimachinery::pkg::util::intstr::IntOrString::Int(i32::from(port)),
                 ),
                 ..Default::default()
             }]),
@@ -207,17 +205,24 @@ pub fn check_name(name: &str) -> Result<(), FleetError> {
 }
 
 /// What changed in the list, for events: (proxy, what).
-pub fn membership_changes(before: &[PoolEndpoint], after: &[PoolEndpoint]) -> Vec<(String, String)> {
+pub fn membership_changes(
+    before: &[PoolEndpoint],
+    after: &[PoolEndpoint],
+) -> Vec<(String, String)> {
     let old: BTreeMap<&str, &PoolEndpoint> = before.iter().map(|e| (e.proxy.as_str(), e)).collect();
     let new: BTreeMap<&str, &PoolEndpoint> = after.iter().map(|e| (e.proxy.as_str(), e)).collect();
     let mut out = Vec::new();
     for (name, e) in &new {
         match old.get(name) {
             None if e.ready => out.push((name.to_string(), format!("added {}", e.address))),
-            None => out.push((name.to_string(), format!("listed {} terminating", e.address))),
-            Some(o) if o.ready && !e.ready => {
-                out.push((name.to_string(), format!("{} is draining (terminating)", e.address)))
-            }
+            None => out.push((
+                name.to_string(),
+                format!("listed {} terminating", e.address),
+            )),
+            Some(o) if o.ready && !e.ready => out.push((
+                name.to_string(),
+                format!("{} is draining (terminating)", e.address),
+            )),
             Some(o) if !o.ready && e.ready => {
                 out.push((name.to_string(), format!("{} is ready again", e.address)))
             }
@@ -241,7 +246,9 @@ pub async fn reconcile(pool: Arc<ProxyPool>, ctx: Arc<FleetContext>) -> Result<A
     if !ctx.leading() {
         return Ok(Action::await_change());
     }
-    let ns = pool.namespace().ok_or(FleetError::Incomplete("metadata.namespace"))?;
+    let ns = pool
+        .namespace()
+        .ok_or(FleetError::Incomplete("metadata.namespace"))?;
     let name = pool.name_any();
     if pool.metadata.deletion_timestamp.is_some() {
         // Garbage collection removes what the pool owns.
@@ -291,7 +298,13 @@ pub async fn reconcile(pool: Arc<ProxyPool>, ctx: Arc<FleetContext>) -> Result<A
     let mut conditions: Vec<Condition> = pool
         .status
         .as_ref()
-        .map(|s| s.conditions.iter().filter(|c| c.type_ == ENDPOINTS_HELD).cloned().collect())
+        .map(|s| {
+            s.conditions
+                .iter()
+                .filter(|c| c.type_ == ENDPOINTS_HELD)
+                .cloned()
+                .collect()
+        })
         .unwrap_or_default();
     let (reason, message) = if held {
         (
@@ -327,7 +340,11 @@ pub async fn reconcile(pool: Arc<ProxyPool>, ctx: Arc<FleetContext>) -> Result<A
             "status": { "endpoints": after, "conditions": conditions },
         });
         Api::<ProxyPool>::namespaced(ctx.client.clone(), &ns)
-            .patch_status(&name, &PatchParams::apply(STATUS_MANAGER).force(), &Patch::Apply(body))
+            .patch_status(
+                &name,
+                &PatchParams::apply(STATUS_MANAGER).force(),
+                &Patch::Apply(body),
+            )
             .await?;
     }
     for (proxy, what) in membership_changes(&before, &after) {
@@ -500,7 +517,10 @@ mod tests {
             ready,
             terminating: !ready,
         };
-        let c = membership_changes(&[e("a", true), e("b", true)], &[e("b", false), e("c", true)]);
+        let c = membership_changes(
+            &[e("a", true), e("b", true)],
+            &[e("b", false), e("c", true)],
+        );
         let names: Vec<&str> = c.iter().map(|(n, _)| n.as_str()).collect();
         assert_eq!(names, ["b", "c", "a"]);
         assert!(c[0].1.contains("draining"));

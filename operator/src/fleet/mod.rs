@@ -111,8 +111,8 @@ impl Member {
         let serving_cond = status::condition(&st, status::SERVING);
         // The thorough probe found a proxy that answers but cannot reach the target: the
         // fast probe (any answer passes) must not list it.
-        let target_refused = serving_cond
-            .is_some_and(|c| c.status == "False" && c.reason == "TargetRefused");
+        let target_refused =
+            serving_cond.is_some_and(|c| c.status == "False" && c.reason == "TargetRefused");
         let deleting = proxy.metadata.deletion_timestamp.is_some();
         let serving = match (address, deleting) {
             (Some(ip), false) => match board.verdict(&uid, ip) {

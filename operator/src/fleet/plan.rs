@@ -114,7 +114,12 @@ fn is_old(m: &Member, shape: &PoolShape, hosts: &[HostSlot], now: jiff::Timestam
 }
 
 /// Plans the pool's next step.
-pub fn plan(shape: &PoolShape, members: &[Member], hosts: &[HostSlot], now: jiff::Timestamp) -> Plan {
+pub fn plan(
+    shape: &PoolShape,
+    members: &[Member],
+    hosts: &[HostSlot],
+    now: jiff::Timestamp,
+) -> Plan {
     let mut out = Plan::default();
     let drain = jiff::SignedDuration::try_from(shape.drain).unwrap_or(jiff::SignedDuration::ZERO);
 
@@ -148,7 +153,13 @@ pub fn plan(shape: &PoolShape, members: &[Member], hosts: &[HostSlot], now: jiff
             *per_host.entry(h.clone()).or_default() += 1;
         }
     }
-    let host_load = |m: &Member| m.host.as_ref().and_then(|h| per_host.get(h)).copied().unwrap_or(0);
+    let host_load = |m: &Member| {
+        m.host
+            .as_ref()
+            .and_then(|h| per_host.get(h))
+            .copied()
+            .unwrap_or(0)
+    };
 
     // Old members: the fullest host first (a rollout evens out the spread), then the
     // oldest. Surplus new members (scale-in): the newest first, then the fullest host.
@@ -167,9 +178,17 @@ pub fn plan(shape: &PoolShape, members: &[Member], hosts: &[HostSlot], now: jiff
     let mut old_up: Vec<&Member> = old.iter().copied().filter(|m| m.serving).collect();
     old_up.sort_by(|a, b| by(a, b, false));
     let removable_new: Vec<&Member> = new.iter().copied().filter(|m| !m.leased).collect();
-    let mut new_down: Vec<&Member> = removable_new.iter().copied().filter(|m| !m.serving).collect();
+    let mut new_down: Vec<&Member> = removable_new
+        .iter()
+        .copied()
+        .filter(|m| !m.serving)
+        .collect();
     new_down.sort_by(|a, b| by(a, b, true));
-    let mut new_up: Vec<&Member> = removable_new.iter().copied().filter(|m| m.serving).collect();
+    let mut new_up: Vec<&Member> = removable_new
+        .iter()
+        .copied()
+        .filter(|m| m.serving)
+        .collect();
     new_up.sort_by(|a, b| by(a, b, true));
 
     let mut active_left = active.len();
@@ -228,7 +247,8 @@ pub fn plan(shape: &PoolShape, members: &[Member], hosts: &[HostSlot], now: jiff
     } else {
         shape.replicas.div_ceil(usable.len()).max(1)
     };
-    let mut room: BTreeMap<&str, usize> = usable.iter().map(|h| (h.name.as_str(), h.room)).collect();
+    let mut room: BTreeMap<&str, usize> =
+        usable.iter().map(|h| (h.name.as_str(), h.room)).collect();
     let mut load: BTreeMap<&str, usize> = usable
         .iter()
         .map(|h| (h.name.as_str(), per_host.get(&h.name).copied().unwrap_or(0)))

@@ -209,7 +209,9 @@ pub async fn reconcile(pool: Arc<ProxyPool>, ctx: Arc<FleetContext>) -> Result<A
     if !ctx.leading() || pool.metadata.deletion_timestamp.is_some() {
         return Ok(Action::await_change());
     }
-    let ns = pool.namespace().ok_or(FleetError::Incomplete("metadata.namespace"))?;
+    let ns = pool
+        .namespace()
+        .ok_or(FleetError::Incomplete("metadata.namespace"))?;
     let name = pool.name_any();
     let owner = pool
         .controller_owner_ref(&())
@@ -277,13 +279,24 @@ async fn execute(
             Err(e) => return Err(e.into()),
         }
         ctx.metrics.action(ns, &name, "deleted");
-        publish(ctx, pool, EventType::Normal, "ProxyDeleted", "ScaleIn", format!("deleted {victim}")).await;
+        publish(
+            ctx,
+            pool,
+            EventType::Normal,
+            "ProxyDeleted",
+            "ScaleIn",
+            format!("deleted {victim}"),
+        )
+        .await;
     }
     for victim in &p.drain {
         let body = serde_json::json!({
             "metadata": { "annotations": { DRAINING_ANNOTATION: ctx.now().to_string() } }
         });
-        match api.patch(victim, &PatchParams::default(), &Patch::Merge(&body)).await {
+        match api
+            .patch(victim, &PatchParams::default(), &Patch::Merge(&body))
+            .await
+        {
             Ok(_) => {}
             Err(kube::Error::Api(s)) if s.is_not_found() => continue,
             Err(e) => return Err(e.into()),
@@ -295,7 +308,10 @@ async fn execute(
             EventType::Normal,
             "ProxyDraining",
             "ScaleIn",
-            format!("draining {victim} for {} s before deleting it", shape.drain.as_secs()),
+            format!(
+                "draining {victim} for {} s before deleting it",
+                shape.drain.as_secs()
+            ),
         )
         .await;
     }
@@ -363,7 +379,11 @@ async fn write_status(
         &mut conditions,
         "Available",
         available,
-        if available { "MinimumServing" } else { "BelowMinimum" },
+        if available {
+            "MinimumServing"
+        } else {
+            "BelowMinimum"
+        },
         &format!("{} of at least {min} serve", c.available),
         generation,
         now,
@@ -372,8 +392,15 @@ async fn write_status(
         &mut conditions,
         "Progressing",
         c.progressing,
-        if c.progressing { "RollingOut" } else { "Settled" },
-        &format!("{} of {} made from the current template", c.updated, shape.replicas),
+        if c.progressing {
+            "RollingOut"
+        } else {
+            "Settled"
+        },
+        &format!(
+            "{} of {} made from the current template",
+            c.updated, shape.replicas
+        ),
         generation,
         now,
     );
@@ -386,7 +413,15 @@ async fn write_status(
     } else {
         (false, "AsExpected", "")
     };
-    set_condition(&mut conditions, "Degraded", degraded, reason, msg, generation, now);
+    set_condition(
+        &mut conditions,
+        "Degraded",
+        degraded,
+        reason,
+        msg,
+        generation,
+        now,
+    );
     let n = |v: usize| i32::try_from(v).unwrap_or(i32::MAX);
     let hosts: Vec<HostCount> = c
         .hosts
@@ -412,7 +447,11 @@ async fn write_status(
         },
     });
     Api::<ProxyPool>::namespaced(ctx.client.clone(), ns)
-        .patch_status(name, &PatchParams::apply(STATUS_MANAGER).force(), &Patch::Apply(body))
+        .patch_status(
+            name,
+            &PatchParams::apply(STATUS_MANAGER).force(),
+            &Patch::Apply(body),
+        )
         .await?;
     Ok(())
 }

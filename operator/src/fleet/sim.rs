@@ -293,7 +293,9 @@ impl Dialer for Answering {
                 use tokio::io::{AsyncReadExt, AsyncWriteExt};
                 let mut head = [0u8; 256];
                 let _ = proxy.read(&mut head).await;
-                let _ = proxy.write_all(b"HTTP/1.1 503 Service Unavailable\r\n\r\n").await;
+                let _ = proxy
+                    .write_all(b"HTTP/1.1 503 Service Unavailable\r\n\r\n")
+                    .await;
             });
             Ok(Box::new(client) as Box<dyn ProbeStream>)
         })
@@ -330,7 +332,15 @@ fn target(p: &Proxy) -> Target {
             namespace: "ns".into(),
             name: "pool".into(),
         },
-        ip: p.status.as_ref().unwrap().address.as_ref().unwrap().parse().unwrap(),
+        ip: p
+            .status
+            .as_ref()
+            .unwrap()
+            .address
+            .as_ref()
+            .unwrap()
+            .parse()
+            .unwrap(),
     }
 }
 
