@@ -25,7 +25,7 @@ pub struct Cli {
 pub enum Command {
     /// Print the JSON Schema of the providers config.
     ConfigSchema,
-    /// Print the CustomResourceDefinitions (Proxy, ProviderHealth) as YAML, as
+    /// Print the CustomResourceDefinitions (Proxy, ProviderHealth, ProxyPool) as YAML, as
     /// `config/crd/` holds them.
     Crd,
     /// Print the allow-list of domain XML that plugin output is checked against (Markdown,

@@ -8,6 +8,7 @@ pub mod cli;
 pub mod config;
 pub mod controller;
 pub mod error;
+pub mod fleet;
 pub mod gc;
 pub mod instance;
 pub mod leader;

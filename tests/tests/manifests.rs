@@ -68,7 +68,8 @@ fn generated_crds() -> BTreeMap<String, Value> {
         crds.keys().collect::<Vec<_>>(),
         [
             "providerhealths.egress-operator.dev",
-            "proxies.egress-operator.dev"
+            "proxies.egress-operator.dev",
+            "proxypools.egress-operator.dev"
         ]
     );
     crds

@@ -6,7 +6,8 @@
 //! background ([`plugins`]: transient failures such as a download that does not answer
 //! are retried with backoff, and the replica is ready but degraded meanwhile), reaches the
 //! API server, and waits for the leader Lease. While leading, the Proxy controller, the
-//! garbage collector and the provider health monitor run; when the lease is lost they
+//! garbage collector, the provider health monitor and the fleet controllers (pools,
+//! discovery, the fast liveness probe: [`crate::fleet`]) run; when the lease is lost they
 //! stop and the replica stands by again. The controller and the garbage collector reach
 //! the providers only through a fence on the lease ([`Fenced`]): once it is lost no new
 //! provider call starts, a Create checks it right before define and start, and calls in
@@ -30,6 +31,7 @@ use tokio::sync::watch;
 use crate::config::{self, ValidConfig};
 use crate::controller::{self, ControllerMetrics};
 use crate::error::{Classified, ErrorClass};
+use crate::fleet::FleetMetrics;
 use crate::gc::{GarbageCollector, GcMetrics, KubeProxyIndex};
 use crate::leader::{LeaderElector, LeaderError, LeaderOptions};
 use crate::provider::decorate::Fenced;
@@ -185,6 +187,7 @@ struct Parts {
     controller_metrics: ControllerMetrics,
     gc_metrics: GcMetrics,
     health_metrics: HealthMetrics,
+    fleet_metrics: FleetMetrics,
     identity: String,
     /// Providers whose leftover volumes the collector sweeps (kvm2).
     volumes: Vec<Arc<dyn crate::gc::VolumeCollector>>,
@@ -239,6 +242,7 @@ async fn serve(args: RunArgs, config: Arc<ValidConfig>) -> Result<(), RunError> 
         controller_metrics: ControllerMetrics::register(&mut registry),
         gc_metrics: GcMetrics::register(&mut registry),
         health_metrics: HealthMetrics::register(&mut registry),
+        fleet_metrics: FleetMetrics::register(&mut registry),
         identity,
         volumes: vec![kvm2.provider.clone()],
     };
@@ -431,6 +435,38 @@ enum TermEnd {
     ComponentStopped,
 }
 
+/// The fleet controllers (pools, discovery, the fast liveness probe) for one term. They
+/// write only Kubernetes objects, and each write checks `leading` first.
+fn spawn_fleet<S, F>(
+    tasks: &mut tokio::task::JoinSet<()>,
+    parts: &Parts,
+    client: &kube::Client,
+    leading: &watch::Receiver<bool>,
+    stop: &S,
+) where
+    S: Fn() -> F,
+    F: std::future::Future<Output = ()> + Send + Sync + 'static,
+{
+    use crate::fleet::liveness::{Liveness, LivenessOptions};
+    let board = Arc::new(crate::fleet::LivenessBoard::default());
+    let ctx = Arc::new(crate::fleet::pool::FleetContext::new(
+        client.clone(),
+        parts.config.clone(),
+        board.clone(),
+        parts.fleet_metrics.clone(),
+        leading.clone(),
+        Some(parts.identity.clone()),
+    ));
+    let options = LivenessOptions {
+        port: parts.config.serving.port,
+        ..LivenessOptions::default()
+    };
+    let liveness = Liveness::new(board, options, parts.fleet_metrics.clone());
+    tasks.spawn(liveness.run(client.clone(), stop()));
+    tasks.spawn(crate::fleet::pool::run(ctx.clone(), stop()));
+    tasks.spawn(crate::fleet::discovery::run(ctx, stop()));
+}
+
 /// One leadership term: the three components run until SIGTERM or the lease is lost,
 /// then stop together; the controller first lets reconciles in flight finish.
 async fn run_term(
@@ -494,6 +530,7 @@ async fn run_term(
     tasks.spawn(controller::run(ctx, args.concurrency, stop()));
     tasks.spawn(gc.run(stop()));
     tasks.spawn(monitor.run(stop()));
+    spawn_fleet(&mut tasks, parts, client, &leading, &stop);
 
     let mut leading = leading;
     let end = tokio::select! {

@@ -1,0 +1,530 @@
+//! Discovery: per pool a selector-less Service and one EndpointSlice per address family
+//! that list only the proxies serving now.
+//!
+//! - The Service is named after the pool, has no selector (kube-proxy takes its endpoints
+//!   from our slices) and one TCP port, `proxy`, the proxy port (`serving.port`).
+//! - The slices are `<pool>-ipv4` and `<pool>-ipv6`, labelled
+//!   `kubernetes.io/service-name=<pool>` and `endpointslice.kubernetes.io/managed-by=`
+//!   [`MANAGED_BY`]: one writer per slice, and kube's own EndpointSlice controller leaves
+//!   them alone (the Service has no selector). Both always exist, possibly empty.
+//! - A proxy is listed when it serves now ([`super::Member::serving`]: the fast probe's
+//!   verdict, else `Ready`): `ready=serving=true, terminating=false`. A proxy the pool
+//!   drains is listed `ready=serving=false, terminating=true` for the drain period while it
+//!   still answers. Anything else is not listed.
+//! - Every object is written whole by server-side apply with force, so a hand edit is
+//!   undone and a deleted object comes back at the next watch event (the controller owns
+//!   them, so their events trigger the pool's reconcile).
+//! - The same list goes to `ProxyPool.status.endpoints`; a change of membership is an
+//!   Event on the pool, and the time from a proxy's first failing fast probe to the write
+//!   that removed it is observed ([`super::FleetMetrics`]).
+
+use std::collections::BTreeMap;
+use std::net::IpAddr;
+use std::sync::Arc;
+use std::time::Duration;
+
+use futures_util::StreamExt;
+use k8s_openapi::api::core::v1::{ObjectReference, Service, ServicePort, ServiceSpec};
+use k8s_openapi::api::discovery::v1::{Endpoint, EndpointConditions, EndpointPort, EndpointSlice};
+use k8s_openapi::apimachinery::pkg::apis::meta::v1::{Condition, OwnerReference};
+use kube::api::{ListParams, ObjectMeta, Patch, PatchParams};
+use kube::runtime::controller::{Action, Controller};
+use kube::runtime::events::EventType;
+use kube::runtime::watcher;
+use kube::{Api, Resource, ResourceExt};
+
+use crate::api::proxy::Proxy;
+use crate::api::proxy_pool::{POOL_LABEL, PoolEndpoint, ProxyPool};
+use crate::controller::status::set_condition;
+
+use super::pool::{FleetContext, board_changes, publish};
+use super::{FIELD_MANAGER, FleetError, Member, pool_selector};
+
+/// `endpointslice.kubernetes.io/managed-by` of our slices.
+pub const MANAGED_BY: &str = "discovery.egress-operator.dev";
+/// Label kube-proxy reads to tie a slice to its Service.
+pub const SERVICE_NAME_LABEL: &str = "kubernetes.io/service-name";
+/// Label naming a slice's writer.
+pub const MANAGED_BY_LABEL: &str = "endpointslice.kubernetes.io/managed-by";
+/// The Service's port name.
+pub const PORT_NAME: &str = "proxy";
+/// The pool condition discovery owns: True while the liveness guard holds the endpoints.
+pub const ENDPOINTS_HELD: &str = "EndpointsHeld";
+/// Field manager of discovery's pool status writes (the pool controller has its own).
+const STATUS_MANAGER: &str = "egress-operator-discovery";
+/// Resync of a pool that nothing triggers.
+const RESYNC: Duration = Duration::from_secs(60);
+/// Longest pool name: the slices append `-ipv4`/`-ipv6`, and a Service name is a DNS-1035
+/// label of at most 63 characters.
+const MAX_POOL_NAME: usize = 58;
+
+/// A listed proxy with the UID its slice entry points at.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Listed {
+    /// What status shows.
+    pub endpoint: PoolEndpoint,
+    /// The Proxy's UID.
+    pub uid: String,
+    /// Its address, parsed.
+    pub ip: IpAddr,
+}
+
+/// The proxies to list, by name.
+pub fn listed(members: &[Member], port: u16) -> Vec<Listed> {
+    let mut out: Vec<Listed> = members
+        .iter()
+        .filter(|m| m.serving && !m.deleting)
+        .filter_map(|m| {
+            let ip = m.address?;
+            let draining = m.draining_since.is_some();
+            Some(Listed {
+                endpoint: PoolEndpoint {
+                    proxy: m.name.clone(),
+                    address: ip.to_string(),
+                    port: i32::from(port),
+                    host: m.host.clone(),
+                    ready: !draining,
+                    terminating: draining,
+                },
+                uid: m.uid.clone(),
+                ip,
+            })
+        })
+        .collect();
+    out.sort_by(|a, b| a.endpoint.proxy.cmp(&b.endpoint.proxy));
+    out
+}
+
+/// The owner reference our objects carry.
+pub fn owner_of(pool: &ProxyPool) -> Option<OwnerReference> {
+    pool.controller_owner_ref(&())
+}
+
+/// The pool's Service.
+pub fn service(pool: &str, namespace: &str, owner: &OwnerReference, port: u16) -> Service {
+    Service {
+        metadata: ObjectMeta {
+            name: Some(pool.into()),
+            namespace: Some(namespace.into()),
+            labels: Some(BTreeMap::from([(POOL_LABEL.to_string(), pool.to_string())])),
+            owner_references: Some(vec![owner.clone()]),
+            ..Default::default()
+        },
+        spec: Some(ServiceSpec {
+            ports: Some(vec![ServicePort {
+                name: Some(PORT_NAME.into()),
+                protocol: Some("TCP".into()),
+                port: i32::from(port),
+                target_port: Some(
+                    k8s_openapi::apimachinery::pkg::util::intstr::IntOrString::Int(i32::from(port)),
+                ),
+                ..Default::default()
+            }]),
+            ..Default::default()
+        }),
+        status: None,
+    }
+}
+
+/// The pool's two EndpointSlices (IPv4, IPv6), each listing its family's proxies.
+pub fn slices(
+    pool: &str,
+    namespace: &str,
+    owner: &OwnerReference,
+    port: u16,
+    listed: &[Listed],
+) -> Vec<EndpointSlice> {
+    [("IPv4", "ipv4", false), ("IPv6", "ipv6", true)]
+        .into_iter()
+        .map(|(family, suffix, v6)| EndpointSlice {
+            metadata: ObjectMeta {
+                name: Some(format!("{pool}-{suffix}")),
+                namespace: Some(namespace.into()),
+                labels: Some(BTreeMap::from([
+                    (SERVICE_NAME_LABEL.to_string(), pool.to_string()),
+                    (MANAGED_BY_LABEL.to_string(), MANAGED_BY.to_string()),
+                    (POOL_LABEL.to_string(), pool.to_string()),
+                ])),
+                owner_references: Some(vec![owner.clone()]),
+                ..Default::default()
+            },
+            address_type: family.into(),
+            ports: Some(vec![EndpointPort {
+                name: Some(PORT_NAME.into()),
+                protocol: Some("TCP".into()),
+                port: Some(i32::from(port)),
+                app_protocol: None,
+            }]),
+            endpoints: listed
+                .iter()
+                .filter(|l| l.ip.is_ipv6() == v6)
+                .map(|l| Endpoint {
+                    addresses: vec![l.ip.to_string()],
+                    conditions: Some(EndpointConditions {
+                        ready: Some(l.endpoint.ready),
+                        serving: Some(l.endpoint.ready),
+                        terminating: Some(l.endpoint.terminating),
+                    }),
+                    target_ref: Some(ObjectReference {
+                        api_version: Some(Proxy::api_version(&()).into()),
+                        kind: Some(Proxy::kind(&()).into()),
+                        name: Some(l.endpoint.proxy.clone()),
+                        namespace: Some(namespace.into()),
+                        uid: Some(l.uid.clone()),
+                        ..Default::default()
+                    }),
+                    ..Default::default()
+                })
+                .collect(),
+        })
+        .collect()
+}
+
+/// Checks that the pool's name can name its Service (a DNS-1035 label) and slices.
+pub fn check_name(name: &str) -> Result<(), FleetError> {
+    let bad = |why| {
+        Err(FleetError::BadName {
+            name: name.into(),
+            why,
+        })
+    };
+    if name.len() > MAX_POOL_NAME {
+        return bad("longer than 58 characters, so `<pool>-ipv4` is no valid object name");
+    }
+    if !name.starts_with(|c: char| c.is_ascii_lowercase()) {
+        return bad("must start with a lowercase letter to name a Service (DNS-1035)");
+    }
+    if !name
+        .chars()
+        .all(|c| c.is_ascii_lowercase() || c.is_ascii_digit() || c == '-')
+        || name.ends_with('-')
+    {
+        return bad("must be a DNS-1035 label to name a Service");
+    }
+    Ok(())
+}
+
+/// What changed in the list, for events: (proxy, what).
+pub fn membership_changes(
+    before: &[PoolEndpoint],
+    after: &[PoolEndpoint],
+) -> Vec<(String, String)> {
+    let old: BTreeMap<&str, &PoolEndpoint> = before.iter().map(|e| (e.proxy.as_str(), e)).collect();
+    let new: BTreeMap<&str, &PoolEndpoint> = after.iter().map(|e| (e.proxy.as_str(), e)).collect();
+    let mut out = Vec::new();
+    for (name, e) in &new {
+        match old.get(name) {
+            None if e.ready => out.push((name.to_string(), format!("added {}", e.address))),
+            None => out.push((
+                name.to_string(),
+                format!("listed {} terminating", e.address),
+            )),
+            Some(o) if o.ready && !e.ready => out.push((
+                name.to_string(),
+                format!("{} is draining (terminating)", e.address),
+            )),
+            Some(o) if !o.ready && e.ready => {
+                out.push((name.to_string(), format!("{} is ready again", e.address)))
+            }
+            Some(o) if o.address != e.address => out.push((
+                name.to_string(),
+                format!("address {} replaced by {}", o.address, e.address),
+            )),
+            Some(_) => {}
+        }
+    }
+    for (name, o) in &old {
+        if !new.contains_key(name) {
+            out.push((name.to_string(), format!("removed {}", o.address)));
+        }
+    }
+    out
+}
+
+/// One reconcile of one pool's discovery objects.
+pub async fn reconcile(pool: Arc<ProxyPool>, ctx: Arc<FleetContext>) -> Result<Action, FleetError> {
+    if !ctx.leading() {
+        return Ok(Action::await_change());
+    }
+    let ns = pool
+        .namespace()
+        .ok_or(FleetError::Incomplete("metadata.namespace"))?;
+    let name = pool.name_any();
+    if pool.metadata.deletion_timestamp.is_some() {
+        // Garbage collection removes what the pool owns.
+        return Ok(Action::await_change());
+    }
+    check_name(&name)?;
+    let owner = owner_of(&pool).ok_or(FleetError::Incomplete("metadata.uid"))?;
+    let proxies = Api::<Proxy>::namespaced(ctx.client.clone(), &ns)
+        .list(&ListParams::default().labels(&pool_selector(&name)))
+        .await?;
+    let members: Vec<Member> = proxies
+        .items
+        .iter()
+        .map(|p| Member::of(p, &ctx.board))
+        .collect();
+    let port = ctx.port;
+    let list = listed(&members, port);
+    let params = PatchParams::apply(FIELD_MANAGER).force();
+
+    let svc = service(&name, &ns, &owner, port);
+    Api::<Service>::namespaced(ctx.client.clone(), &ns)
+        .patch(&name, &params, &Patch::Apply(&svc))
+        .await?;
+    let slice_api = Api::<EndpointSlice>::namespaced(ctx.client.clone(), &ns);
+    for s in slices(&name, &ns, &owner, port, &list) {
+        let sname = s.metadata.name.clone().unwrap_or_default();
+        slice_api.patch(&sname, &params, &Patch::Apply(&s)).await?;
+    }
+
+    let before = pool
+        .status
+        .as_ref()
+        .map(|s| s.endpoints.clone())
+        .unwrap_or_default();
+    let after: Vec<PoolEndpoint> = list.iter().map(|l| l.endpoint.clone()).collect();
+    for m in &members {
+        let was = before.iter().any(|e| e.proxy == m.name && e.ready);
+        let is = after.iter().any(|e| e.proxy == m.name && e.ready);
+        if was
+            && !is
+            && let Some(since) = ctx.board.take_failing_since(&m.uid)
+        {
+            ctx.metrics.removed_after(since.elapsed().as_secs_f64());
+        }
+    }
+    let held = ctx.board.held();
+    let mut conditions: Vec<Condition> = pool
+        .status
+        .as_ref()
+        .map(|s| {
+            s.conditions
+                .iter()
+                .filter(|c| c.type_ == ENDPOINTS_HELD)
+                .cloned()
+                .collect()
+        })
+        .unwrap_or_default();
+    let (reason, message) = if held {
+        (
+            "AllProbesFailed",
+            "every pool proxy failed the fast probe at once; the last known endpoints are kept \
+             until one passes (the operator's own network path is suspect)",
+        )
+    } else {
+        ("ProbesPass", "endpoints follow the fast probe")
+    };
+    set_condition(
+        &mut conditions,
+        ENDPOINTS_HELD,
+        held,
+        reason,
+        message,
+        pool.metadata.generation,
+        ctx.now(),
+    );
+    let status_changed = before != after
+        || pool
+            .status
+            .as_ref()
+            .map(|s| s.conditions.iter().find(|c| c.type_ == ENDPOINTS_HELD))
+            .unwrap_or_default()
+            .map(|c| c.status.as_str())
+            != Some(if held { "True" } else { "False" });
+    if status_changed {
+        let body = serde_json::json!({
+            "apiVersion": ProxyPool::api_version(&()),
+            "kind": ProxyPool::kind(&()),
+            "metadata": { "name": name, "namespace": ns },
+            "status": { "endpoints": after, "conditions": conditions },
+        });
+        Api::<ProxyPool>::namespaced(ctx.client.clone(), &ns)
+            .patch_status(
+                &name,
+                &PatchParams::apply(STATUS_MANAGER).force(),
+                &Patch::Apply(body),
+            )
+            .await?;
+    }
+    for (proxy, what) in membership_changes(&before, &after) {
+        publish(
+            &ctx,
+            &pool,
+            EventType::Normal,
+            "EndpointsChanged",
+            "Discovery",
+            format!("{proxy}: {what}"),
+        )
+        .await;
+    }
+    let serving = after.iter().filter(|e| e.ready).count();
+    let terminating = after.iter().filter(|e| e.terminating).count();
+    let not = members.len().saturating_sub(serving + terminating);
+    ctx.metrics.endpoints(&ns, &name, serving, terminating, not);
+    Ok(Action::requeue(RESYNC))
+}
+
+fn error_policy(pool: Arc<ProxyPool>, error: &FleetError, _ctx: Arc<FleetContext>) -> Action {
+    tracing::warn!(pool = %pool.name_any(), error = %error, "discovery reconcile failed");
+    Action::requeue(match error {
+        FleetError::BadName { .. } => RESYNC,
+        _ => Duration::from_secs(2),
+    })
+}
+
+/// Runs discovery until `shutdown`: pools, their Proxies, Services and slices (ours, by
+/// label) and every change of the fast probe's verdicts trigger a reconcile.
+pub async fn run<F>(ctx: Arc<FleetContext>, shutdown: F)
+where
+    F: std::future::Future<Output = ()> + Send + Sync + 'static,
+{
+    let client = ctx.client.clone();
+    Controller::new(
+        Api::<ProxyPool>::all(client.clone()),
+        watcher::Config::default().any_semantic(),
+    )
+    .owns(
+        Api::<Proxy>::all(client.clone()),
+        watcher::Config::default().labels(POOL_LABEL).any_semantic(),
+    )
+    .owns(
+        Api::<Service>::all(client.clone()),
+        watcher::Config::default().labels(POOL_LABEL).any_semantic(),
+    )
+    .owns(
+        Api::<EndpointSlice>::all(client.clone()),
+        watcher::Config::default()
+            .labels(&format!("{MANAGED_BY_LABEL}={MANAGED_BY}"))
+            .any_semantic(),
+    )
+    .reconcile_all_on(board_changes(&ctx.board))
+    .graceful_shutdown_on(shutdown)
+    .run(reconcile, error_policy, ctx)
+    .for_each(|r| async move {
+        if let Err(e) = r {
+            tracing::debug!(error = %e, "discovery stream");
+        }
+    })
+    .await;
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn member(name: &str, ip: &str, serving: bool) -> Member {
+        Member {
+            name: name.into(),
+            uid: format!("uid-{name}"),
+            address: Some(ip.parse().unwrap()),
+            host: Some("h1".into()),
+            created: jiff::Timestamp::UNIX_EPOCH,
+            template_hash: Some("t".into()),
+            draining_since: None,
+            leased: false,
+            deleting: false,
+            ready: serving,
+            serving,
+            failed: false,
+            not_serving_since: None,
+        }
+    }
+
+    fn owner() -> OwnerReference {
+        OwnerReference {
+            api_version: "egress-operator.dev/v1alpha1".into(),
+            kind: "ProxyPool".into(),
+            name: "office".into(),
+            uid: "pool-uid".into(),
+            controller: Some(true),
+            block_owner_deletion: Some(true),
+        }
+    }
+
+    #[test]
+    fn only_serving_proxies_are_listed_and_draining_ones_as_terminating() {
+        let mut draining = member("c", "192.0.2.3", true);
+        draining.draining_since = Some(jiff::Timestamp::UNIX_EPOCH);
+        let mut deleting = member("e", "192.0.2.5", true);
+        deleting.deleting = true;
+        let mut no_address = member("f", "192.0.2.6", true);
+        no_address.address = None;
+        let members = [
+            member("b", "192.0.2.2", true),
+            member("a", "2001:db8::1", true),
+            draining,
+            member("d", "192.0.2.4", false),
+            deleting,
+            no_address,
+        ];
+        let l = listed(&members, 3128);
+        let names: Vec<&str> = l.iter().map(|l| l.endpoint.proxy.as_str()).collect();
+        assert_eq!(names, ["a", "b", "c"]);
+
+        let s = slices("office", "ns", &owner(), 3128, &l);
+        assert_eq!(s.len(), 2);
+        let (v4, v6) = (&s[0], &s[1]);
+        assert_eq!(v4.metadata.name.as_deref(), Some("office-ipv4"));
+        assert_eq!(v4.address_type, "IPv4");
+        assert_eq!(v6.address_type, "IPv6");
+        let labels = v4.metadata.labels.as_ref().unwrap();
+        assert_eq!(labels[SERVICE_NAME_LABEL], "office");
+        assert_eq!(labels[MANAGED_BY_LABEL], MANAGED_BY);
+        let conds = |e: &Endpoint| {
+            let c = e.conditions.clone().unwrap();
+            (c.ready.unwrap(), c.serving.unwrap(), c.terminating.unwrap())
+        };
+        assert_eq!(v4.endpoints.len(), 2);
+        assert_eq!(v4.endpoints[0].addresses, ["192.0.2.2"]);
+        assert_eq!(conds(&v4.endpoints[0]), (true, true, false));
+        assert_eq!(v4.endpoints[1].addresses, ["192.0.2.3"]);
+        assert_eq!(conds(&v4.endpoints[1]), (false, false, true));
+        assert_eq!(
+            v4.endpoints[1].target_ref.as_ref().unwrap().uid.as_deref(),
+            Some("uid-c")
+        );
+        assert_eq!(v6.endpoints.len(), 1);
+        assert_eq!(v6.endpoints[0].addresses, ["2001:db8::1"]);
+        assert_eq!(v4.ports.as_ref().unwrap()[0].port, Some(3128));
+        assert_eq!(v4.metadata.owner_references.as_ref().unwrap()[0], owner());
+    }
+
+    #[test]
+    fn the_service_has_no_selector_and_the_proxy_port() {
+        let s = service("office", "ns", &owner(), 8888);
+        let spec = s.spec.unwrap();
+        assert!(spec.selector.is_none());
+        let p = &spec.ports.unwrap()[0];
+        assert_eq!((p.name.as_deref(), p.port), (Some(PORT_NAME), 8888));
+    }
+
+    #[test]
+    fn names_that_cannot_name_a_service_are_refused() {
+        assert!(check_name("office-pool").is_ok());
+        for bad in ["1pool", "Pool", "pool-", &"p".repeat(59), "a.b"] {
+            assert!(check_name(bad).is_err(), "{bad}");
+        }
+    }
+
+    #[test]
+    fn membership_changes_name_each_proxy_once() {
+        let e = |n: &str, ready: bool| PoolEndpoint {
+            proxy: n.into(),
+            address: "192.0.2.1".into(),
+            port: 3128,
+            host: None,
+            ready,
+            terminating: !ready,
+        };
+        let c = membership_changes(
+            &[e("a", true), e("b", true)],
+            &[e("b", false), e("c", true)],
+        );
+        let names: Vec<&str> = c.iter().map(|(n, _)| n.as_str()).collect();
+        assert_eq!(names, ["b", "c", "a"]);
+        assert!(c[0].1.contains("draining"));
+        assert!(c[2].1.contains("removed"));
+        assert!(membership_changes(&[e("a", true)], &[e("a", true)]).is_empty());
+    }
+}

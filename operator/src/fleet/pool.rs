@@ -1,0 +1,501 @@
+//! The `ProxyPool` controller: reads the pool's members, the hosts (the providers config
+//! for names and `maxDomains`, `ProviderHealth` for reachability) and the fast probe's
+//! verdicts, asks [`plan`] what to do, and does it with plain Kubernetes writes: create a
+//! Proxy (owned by the pool, pinned to the chosen host), annotate one to drain it, delete
+//! one. The Proxy controller makes and removes the VMs.
+//!
+//! Members are listed from the API server at every reconcile (not from a cache), so a
+//! Proxy created by the previous reconcile is always counted and never created twice.
+
+use std::collections::BTreeMap;
+use std::sync::Arc;
+use std::time::Duration;
+
+use futures_util::StreamExt;
+use k8s_openapi::apimachinery::pkg::apis::meta::v1::Condition;
+use kube::api::{DeleteParams, ListParams, ObjectMeta, Patch, PatchParams, PostParams};
+use kube::runtime::controller::{Action, Controller};
+use kube::runtime::events::{Event, EventType, Recorder, Reporter};
+use kube::runtime::reflector::ObjectRef;
+use kube::runtime::watcher;
+use kube::{Api, Client, Resource, ResourceExt};
+use tokio::sync::watch;
+
+use crate::api::provider_health::ProviderHealth;
+use crate::api::proxy::Proxy;
+use crate::api::proxy_pool::{
+    DRAINING_ANNOTATION, HostCount, POOL_LABEL, ProxyPool, TEMPLATE_HASH_LABEL,
+};
+use crate::config::ValidConfig;
+use crate::controller::status::set_condition;
+
+use super::plan::{self, HostSlot, Plan, PoolShape};
+use super::{FleetError, FleetMetrics, LivenessBoard, Member, pool_selector};
+
+/// Field manager of the pool controller's status writes.
+const STATUS_MANAGER: &str = "egress-operator-pool";
+/// How soon a pool under way is looked at again when no event comes.
+const PROGRESS_RESYNC: Duration = Duration::from_secs(5);
+/// Resync of a settled pool.
+const RESYNC: Duration = Duration::from_secs(60);
+
+/// A wall clock (replaceable in tests).
+pub type Clock = Arc<dyn Fn() -> jiff::Timestamp + Send + Sync>;
+
+/// What the fleet controllers share.
+pub struct FleetContext {
+    /// The API client.
+    pub client: Client,
+    /// The providers config: host names and capacity, the proxy port, the replace grace.
+    pub config: Arc<ValidConfig>,
+    /// The fast probe's verdicts.
+    pub board: Arc<LivenessBoard>,
+    /// Metrics.
+    pub metrics: FleetMetrics,
+    /// Events.
+    pub recorder: Recorder,
+    /// The proxy port (`serving.port`).
+    pub port: u16,
+    /// True while this replica leads: a deposed replica writes nothing (invariant F4).
+    pub leading: watch::Receiver<bool>,
+    /// Condition and drain times.
+    pub clock: Clock,
+}
+
+impl std::fmt::Debug for FleetContext {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("FleetContext")
+            .field("port", &self.port)
+            .finish_non_exhaustive()
+    }
+}
+
+impl FleetContext {
+    /// A context; `instance` names this replica in events.
+    pub fn new(
+        client: Client,
+        config: Arc<ValidConfig>,
+        board: Arc<LivenessBoard>,
+        metrics: FleetMetrics,
+        leading: watch::Receiver<bool>,
+        instance: Option<String>,
+    ) -> Self {
+        let recorder = Recorder::new(
+            client.clone(),
+            Reporter {
+                controller: "egress-operator-fleet".into(),
+                instance,
+            },
+        );
+        let port = config.serving.port;
+        Self {
+            client,
+            config,
+            board,
+            metrics,
+            recorder,
+            port,
+            leading,
+            clock: Arc::new(jiff::Timestamp::now),
+        }
+    }
+
+    /// Now.
+    pub fn now(&self) -> jiff::Timestamp {
+        (self.clock)()
+    }
+
+    /// Whether this replica may write.
+    pub fn leading(&self) -> bool {
+        *self.leading.borrow()
+    }
+}
+
+/// Publishes an event on the pool; a failure is logged only.
+pub(super) async fn publish(
+    ctx: &FleetContext,
+    pool: &ProxyPool,
+    type_: EventType,
+    reason: &str,
+    action: &str,
+    note: String,
+) {
+    let ev = Event {
+        type_,
+        reason: reason.into(),
+        note: Some(note),
+        action: action.into(),
+        secondary: None,
+    };
+    if let Err(e) = ctx.recorder.publish(&ev, &pool.object_ref(&())).await {
+        tracing::debug!(error = %e, reason, "could not publish event");
+    }
+}
+
+/// A stream that yields once per change of the board (for `reconcile_all_on`).
+pub(super) fn board_changes(
+    board: &LivenessBoard,
+) -> impl futures_util::Stream<Item = ()> + Send + 'static {
+    futures_util::stream::unfold(board.subscribe(), |mut rx| async move {
+        match rx.recv().await {
+            Ok(()) | Err(tokio::sync::broadcast::error::RecvError::Lagged(_)) => Some(((), rx)),
+            Err(tokio::sync::broadcast::error::RecvError::Closed) => None,
+        }
+    })
+}
+
+/// The pool's shape for [`plan::plan`].
+pub fn shape_of(pool: &ProxyPool, config: &ValidConfig) -> PoolShape {
+    let s = &pool.spec;
+    let n = |v: i32| usize::try_from(v).unwrap_or(0);
+    PoolShape {
+        replicas: n(s.replicas),
+        max_surge: n(s.max_surge),
+        max_unavailable: n(s.max_unavailable),
+        drain: Duration::from_secs(u64::from(s.drain_seconds)),
+        template_hash: s.template.hash(),
+        replace_after: Duration::from_secs(u64::from(config.serving.replace_after_seconds)),
+    }
+}
+
+/// The hosts a pool may use: the configured ones (or the pool's subset), their health from
+/// `health` (a host it does not mention counts as healthy), and their room given `used`
+/// Proxies per host.
+pub fn host_slots(
+    pool: &ProxyPool,
+    config: &ValidConfig,
+    health: Option<&ProviderHealth>,
+    used: &BTreeMap<String, usize>,
+) -> Vec<HostSlot> {
+    let wanted = pool.spec.hosts.as_ref();
+    config
+        .kvm2
+        .hosts
+        .iter()
+        .filter(|h| wanted.is_none_or(|w| w.iter().any(|n| n.0 == h.name)))
+        .map(|h| {
+            let healthy = health
+                .and_then(|ph| ph.status.as_ref())
+                .and_then(|s| s.targets.iter().find(|t| t.name == h.name))
+                .is_none_or(|t| t.reachable);
+            let max = usize::try_from(h.max_domains).unwrap_or(usize::MAX);
+            HostSlot {
+                name: h.name.clone(),
+                healthy,
+                room: max.saturating_sub(used.get(&h.name).copied().unwrap_or(0)),
+            }
+        })
+        .collect()
+}
+
+/// Proxies per host across the whole cluster (status host, else the pinned one).
+fn usage(all: &[Proxy]) -> BTreeMap<String, usize> {
+    let mut used = BTreeMap::new();
+    for p in all {
+        let host = p
+            .status
+            .as_ref()
+            .and_then(|s| s.host.clone())
+            .or_else(|| p.spec.host.clone());
+        if let Some(h) = host {
+            *used.entry(h).or_insert(0) += 1;
+        }
+    }
+    used
+}
+
+/// One reconcile of one pool.
+pub async fn reconcile(pool: Arc<ProxyPool>, ctx: Arc<FleetContext>) -> Result<Action, FleetError> {
+    if !ctx.leading() || pool.metadata.deletion_timestamp.is_some() {
+        return Ok(Action::await_change());
+    }
+    let ns = pool
+        .namespace()
+        .ok_or(FleetError::Incomplete("metadata.namespace"))?;
+    let name = pool.name_any();
+    let owner = pool
+        .controller_owner_ref(&())
+        .ok_or(FleetError::Incomplete("metadata.uid"))?;
+    let proxies = Api::<Proxy>::namespaced(ctx.client.clone(), &ns);
+    let mine = proxies
+        .list(&ListParams::default().labels(&pool_selector(&name)))
+        .await?;
+    let members: Vec<Member> = mine
+        .items
+        .iter()
+        // Only Proxies this pool controls (a copied label does not make one ours).
+        .filter(|p| {
+            p.owner_references()
+                .iter()
+                .any(|o| o.controller == Some(true) && o.uid == owner.uid)
+        })
+        .map(|p| Member::of(p, &ctx.board))
+        .collect();
+    let health = Api::<ProviderHealth>::all(ctx.client.clone())
+        .get_opt(&pool.spec.template.provider)
+        .await?;
+    let shape = shape_of(&pool, &ctx.config);
+    let now = ctx.now();
+    // First without the cluster's usage (cheap); creates need the real room, so only
+    // then every Proxy is listed.
+    let mut slots = host_slots(&pool, &ctx.config, health.as_ref(), &BTreeMap::new());
+    let mut p = plan::plan(&shape, &members, &slots, now);
+    if !p.create.is_empty() {
+        let all = Api::<Proxy>::all(ctx.client.clone())
+            .list(&ListParams::default())
+            .await?;
+        slots = host_slots(&pool, &ctx.config, health.as_ref(), &usage(&all.items));
+        p = plan::plan(&shape, &members, &slots, now);
+    }
+    execute(&ctx, &pool, &ns, &owner, &shape, &p).await?;
+    write_status(&ctx, &pool, &ns, &name, &shape, &p).await?;
+    ctx.metrics.rollout(
+        &ns,
+        &name,
+        i32::try_from(p.counts.updated).unwrap_or(i32::MAX),
+        pool.spec.replicas,
+    );
+    Ok(Action::requeue(match p.requeue {
+        Some(r) => r.min(PROGRESS_RESYNC),
+        None if p.counts.progressing => PROGRESS_RESYNC,
+        None => RESYNC,
+    }))
+}
+
+async fn execute(
+    ctx: &FleetContext,
+    pool: &ProxyPool,
+    ns: &str,
+    owner: &k8s_openapi::apimachinery::pkg::apis::meta::v1::OwnerReference,
+    shape: &PoolShape,
+    p: &Plan,
+) -> Result<(), FleetError> {
+    let name = pool.name_any();
+    let api = Api::<Proxy>::namespaced(ctx.client.clone(), ns);
+    for victim in &p.delete {
+        match api.delete(victim, &DeleteParams::background()).await {
+            Ok(_) => {}
+            Err(kube::Error::Api(s)) if s.is_not_found() => continue,
+            Err(e) => return Err(e.into()),
+        }
+        ctx.metrics.action(ns, &name, "deleted");
+        publish(
+            ctx,
+            pool,
+            EventType::Normal,
+            "ProxyDeleted",
+            "ScaleIn",
+            format!("deleted {victim}"),
+        )
+        .await;
+    }
+    for victim in &p.drain {
+        let body = serde_json::json!({
+            "metadata": { "annotations": { DRAINING_ANNOTATION: ctx.now().to_string() } }
+        });
+        match api
+            .patch(victim, &PatchParams::default(), &Patch::Merge(&body))
+            .await
+        {
+            Ok(_) => {}
+            Err(kube::Error::Api(s)) if s.is_not_found() => continue,
+            Err(e) => return Err(e.into()),
+        }
+        ctx.metrics.action(ns, &name, "drained");
+        publish(
+            ctx,
+            pool,
+            EventType::Normal,
+            "ProxyDraining",
+            "ScaleIn",
+            format!(
+                "draining {victim} for {} s before deleting it",
+                shape.drain.as_secs()
+            ),
+        )
+        .await;
+    }
+    for host in &p.create {
+        let proxy = Proxy {
+            metadata: ObjectMeta {
+                generate_name: Some(format!("{name}-")),
+                namespace: Some(ns.into()),
+                labels: Some(BTreeMap::from([
+                    (POOL_LABEL.to_string(), name.clone()),
+                    (TEMPLATE_HASH_LABEL.to_string(), shape.template_hash.clone()),
+                ])),
+                owner_references: Some(vec![owner.clone()]),
+                ..Default::default()
+            },
+            spec: pool.spec.template.proxy_spec(Some(host.clone())),
+            status: None,
+        };
+        let made = api.create(&PostParams::default(), &proxy).await?;
+        ctx.metrics.action(ns, &name, "created");
+        publish(
+            ctx,
+            pool,
+            EventType::Normal,
+            "ProxyCreated",
+            "ScaleOut",
+            format!("created {} on {host}", made.name_any()),
+        )
+        .await;
+    }
+    if p.insufficient_hosts {
+        publish(
+            ctx,
+            pool,
+            EventType::Warning,
+            "InsufficientHosts",
+            "Place",
+            "no healthy host with room for another proxy".into(),
+        )
+        .await;
+    }
+    Ok(())
+}
+
+async fn write_status(
+    ctx: &FleetContext,
+    pool: &ProxyPool,
+    ns: &str,
+    name: &str,
+    shape: &PoolShape,
+    p: &Plan,
+) -> Result<(), FleetError> {
+    let c = &p.counts;
+    let generation = pool.metadata.generation;
+    let now = ctx.now();
+    let mut conditions: Vec<Condition> = pool
+        .status
+        .as_ref()
+        .map(|s| s.conditions.clone())
+        .unwrap_or_default();
+    conditions.retain(|c| matches!(c.type_.as_str(), "Available" | "Progressing" | "Degraded"));
+    let min = shape.replicas.saturating_sub(shape.max_unavailable);
+    let available = c.available >= min;
+    set_condition(
+        &mut conditions,
+        "Available",
+        available,
+        if available {
+            "MinimumServing"
+        } else {
+            "BelowMinimum"
+        },
+        &format!("{} of at least {min} serve", c.available),
+        generation,
+        now,
+    );
+    set_condition(
+        &mut conditions,
+        "Progressing",
+        c.progressing,
+        if c.progressing {
+            "RollingOut"
+        } else {
+            "Settled"
+        },
+        &format!(
+            "{} of {} made from the current template",
+            c.updated, shape.replicas
+        ),
+        generation,
+        now,
+    );
+    let (degraded, reason, msg) = if p.insufficient_hosts {
+        (
+            true,
+            "InsufficientHosts",
+            "no healthy host with room for another proxy (see ProviderHealth and maxDomains)",
+        )
+    } else {
+        (false, "AsExpected", "")
+    };
+    set_condition(
+        &mut conditions,
+        "Degraded",
+        degraded,
+        reason,
+        msg,
+        generation,
+        now,
+    );
+    let n = |v: usize| i32::try_from(v).unwrap_or(i32::MAX);
+    let hosts: Vec<HostCount> = c
+        .hosts
+        .iter()
+        .map(|(h, k)| HostCount {
+            host: h.clone(),
+            replicas: n(*k),
+        })
+        .collect();
+    let body = serde_json::json!({
+        "apiVersion": ProxyPool::api_version(&()),
+        "kind": ProxyPool::kind(&()),
+        "metadata": { "name": name, "namespace": ns },
+        "status": {
+            "replicas": n(c.replicas),
+            "readyReplicas": n(c.ready),
+            "updatedReplicas": n(c.updated),
+            "availableReplicas": n(c.available),
+            "selector": pool_selector(name),
+            "hosts": hosts,
+            "observedGeneration": generation,
+            "conditions": conditions,
+        },
+    });
+    Api::<ProxyPool>::namespaced(ctx.client.clone(), ns)
+        .patch_status(
+            name,
+            &PatchParams::apply(STATUS_MANAGER).force(),
+            &Patch::Apply(body),
+        )
+        .await?;
+    Ok(())
+}
+
+fn error_policy(pool: Arc<ProxyPool>, error: &FleetError, _ctx: Arc<FleetContext>) -> Action {
+    tracing::warn!(pool = %pool.name_any(), error = %error, "pool reconcile failed");
+    Action::requeue(Duration::from_secs(5))
+}
+
+/// Runs the pool controller until `shutdown`: pools, their Proxies, ProviderHealth and
+/// the fast probe's verdicts trigger reconciles.
+pub async fn run<F>(ctx: Arc<FleetContext>, shutdown: F)
+where
+    F: std::future::Future<Output = ()> + Send + Sync + 'static,
+{
+    let client = ctx.client.clone();
+    let controller = Controller::new(
+        Api::<ProxyPool>::all(client.clone()),
+        watcher::Config::default().any_semantic(),
+    );
+    let pools = controller.store();
+    controller
+        .owns(
+            Api::<Proxy>::all(client.clone()),
+            watcher::Config::default().labels(POOL_LABEL).any_semantic(),
+        )
+        .watches(
+            Api::<ProviderHealth>::all(client.clone()),
+            watcher::Config::default().any_semantic(),
+            move |_| {
+                pools
+                    .state()
+                    .into_iter()
+                    .map(|p| ObjectRef::from_obj(&*p))
+                    .collect::<Vec<_>>()
+            },
+        )
+        .reconcile_all_on(board_changes(&ctx.board))
+        .graceful_shutdown_on(shutdown)
+        .run(reconcile, error_policy, ctx)
+        .for_each(|r| async move {
+            if let Err(e) = r {
+                tracing::debug!(error = %e, "pool controller stream");
+            }
+        })
+        .await;
+}
