@@ -81,7 +81,10 @@ fn systemctl(lab: &GuestLab, domain: &str, verb: &str) {
         r#"{{"execute":"guest-exec","arguments":{{"path":"/usr/bin/systemctl","arg":["{verb}","tinyproxy"]}}}}"#
     );
     lab.libvirtd
-        .virsh(&lab.libvirtd.qemu_uri(), &["qemu-agent-command", domain, &cmd])
+        .virsh(
+            &lab.libvirtd.qemu_uri(),
+            &["qemu-agent-command", domain, &cmd],
+        )
         .unwrap_or_else(|e| panic!("systemctl {verb} tinyproxy in {domain}: {e:#}"));
 }
 
@@ -206,7 +209,11 @@ async fn a_proxy_that_stops_serving_leaves_the_slice_and_comes_back() {
             &format!("trial {trial}: the stopped proxy out of the slice"),
             CHANGE_GUARD,
             &op,
-            || async { ready_in_slice(&client, ns.name()).await.filter(Vec::is_empty) },
+            || async {
+                ready_in_slice(&client, ns.name())
+                    .await
+                    .filter(Vec::is_empty)
+            },
         )
         .await;
         gone.push(t.elapsed());
@@ -225,8 +232,14 @@ async fn a_proxy_that_stops_serving_leaves_the_slice_and_comes_back() {
         .await;
         back.push(t.elapsed());
     }
-    println!("stopped proxy out of the EndpointSlice: {}", summary(&mut gone));
-    println!("restarted proxy back in the EndpointSlice: {}", summary(&mut back));
+    println!(
+        "stopped proxy out of the EndpointSlice: {}",
+        summary(&mut gone)
+    );
+    println!(
+        "restarted proxy back in the EndpointSlice: {}",
+        summary(&mut back)
+    );
     // The VM stayed the same throughout: a flap is not a replacement.
     let still = proxies.get(&member.name_any()).await.unwrap();
     assert_eq!(still.uid(), member.uid(), "the Proxy was replaced");

@@ -2,7 +2,7 @@
 //! `ProxyPool` and discovery on the real control plane (issue 23's "done when").
 //!
 //! The operator's parts run in-process as its ServiceAccount (the shipped `config/rbac`,
-//! the fleet's own ClusterRole included): the Proxy controller over a [`FakeProvider`]
+//! the fleet's rules included): the Proxy controller over a [`FakeProvider`]
 //! (hosts `h1`, `h2`), and the pool, discovery and liveness controllers. The fake's proxies
 //! live in memory: every probe (the Proxy controller's slow one and the fast liveness one)
 //! is answered by an in-memory dialer, so no packet leaves the process, and a test turns a
