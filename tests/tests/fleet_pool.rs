@@ -38,6 +38,7 @@ use egress_operator::provider::{
 };
 use egress_operator::serving::{Dialer, ProbeStream};
 use integration_tests::harness::ControlPlane;
+use integration_tests::harness::controlplane::{OPERATOR_NAMESPACE, OPERATOR_SERVICE_ACCOUNT};
 use k8s_openapi::api::core::v1::Service;
 use k8s_openapi::api::discovery::v1::EndpointSlice;
 use kube::api::{DeleteParams, ListParams, Patch, PatchParams, PostParams};
@@ -515,4 +516,15 @@ async fn a_pool_converges_rolls_surge_first_keeps_its_slices_and_scales() {
     let _ = stop_tx.send(true);
     while tasks.join_next().await.is_some() {}
     drop(ns_handle);
+
+    // The shipped RBAC covered every call of the pool, discovery and liveness controllers:
+    // the API server refused none of the ServiceAccount's requests.
+    let user = format!("system:serviceaccount:{OPERATOR_NAMESPACE}:{OPERATOR_SERVICE_ACCOUNT}");
+    if let Some(audit) = cp.audit().unwrap() {
+        let refused: Vec<_> = audit
+            .iter()
+            .filter(|r| r.user == user && r.code == 403)
+            .collect();
+        assert!(refused.is_empty(), "refused (403):\n{refused:#?}");
+    }
 }
