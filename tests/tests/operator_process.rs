@@ -206,7 +206,7 @@ async fn the_operator_runs_as_its_service_account_and_is_never_refused() {
     println!("ProviderHealth kvm2 re-created after its deletion");
 
     // ---- kube-apiserver restarts: the watches resume, a new Proxy is reconciled -------
-    let lists_before = proxy_lists(&plane);
+    let lists_before = proxy_lists(plane);
     if plane.is_local() {
         plane.restart_apiserver().unwrap();
     }
@@ -229,7 +229,7 @@ async fn the_operator_runs_as_its_service_account_and_is_never_refused() {
     println!(
         "after a kube-apiserver restart a new Proxy became Ready; the operator listed Proxies {} times before it, {} after",
         lists_before,
-        proxy_lists(&plane) - lists_before
+        proxy_lists(plane) - lists_before
     );
     proxies
         .delete("after-restart", &DeleteParams::default())
