@@ -336,6 +336,38 @@ async fn a_pool_converges_rolls_surge_first_keeps_its_slices_and_scales() {
             ("ProxyPool", POOL)
         );
     }
+    // At rest, a reconcile writes no pool status: an annotation (no generation bump, a
+    // watch event all the same) makes the pool controller look again and leave it.
+    let user = format!("system:serviceaccount:{OPERATOR_NAMESPACE}:{OPERATOR_SERVICE_ACCOUNT}");
+    let status_writes = || {
+        cp.audit().unwrap().map_or(0, |a| {
+            a.iter()
+                .filter(|r| {
+                    r.user == user
+                        && r.resource == "proxypools/status"
+                        && r.verb == "patch"
+                        && r.namespace.as_deref() == Some(ns.as_str())
+                })
+                .count()
+        })
+    };
+    // Let the last reconcile of the convergence land first.
+    tokio::time::sleep(Duration::from_secs(6)).await;
+    let before = status_writes();
+    pools
+        .patch(
+            POOL,
+            &PatchParams::default(),
+            &Patch::Merge(serde_json::json!({"metadata": {"annotations": {"touched": "yes"}}})),
+        )
+        .await
+        .unwrap();
+    tokio::time::sleep(Duration::from_secs(3)).await;
+    assert_eq!(
+        status_writes(),
+        before,
+        "a settled pool's reconcile wrote its unchanged status"
+    );
     let svc = Api::<Service>::namespaced(admin.clone(), &ns)
         .get(POOL)
         .await

@@ -266,7 +266,9 @@ pub async fn reconcile(pool: Arc<ProxyPool>, ctx: Arc<FleetContext>) -> Result<A
         .collect();
     let port = ctx.port;
     let list = listed(&members, port);
-    let params = PatchParams::apply(FIELD_MANAGER).force();
+    let params = PatchParams::apply(FIELD_MANAGER)
+        .force()
+        .validation_strict();
 
     let svc = service(&name, &ns, &owner, port);
     Api::<Service>::namespaced(ctx.client.clone(), &ns)
@@ -342,7 +344,9 @@ pub async fn reconcile(pool: Arc<ProxyPool>, ctx: Arc<FleetContext>) -> Result<A
         Api::<ProxyPool>::namespaced(ctx.client.clone(), &ns)
             .patch_status(
                 &name,
-                &PatchParams::apply(STATUS_MANAGER).force(),
+                &PatchParams::apply(STATUS_MANAGER)
+                    .force()
+                    .validation_strict(),
                 &Patch::Apply(body),
             )
             .await?;
