@@ -336,15 +336,17 @@ async fn a_pool_converges_rolls_surge_first_keeps_its_slices_and_scales() {
             ("ProxyPool", POOL)
         );
     }
-    // At rest, a reconcile writes no pool status: an annotation (no generation bump, a
-    // watch event all the same) makes the pool controller look again and leave it.
+    // At rest, a reconcile writes nothing: an annotation (no generation bump, a watch
+    // event all the same) makes the pool controller and discovery look again, and they
+    // leave the pool's status, Service and slices as they are.
     let user = format!("system:serviceaccount:{OPERATOR_NAMESPACE}:{OPERATOR_SERVICE_ACCOUNT}");
     let status_writes = || {
         cp.audit().unwrap().map_or(0, |a| {
             a.iter()
                 .filter(|r| {
                     r.user == user
-                        && r.resource == "proxypools/status"
+                        && ["proxypools/status", "services", "endpointslices"]
+                            .contains(&r.resource.as_str())
                         && r.verb == "patch"
                         && r.namespace.as_deref() == Some(ns.as_str())
                 })
@@ -366,7 +368,7 @@ async fn a_pool_converges_rolls_surge_first_keeps_its_slices_and_scales() {
     assert_eq!(
         status_writes(),
         before,
-        "a settled pool's reconcile wrote its unchanged status"
+        "a settled pool's reconcile wrote its unchanged status, Service or slices"
     );
     let svc = Api::<Service>::namespaced(admin.clone(), &ns)
         .get(POOL)
