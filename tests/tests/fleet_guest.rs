@@ -146,7 +146,9 @@ async fn a_proxy_that_stops_serving_leaves_the_slice_and_comes_back() {
 
     let secret: k8s_openapi::api::core::v1::Secret = serde_json::from_value(serde_json::json!({
         "metadata": {"name": "user-data", "labels": {"egress-operator.dev/user-data": "true"}},
-        "stringData": {"user-data": "#cloud-config\ntimezone: UTC\n"},
+        // The user-data renames the guest: cloud-init prefers it to the meta-data's
+        // name, and the Proxy must still become Ready (issue 19, finding 1).
+        "stringData": {"user-data": "#cloud-config\nhostname: renamed-by-user-data\ntimezone: UTC\n"},
     }))
     .unwrap();
     Api::namespaced(client.clone(), ns.name())
@@ -189,6 +191,42 @@ async fn a_proxy_that_stops_serving_leaves_the_slice_and_comes_back() {
     assert_eq!(members.len(), 1, "one Proxy for a pool of one");
     let member = &members[0];
     let domain = format!("egress-{}", member.uid().unwrap());
+    // Listed by the fast probe is not enough: the thorough probe must pass too, so the
+    // renamed guest counts as having read its seed.
+    let ready = wait_for(
+        "the renamed guest's Proxy Ready",
+        BOOT_GUARD,
+        &op,
+        || async {
+            let p = proxies.get(&member.name_any()).await.ok()?;
+            let st = p.status.clone()?;
+            st.conditions
+                .iter()
+                .any(|c| c.type_ == "Ready" && c.status == "True")
+                .then_some(st)
+        },
+    )
+    .await;
+    let hostname = r#"{"execute":"guest-get-host-name"}"#;
+    let named = lab
+        .libvirtd
+        .virsh(
+            &lab.libvirtd.qemu_uri(),
+            &["qemu-agent-command", &domain, hostname],
+        )
+        .unwrap();
+    assert!(
+        named.contains("renamed-by-user-data"),
+        "the user-data did not rename the guest: {named}"
+    );
+    println!(
+        "the guest renamed by its user-data is Ready: {:?}",
+        ready
+            .conditions
+            .iter()
+            .map(|c| format!("{}={} ({})", c.type_, c.status, c.reason))
+            .collect::<Vec<_>>()
+    );
     // The pool's status carries the same list for clients that do not use kube-proxy.
     let status = pools.get(POOL).await.unwrap().status.unwrap_or_default();
     assert!(

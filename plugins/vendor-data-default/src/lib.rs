@@ -6,7 +6,8 @@
 //!   header (it would carry the VM's host name).
 //! - An nftables table, applied before every start of tinyproxy by a systemd drop-in
 //!   (`ExecStartPre`, failing closed), resets tinyproxy's new TCP connections to the VM's
-//!   own addresses, the networks it sits on (read from its routes at each start),
+//!   own addresses, the networks it sits on (read from its routes, and applied again by
+//!   a watcher on every change of them, see [`netwatch`]),
 //!   loopback, link-local, metadata addresses and `deniedDestinationCidrs`, unless
 //!   `allowedDestinationCidrs` matches first. tinyproxy's filters match host names as
 //!   strings, which `CONNECT 127.1:22` or a name resolving to 127.0.0.1 defeats; the
@@ -20,6 +21,7 @@
 #![forbid(unsafe_code)]
 
 pub mod cidr;
+pub mod netwatch;
 pub mod render;
 pub mod settings;
 

@@ -289,6 +289,14 @@ EGRESS_RULES_HEAD
 	for net in $link6; do
 		echo "		ip6 daddr $net counter reject with tcp reset comment \"a network this VM sits on\""
 	done
+	# A family whose networks are not known yet is refused whole until they are: the
+	# watcher (egress-proxy-netwatch) applies this again when its first route appears.
+	if [ -z "$link4" ]; then
+		echo "		meta nfproto ipv4 counter reject with tcp reset comment \"no IPv4 network known yet\""
+	fi
+	if [ -z "$link6" ]; then
+		echo "		meta nfproto ipv6 counter reject with tcp reset comment \"no IPv6 network known yet\""
+	fi
 	echo '	}}'
 	echo '}}'
 }} >"$rules.new"
@@ -418,6 +426,18 @@ install -d -m 0755 /etc/tinyproxy /etc/systemd/system/tinyproxy.service.d /usr/l
     put_file(&mut s, TINYPROXY_CONF, "0644", &tinyproxy_conf(plan))?;
     put_file(&mut s, FIREWALL_SCRIPT, "0755", &firewall_script(plan)?)?;
     put_file(&mut s, DROP_IN, "0644", &drop_in())?;
+    put_file(
+        &mut s,
+        crate::netwatch::NETWATCH_SCRIPT,
+        "0755",
+        &crate::netwatch::script(),
+    )?;
+    put_file(
+        &mut s,
+        crate::netwatch::NETWATCH_UNIT,
+        "0644",
+        &crate::netwatch::unit(),
+    )?;
 
     let _ = write!(
         s,
@@ -426,8 +446,10 @@ systemctl daemon-reload
 # Applied here once for a clear log line; tinyproxy's ExecStartPre applies it again.
 log "applying the destination firewall"
 {FIREWALL_SCRIPT} || fail "the destination firewall could not be applied; tinyproxy stays stopped"
-systemctl enable tinyproxy.service
+systemctl enable tinyproxy.service egress-proxy-netwatch.service
 systemctl restart tinyproxy.service || fail "tinyproxy did not start: see journalctl -u tinyproxy"
+# The firewall follows later changes of the networks (and comes back after a flush).
+systemctl restart egress-proxy-netwatch.service || fail "the firewall watcher did not start: see journalctl -u egress-proxy-netwatch"
 tries=0
 until ss -Hltn "sport = :{port}" | grep -q .; do
 	tries=$((tries + 1))
