@@ -95,6 +95,10 @@ pub struct ProxyPoolSpec {
     #[serde(default = "default_drain_seconds")]
     #[schemars(range(min = 0, max = 3600))]
     pub drain_seconds: u32,
+    /// How a proxy a `ProxyLease` released goes back to the pool: `Replace` (drained and
+    /// replaced by a fresh VM, so nothing passes to the next holder) or `Reuse`.
+    #[serde(default)]
+    pub lease_recycle: super::proxy_lease::RecyclePolicy,
 }
 
 /// A host name (a DNS-1123 label, as the providers config spells it).

@@ -18,6 +18,7 @@
 //! pool counts as serving is exactly what the EndpointSlices list.
 
 pub mod discovery;
+pub mod lease;
 pub mod liveness;
 pub mod metrics;
 pub mod plan;
