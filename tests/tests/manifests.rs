@@ -69,6 +69,7 @@ fn generated_crds() -> BTreeMap<String, Value> {
         [
             "providerhealths.egress-operator.dev",
             "proxies.egress-operator.dev",
+            "proxyleases.egress-operator.dev",
             "proxypools.egress-operator.dev"
         ]
     );

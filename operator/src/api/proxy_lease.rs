@@ -48,7 +48,11 @@ pub const LEASE_FINALIZER: &str = "egress-operator.dev/lease-release";
         type_ = "string",
         json_path = ".status.addresses"
     ),
-    printcolumn(name = "Expiry", type_ = "date", json_path = ".status.expiryTime"),
+    printcolumn(
+        name = "Expiry",
+        type_ = "string",
+        json_path = ".status.expiryTime"
+    ),
     printcolumn(name = "Holder", type_ = "string", json_path = ".spec.holder"),
     printcolumn(
         name = "Age",
