@@ -88,7 +88,11 @@ pub fn expiry(
 ) -> (jiff::Timestamp, Option<Time>) {
     let duration = jiff::SignedDuration::from_secs(i64::from(spec.duration_seconds));
     let from = |t: jiff::Timestamp| t.checked_add(duration).unwrap_or(jiff::Timestamp::MAX);
-    match &spec.renew_time {
+    // The API server keeps a status time in whole seconds: compare and store whole
+    // seconds, or every reconcile would see a change and write again.
+    let now = whole_seconds(now);
+    let renew = spec.renew_time.as_ref().map(|r| Time(whole_seconds(r.0)));
+    match &renew {
         Some(r) if status.observed_renew_time.as_ref() == Some(r) => (
             status
                 .expiry_time
@@ -97,8 +101,12 @@ pub fn expiry(
             Some(r.clone()),
         ),
         Some(r) => (from(r.0.min(now)), Some(r.clone())),
-        None => (from(created), None),
+        None => (from(whole_seconds(created)), None),
     }
+}
+
+fn whole_seconds(t: jiff::Timestamp) -> jiff::Timestamp {
+    jiff::Timestamp::from_second(t.as_second()).unwrap_or(t)
 }
 
 /// A stable, per-lease order of proxies, so leases racing for a pool try different proxies
@@ -164,7 +172,10 @@ pub fn plan(
             proxies.push(bound_of(s, port));
             continue;
         }
-        let since = b.not_serving_since.as_ref().map_or(now, |t| t.0);
+        let since = b
+            .not_serving_since
+            .as_ref()
+            .map_or_else(|| whole_seconds(now), |t| t.0);
         let waited = now.duration_since(since);
         if waited >= rebind_after {
             let why = if s.member.leaving() {
