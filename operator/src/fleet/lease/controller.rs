@@ -462,26 +462,31 @@ async fn observe(
     let name = lease.name_any();
     let after = current.phase;
     ctx.metrics.phase(ns, &name, after);
-    if after == before {
+    let rebound = current.rebinds > prev.rebinds;
+    if rebound {
+        ctx.metrics.rebind(ns);
+    }
+    // A loss and its rebind can fall in one reconcile: the phase reads Bound before and
+    // after, the rebind count tells.
+    if after != Some(LeasePhase::Bound) || (before == after && !rebound) {
         return;
     }
     let seconds = |since: jiff::Timestamp| now.duration_since(since).as_secs_f64().max(0.0);
-    if after == Some(LeasePhase::Bound) {
-        // Since when it was short of proxies: the Bound condition's last change.
-        let short_since = prev
-            .conditions
-            .iter()
-            .find(|c| c.type_ == binding::BOUND && c.status == "False")
-            .map_or(created, |c| c.last_transition_time.0);
-        ctx.metrics.pending_for(seconds(short_since));
-        if current.rebinds > prev.rebinds {
-            ctx.metrics.rebind(ns);
-        } else if prev.rebinds == 0 {
-            ctx.metrics.bound_after(seconds(created));
-        }
-        let addrs = current.addresses.clone().unwrap_or_default();
-        publish(ctx, lease, EventType::Normal, "Bound", format!("bound to {addrs}")).await;
+    // Since when it was short of proxies: the Bound condition's last change to False (a
+    // loss and rebind in one reconcile waited no time).
+    let short_since = prev
+        .conditions
+        .iter()
+        .find(|c| c.type_ == binding::BOUND && c.status == "False")
+        .map_or(if rebound { now } else { created }, |c| {
+            c.last_transition_time.0
+        });
+    ctx.metrics.pending_for(seconds(short_since));
+    if current.rebinds == 0 {
+        ctx.metrics.bound_after(seconds(created));
     }
+    let addrs = current.addresses.clone().unwrap_or_default();
+    publish(ctx, lease, EventType::Normal, "Bound", format!("bound to {addrs}")).await;
 }
 
 async fn sync_service(
