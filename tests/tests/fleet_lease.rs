@@ -399,6 +399,8 @@ async fn race_round(round: usize) {
     instances.push(instance(s.cp, &metrics, "replica-3").await);
 
     let settled = poll("10 bound, 90 pending for want of a proxy", || async {
+        let bad = found.lock().unwrap().1.clone();
+        assert!(bad.is_empty(), "F1 violated during the race: {bad:#?}");
         let leases = api.list(&ListParams::default()).await.ok()?.items;
         let bound: Vec<&ProxyLease> = leases
             .iter()
