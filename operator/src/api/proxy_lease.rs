@@ -227,6 +227,14 @@ mod tests {
     }
 
     #[test]
+    fn the_sample_reads() {
+        let text = include_str!("../../../config/samples/proxylease.yaml");
+        let lease: ProxyLease = serde_yaml_ng::from_str(text).unwrap();
+        assert_eq!(lease.spec.pool, "office-pool");
+        assert_eq!(lease.spec.duration_seconds, 300);
+    }
+
+    #[test]
     fn unknown_fields_are_refused() {
         let r: Result<ProxyLeaseSpec, _> = serde_json::from_str(
             r#"{"pool":"office","durationSeconds":60,"holder":"c","renew":"x"}"#,
