@@ -29,7 +29,9 @@ use std::time::Duration;
 
 use egress_operator::api::proxy::Proxy;
 use egress_operator::api::proxy_lease::{LEASE_LABEL, LeasePhase, ProxyLease};
-use egress_operator::api::proxy_pool::{DRAINING_ANNOTATION, POOL_LABEL, ProxyPool, TEMPLATE_HASH_LABEL};
+use egress_operator::api::proxy_pool::{
+    DRAINING_ANNOTATION, POOL_LABEL, ProxyPool, TEMPLATE_HASH_LABEL,
+};
 use egress_operator::config::ValidConfig;
 use egress_operator::fleet::lease::{LeaseContext, LeaseMetrics};
 use egress_operator::fleet::pool::FleetContext;
@@ -313,9 +315,11 @@ fn violations(leases: &[ProxyLease], proxies: &[Proxy]) -> Vec<String> {
             }
         }
     }
-    let by_uid: BTreeMap<String, &Proxy> =
-        proxies.iter().map(|p| (p.uid().unwrap(), p)).collect();
-    for l in leases.iter().filter(|l| phase(l) == Some(LeasePhase::Bound)) {
+    let by_uid: BTreeMap<String, &Proxy> = proxies.iter().map(|p| (p.uid().unwrap(), p)).collect();
+    for l in leases
+        .iter()
+        .filter(|l| phase(l) == Some(LeasePhase::Bound))
+    {
         for uid in bound_uids(l) {
             let names = by_uid.get(&uid).and_then(|p| holder(p));
             if names != l.uid() {
@@ -336,8 +340,14 @@ async fn race_round(round: usize) {
     let (admin, ns) = (s.admin.clone(), s.ns.clone());
     let pool = make_pool(&admin, &ns, "office", serde_json::json!({})).await;
     for i in 0..10 {
-        make_proxy(&admin, &ns, &pool, &format!("office-{i}"), &format!("198.51.100.{}", i + 1))
-            .await;
+        make_proxy(
+            &admin,
+            &ns,
+            &pool,
+            &format!("office-{i}"),
+            &format!("198.51.100.{}", i + 1),
+        )
+        .await;
     }
     let metrics = LeaseMetrics::default();
     let mut instances = Vec::new();
@@ -381,7 +391,11 @@ async fn race_round(round: usize) {
         async move {
             api.create(
                 &PostParams::default(),
-                &lease_obj(&format!("lease-{i:03}"), "office", serde_json::json!({"service": false})),
+                &lease_obj(
+                    &format!("lease-{i:03}"),
+                    "office",
+                    serde_json::json!({"service": false}),
+                ),
             )
             .await
             .unwrap()
@@ -442,7 +456,10 @@ async fn race_round(round: usize) {
         );
     }
     let (samples, bad, _) = found.lock().unwrap().clone();
-    println!("race round {round}: {samples} samples of every lease and proxy, {} violations", bad.len());
+    println!(
+        "race round {round}: {samples} samples of every lease and proxy, {} violations",
+        bad.len()
+    );
     assert!(samples > 10, "too few samples: {samples}");
     assert!(bad.is_empty(), "F1 violated: {bad:#?}");
     poll("metrics count 10 bound", || async {
@@ -493,7 +510,11 @@ async fn an_unrenewed_lease_expires_and_its_proxy_is_recycled_before_the_next_ho
     let short = create_lease(
         &admin,
         &ns,
-        &lease_obj("short", "office", serde_json::json!({"durationSeconds": 3, "service": false})),
+        &lease_obj(
+            "short",
+            "office",
+            serde_json::json!({"durationSeconds": 3, "service": false}),
+        ),
     )
     .await;
     let bound = wait_phase(&admin, &ns, "short", LeasePhase::Bound).await;
@@ -523,9 +544,15 @@ async fn an_unrenewed_lease_expires_and_its_proxy_is_recycled_before_the_next_ho
     assert!(recycled.metadata.deletion_timestamp.is_none());
     tokio::time::sleep(Duration::from_secs(2)).await;
     let still = get_lease(&admin, &ns, "next").await.unwrap();
-    assert_eq!(phase(&still), Some(LeasePhase::Pending), "a draining proxy is never bound");
+    assert_eq!(
+        phase(&still),
+        Some(LeasePhase::Pending),
+        "a draining proxy is never bound"
+    );
     // The pool replaces it (played here): the next lease gets the fresh proxy.
-    api.delete("office-a", &DeleteParams::default()).await.unwrap();
+    api.delete("office-a", &DeleteParams::default())
+        .await
+        .unwrap();
     let fresh = make_proxy(&admin, &ns, &pool, "office-b", "198.51.100.2").await;
     let next = wait_phase(&admin, &ns, "next", LeasePhase::Bound).await;
     assert_eq!(bound_uids(&next), [fresh.uid().unwrap()]);
@@ -536,7 +563,11 @@ async fn an_unrenewed_lease_expires_and_its_proxy_is_recycled_before_the_next_ho
     create_lease(
         &admin,
         &ns,
-        &lease_obj("renewed", "office", serde_json::json!({"durationSeconds": 3, "service": false})),
+        &lease_obj(
+            "renewed",
+            "office",
+            serde_json::json!({"durationSeconds": 3, "service": false}),
+        ),
     )
     .await;
     wait_phase(&admin, &ns, "renewed", LeasePhase::Bound).await;
@@ -556,12 +587,22 @@ async fn an_unrenewed_lease_expires_and_its_proxy_is_recycled_before_the_next_ho
     wait_phase(&admin, &ns, "renewed", LeasePhase::Expired).await;
 
     // Reuse: the same proxy goes to the next lease as it is.
-    let reuse = make_pool(&admin, &ns, "reuse", serde_json::json!({"leaseRecycle": "Reuse"})).await;
+    let reuse = make_pool(
+        &admin,
+        &ns,
+        "reuse",
+        serde_json::json!({"leaseRecycle": "Reuse"}),
+    )
+    .await;
     let kept = make_proxy(&admin, &ns, &reuse, "reuse-a", "198.51.100.10").await;
     create_lease(
         &admin,
         &ns,
-        &lease_obj("r1", "reuse", serde_json::json!({"durationSeconds": 2, "service": false})),
+        &lease_obj(
+            "r1",
+            "reuse",
+            serde_json::json!({"durationSeconds": 2, "service": false}),
+        ),
     )
     .await;
     wait_phase(&admin, &ns, "r1", LeasePhase::Bound).await;
@@ -591,7 +632,13 @@ async fn an_unrenewed_lease_expires_and_its_proxy_is_recycled_before_the_next_ho
         .await
         .unwrap();
     poll("leases gone", || async {
-        leases.list(&ListParams::default()).await.ok()?.items.is_empty().then_some(())
+        leases
+            .list(&ListParams::default())
+            .await
+            .ok()?
+            .items
+            .is_empty()
+            .then_some(())
     })
     .await;
     inst.shutdown().await;
@@ -628,7 +675,11 @@ async fn a_lost_proxy_is_given_up_and_the_lease_and_its_service_rebind_to_a_spar
     let lease = create_lease(
         &admin,
         &ns,
-        &lease_obj("crawler", "office", serde_json::json!({"rebindAfterSeconds": 1})),
+        &lease_obj(
+            "crawler",
+            "office",
+            serde_json::json!({"rebindAfterSeconds": 1}),
+        ),
     )
     .await;
     let bound = wait_phase(&admin, &ns, "crawler", LeasePhase::Bound).await;
@@ -641,7 +692,10 @@ async fn a_lost_proxy_is_given_up_and_the_lease_and_its_service_rebind_to_a_spar
             .ok()?
     })
     .await;
-    assert!(svc.spec.as_ref().unwrap().selector.is_none(), "selector-less");
+    assert!(
+        svc.spec.as_ref().unwrap().selector.is_none(),
+        "selector-less"
+    );
     assert_eq!(svc.owner_references()[0].uid, lease.uid().unwrap());
     let want = BTreeSet::from([ips[&first.name].clone()]);
     poll("the slice lists the bound proxy", || async {
@@ -656,7 +710,11 @@ async fn a_lost_proxy_is_given_up_and_the_lease_and_its_service_rebind_to_a_spar
         let (admin, ns, on, phases) = (admin.clone(), ns.clone(), on.clone(), phases.clone());
         tokio::spawn(async move {
             while on.load(Ordering::SeqCst) {
-                if let Some(p) = get_lease(&admin, &ns, "crawler").await.as_ref().and_then(phase) {
+                if let Some(p) = get_lease(&admin, &ns, "crawler")
+                    .await
+                    .as_ref()
+                    .and_then(phase)
+                {
                     let mut ph = phases.lock().unwrap();
                     if ph.last() != Some(&p) {
                         ph.push(p);
@@ -670,7 +728,12 @@ async fn a_lost_proxy_is_given_up_and_the_lease_and_its_service_rebind_to_a_spar
     let rebound = poll("rebound to the spare", || async {
         get_lease(&admin, &ns, "crawler").await.filter(|l| {
             phase(l) == Some(LeasePhase::Bound)
-                && l.status.as_ref().unwrap().proxies.first().map(|p| p.name.as_str())
+                && l.status
+                    .as_ref()
+                    .unwrap()
+                    .proxies
+                    .first()
+                    .map(|p| p.name.as_str())
                     == Some(spare.as_str())
         })
     })
@@ -689,7 +752,10 @@ async fn a_lost_proxy_is_given_up_and_the_lease_and_its_service_rebind_to_a_spar
         .await
         .unwrap();
     assert!(holder(&lost).is_none(), "the lost proxy is released");
-    assert!(lost.annotations().contains_key(DRAINING_ANNOTATION), "and recycled");
+    assert!(
+        lost.annotations().contains_key(DRAINING_ANNOTATION),
+        "and recycled"
+    );
     let seen = phases.lock().unwrap().clone();
     println!("phases through the loss: {seen:?}");
     // The Lost step may be shorter than a sample; the event and the counter say it too.
@@ -712,7 +778,10 @@ async fn a_lost_proxy_is_given_up_and_the_lease_and_its_service_rebind_to_a_spar
         .await
         .unwrap();
     poll("lease gone", || async {
-        get_lease(&admin, &ns, "crawler").await.is_none().then_some(())
+        get_lease(&admin, &ns, "crawler")
+            .await
+            .is_none()
+            .then_some(())
     })
     .await;
     inst.shutdown().await;
@@ -726,8 +795,14 @@ async fn the_pools_scale_in_never_removes_a_leased_proxy() {
     let inst = instance(s.cp, &metrics, "replica-0").await;
     let pool = make_pool(&admin, &ns, "office", serde_json::json!({"replicas": 3})).await;
     for i in 0..3 {
-        make_proxy(&admin, &ns, &pool, &format!("office-{i}"), &format!("198.51.100.{}", i + 1))
-            .await;
+        make_proxy(
+            &admin,
+            &ns,
+            &pool,
+            &format!("office-{i}"),
+            &format!("198.51.100.{}", i + 1),
+        )
+        .await;
     }
     let l = create_lease(
         &admin,
@@ -748,11 +823,10 @@ async fn the_pools_scale_in_never_removes_a_leased_proxy() {
         )
         .await
         .unwrap();
-    let operator = s
-        .cp
-        .client_for(&s.cp.operator_kubeconfig().unwrap())
-        .await
-        .unwrap();
+    let operator =
+        s.cp.client_for(&s.cp.operator_kubeconfig().unwrap())
+            .await
+            .unwrap();
     let (_leading, leading_rx) = watch::channel(true);
     let fleet = Arc::new(FleetContext::new(
         operator,

@@ -43,16 +43,8 @@ pub const LEASE_FINALIZER: &str = "egress-operator.dev/lease-release";
     doc = "An exclusive, renewable hold on proxies of a ProxyPool in the same namespace.",
     printcolumn(name = "Pool", type_ = "string", json_path = ".spec.pool"),
     printcolumn(name = "Phase", type_ = "string", json_path = ".status.phase"),
-    printcolumn(
-        name = "Addresses",
-        type_ = "string",
-        json_path = ".status.addresses"
-    ),
-    printcolumn(
-        name = "Expiry",
-        type_ = "string",
-        json_path = ".status.expiryTime"
-    ),
+    printcolumn(name = "Addresses", type_ = "string", json_path = ".status.addresses"),
+    printcolumn(name = "Expiry", type_ = "string", json_path = ".status.expiryTime"),
     printcolumn(name = "Holder", type_ = "string", json_path = ".spec.holder"),
     printcolumn(
         name = "Age",
@@ -67,7 +59,10 @@ pub const LEASE_FINALIZER: &str = "egress-operator.dev/lease-release";
 ]))]
 pub struct ProxyLeaseSpec {
     /// The ProxyPool (same namespace) the proxies come from.
-    #[schemars(regex(pattern = "^[a-z]([-a-z0-9]*[a-z0-9])?$"), length(min = 1, max = 58))]
+    #[schemars(
+        regex(pattern = "^[a-z]([-a-z0-9]*[a-z0-9])?$"),
+        length(min = 1, max = 58)
+    )]
     pub pool: String,
     /// How many proxies the lease holds.
     #[serde(default = "default_count")]

@@ -22,7 +22,9 @@ use std::time::Duration;
 
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::Time;
 
-use crate::api::proxy_lease::{BoundProxy, LeasePhase, ProxyClaim, ProxyLeaseSpec, ProxyLeaseStatus};
+use crate::api::proxy_lease::{
+    BoundProxy, LeasePhase, ProxyClaim, ProxyLeaseSpec, ProxyLeaseStatus,
+};
 use crate::controller::status::set_condition;
 
 use super::super::Member;
@@ -328,7 +330,11 @@ fn settle(
         } else {
             "taking a spare".to_string()
         };
-        (LeasePhase::Lost, "ProxyLost", format!("{before}{WAITING}{waiting}"))
+        (
+            LeasePhase::Lost,
+            "ProxyLost",
+            format!("{before}{WAITING}{waiting}"),
+        )
     } else if next.claims.is_empty() {
         (
             LeasePhase::Pending,
@@ -361,7 +367,10 @@ fn settle(
 
 /// The bound proxies' addresses for `kubectl get`.
 pub fn addresses(proxies: &[BoundProxy]) -> Option<String> {
-    let list: Vec<&str> = proxies.iter().filter_map(|p| p.address.as_deref()).collect();
+    let list: Vec<&str> = proxies
+        .iter()
+        .filter_map(|p| p.address.as_deref())
+        .collect();
     (!list.is_empty()).then(|| list.join(","))
 }
 
@@ -387,7 +396,10 @@ pub fn ended(
             "not renewed within durationSeconds: the proxies were released",
         )
     } else {
-        ("Released", "the lease is being deleted: its proxies are released")
+        (
+            "Released",
+            "the lease is being deleted: its proxies are released",
+        )
     };
     set_condition(
         &mut next.conditions,

@@ -67,7 +67,13 @@ fn is_not_found(e: &kube::Error) -> bool {
     matches!(e, kube::Error::Api(s) if s.code == 404)
 }
 
-async fn publish(ctx: &LeaseContext, lease: &ProxyLease, type_: EventType, reason: &str, note: String) {
+async fn publish(
+    ctx: &LeaseContext,
+    lease: &ProxyLease,
+    type_: EventType,
+    reason: &str,
+    note: String,
+) {
     let ev = Event {
         type_,
         reason: reason.into(),
@@ -75,7 +81,12 @@ async fn publish(ctx: &LeaseContext, lease: &ProxyLease, type_: EventType, reaso
         action: "Lease".into(),
         secondary: None,
     };
-    if let Err(e) = ctx.fleet.recorder.publish(&ev, &lease.object_ref(&())).await {
+    if let Err(e) = ctx
+        .fleet
+        .recorder
+        .publish(&ev, &lease.object_ref(&()))
+        .await
+    {
         tracing::debug!(error = %e, reason, "could not publish event");
     }
 }
@@ -157,7 +168,11 @@ async fn take(
         }
     });
     match api
-        .patch(&proxy.name_any(), &PatchParams::default(), &Patch::Merge(&body))
+        .patch(
+            &proxy.name_any(),
+            &PatchParams::default(),
+            &Patch::Merge(&body),
+        )
         .await
     {
         Ok(_) => Ok(true),
@@ -223,7 +238,10 @@ async fn release_all(
 }
 
 /// One reconcile of one lease.
-pub async fn reconcile(lease: Arc<ProxyLease>, ctx: Arc<LeaseContext>) -> Result<Action, LeaseError> {
+pub async fn reconcile(
+    lease: Arc<ProxyLease>,
+    ctx: Arc<LeaseContext>,
+) -> Result<Action, LeaseError> {
     if !ctx.fleet.leading() {
         return Ok(Action::await_change());
     }
@@ -278,7 +296,11 @@ async fn finalize(
         "metadata": { "resourceVersion": lease.resource_version(), "finalizers": rest }
     });
     match api
-        .patch(&lease.name_any(), &PatchParams::default(), &Patch::Merge(&body))
+        .patch(
+            &lease.name_any(),
+            &PatchParams::default(),
+            &Patch::Merge(&body),
+        )
         .await
     {
         Ok(_) => {}
@@ -361,7 +383,16 @@ async fn bind(
     let port = i32::from(ctx.fleet.port);
     let pool = lease.spec.pool.clone();
     let pool = pool.as_str();
-    let mut step = binding::plan(uid, &lease.spec, &status, &view.seen, pool, port, generation, now);
+    let mut step = binding::plan(
+        uid,
+        &lease.spec,
+        &status,
+        &view.seen,
+        pool,
+        port,
+        generation,
+        now,
+    );
     if !view.exists && step.status.phase != Some(LeasePhase::Bound) {
         set_condition(
             &mut step.status.conditions,
@@ -392,7 +423,10 @@ async fn bind(
     let mut taken = Vec::new();
     let mut raced = false;
     for c in &step.take {
-        let Some(p) = view.proxies.iter().find(|p| p.uid().as_deref() == Some(c.uid.as_str()))
+        let Some(p) = view
+            .proxies
+            .iter()
+            .find(|p| p.uid().as_deref() == Some(c.uid.as_str()))
         else {
             continue;
         };
@@ -486,7 +520,14 @@ async fn observe(
         ctx.metrics.bound_after(seconds(created));
     }
     let addrs = current.addresses.clone().unwrap_or_default();
-    publish(ctx, lease, EventType::Normal, "Bound", format!("bound to {addrs}")).await;
+    publish(
+        ctx,
+        lease,
+        EventType::Normal,
+        "Bound",
+        format!("bound to {addrs}"),
+    )
+    .await;
 }
 
 async fn sync_service(
@@ -503,7 +544,11 @@ async fn sync_service(
     super::check_name(&name)?;
     let state = service::sync(&ctx.fleet.client, &name, ns, owner, ctx.fleet.port, bound).await?;
     let (ok, reason, message) = match &state {
-        ServiceState::Ready => (true, "Written", format!("Service {name} lists the serving bound proxies")),
+        ServiceState::Ready => (
+            true,
+            "Written",
+            format!("Service {name} lists the serving bound proxies"),
+        ),
         ServiceState::Conflict(why) => (false, "ServiceConflict", why.clone()),
     };
     let had = lease

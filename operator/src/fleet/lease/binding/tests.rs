@@ -179,7 +179,11 @@ fn a_bound_proxy_that_stops_serving_is_lost_after_rebind_after_then_a_spare_is_t
     // Still down after 30 s: Lost with the reason, released, a spare claimed.
     let later = run(&spec(1), &step.status, &pool, 130);
     assert_eq!(later.lost.len(), 1);
-    assert!(later.lost[0].1.contains("does not serve"), "{:?}", later.lost);
+    assert!(
+        later.lost[0].1.contains("does not serve"),
+        "{:?}",
+        later.lost
+    );
     assert_eq!(later.release, ["p1"]);
     assert_eq!(later.status.phase, Some(LeasePhase::Lost));
     assert_eq!(reason(&later.status), "ProxyLost");
@@ -216,7 +220,11 @@ fn a_lost_lease_without_a_spare_stays_lost_and_keeps_the_reason() {
     assert_eq!(again.status.phase, Some(LeasePhase::Lost));
     assert!(msg(&again.status).contains("p1 is gone"));
     let third = run(&spec(1), &again.status, &[], 10);
-    assert_eq!(msg(&third.status), msg(&again.status), "the message does not grow");
+    assert_eq!(
+        msg(&third.status),
+        msg(&again.status),
+        "the message does not grow"
+    );
 }
 
 #[test]
@@ -234,20 +242,42 @@ fn a_bound_proxy_whose_label_names_another_lease_is_not_ours_any_more() {
 
 #[test]
 fn count_is_filled_one_claim_per_missing_proxy_and_never_beyond() {
-    let pool: Vec<Seen> = (1..=5).map(|i| seen(&format!("p{i}"), true, None)).collect();
+    let pool: Vec<Seen> = (1..=5)
+        .map(|i| seen(&format!("p{i}"), true, None))
+        .collect();
     let step = run(&spec(3), &ProxyLeaseStatus::default(), &pool, 0);
     assert_eq!(step.take.len(), 3);
     let taken: Vec<String> = step.take.iter().map(|c| c.uid.clone()).collect();
-    let all = promote(&step.status, &taken, &pool, 3, "office", 3128, Some(1), t(0));
+    let all = promote(
+        &step.status,
+        &taken,
+        &pool,
+        3,
+        "office",
+        3128,
+        Some(1),
+        t(0),
+    );
     assert_eq!(all.proxies.len(), 3);
     assert_eq!(all.phase, Some(LeasePhase::Bound));
-    let part = promote(&step.status, &taken[..2], &pool, 3, "office", 3128, Some(1), t(0));
+    let part = promote(
+        &step.status,
+        &taken[..2],
+        &pool,
+        3,
+        "office",
+        3128,
+        Some(1),
+        t(0),
+    );
     assert_eq!(part.phase, Some(LeasePhase::Pending));
 }
 
 #[test]
 fn leases_prefer_different_proxies() {
-    let pool: Vec<Seen> = (1..=10).map(|i| seen(&format!("p{i}"), true, None)).collect();
+    let pool: Vec<Seen> = (1..=10)
+        .map(|i| seen(&format!("p{i}"), true, None))
+        .collect();
     let firsts: std::collections::BTreeSet<String> = (0..40)
         .map(|i| {
             plan(
