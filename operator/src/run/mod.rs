@@ -467,10 +467,10 @@ fn spawn_fleet<S, F>(
     tasks.spawn(liveness.run(client.clone(), stop()));
     tasks.spawn(crate::fleet::pool::run(ctx.clone(), stop()));
     tasks.spawn(crate::fleet::discovery::run(ctx.clone(), stop()));
-    let leases = Arc::new(crate::fleet::lease::LeaseContext {
-        fleet: ctx,
-        metrics: parts.lease_metrics.clone(),
-    });
+    let leases = Arc::new(crate::fleet::lease::LeaseContext::new(
+        ctx,
+        parts.lease_metrics.clone(),
+    ));
     tasks.spawn(crate::fleet::lease::run(leases, stop()));
 }
 

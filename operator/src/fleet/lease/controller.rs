@@ -50,6 +50,10 @@ const CONFLICT_RETRY: Duration = Duration::from_millis(200);
 /// controller writes status while the lease writes labels).
 const RELEASE_ATTEMPTS: usize = 8;
 
+/// How often proxies are looked for whose lease label names a lease that no longer
+/// exists: rare (a finalizer removed by hand), so a slow sweep suffices.
+pub const ORPHAN_SWEEP: Duration = Duration::from_secs(60);
+
 /// What the lease controller needs: the fleet's context and its own metrics.
 #[derive(Debug)]
 pub struct LeaseContext {
@@ -57,6 +61,19 @@ pub struct LeaseContext {
     pub fleet: Arc<FleetContext>,
     /// Lease metrics.
     pub metrics: LeaseMetrics,
+    /// Period of [`sweep_orphans`].
+    pub orphan_sweep: Duration,
+}
+
+impl LeaseContext {
+    /// A context with the default sweep period.
+    pub fn new(fleet: Arc<FleetContext>, metrics: LeaseMetrics) -> Self {
+        Self {
+            fleet,
+            metrics,
+            orphan_sweep: ORPHAN_SWEEP,
+        }
+    }
 }
 
 fn is_conflict(e: &kube::Error) -> bool {
@@ -235,6 +252,55 @@ async fn release_all(
         release(&api, name, lease_uid, policy, ctx.fleet.now()).await?;
     }
     Ok(())
+}
+
+/// Gives back every proxy whose lease label names a lease that no longer exists (its
+/// finalizer was removed by hand, so it never released them), recycled as its pool says;
+/// returns how many. The proxies are listed before the leases: a label was set by a lease
+/// that existed then, so a UID missing from the later list is gone for good, and a lease
+/// created meanwhile cannot be mistaken for a missing one.
+pub async fn sweep_orphans(ctx: &LeaseContext) -> Result<usize, LeaseError> {
+    if !ctx.fleet.leading() {
+        return Ok(0);
+    }
+    let client = ctx.fleet.client.clone();
+    let labelled = Api::<Proxy>::all(client.clone())
+        .list(&ListParams::default().labels(LEASE_LABEL))
+        .await?
+        .items;
+    if labelled.is_empty() {
+        return Ok(0);
+    }
+    let leases: std::collections::HashSet<String> = Api::<ProxyLease>::all(client.clone())
+        .list(&ListParams::default())
+        .await?
+        .items
+        .iter()
+        .filter_map(|l| l.uid())
+        .collect();
+    let mut released = 0;
+    for p in &labelled {
+        let (Some(holder), Some(ns)) = (p.labels().get(LEASE_LABEL), p.namespace()) else {
+            continue;
+        };
+        if leases.contains(holder) {
+            continue;
+        }
+        let policy = match p.labels().get(POOL_LABEL) {
+            Some(pool) => Api::<ProxyPool>::namespaced(client.clone(), &ns)
+                .get_opt(pool)
+                .await?
+                .map(|p| p.spec.lease_recycle)
+                .unwrap_or_default(),
+            None => RecyclePolicy::default(),
+        };
+        let api = Api::<Proxy>::namespaced(client.clone(), &ns);
+        release(&api, &p.name_any(), holder, policy, ctx.fleet.now()).await?;
+        tracing::warn!(proxy = %p.name_any(), namespace = %ns, lease_uid = %holder,
+            "released a proxy whose lease no longer exists");
+        released += 1;
+    }
+    Ok(released)
 }
 
 /// One reconcile of one lease.
@@ -590,12 +656,25 @@ where
     F: std::future::Future<Output = ()> + Send + Sync + 'static,
 {
     let client = ctx.fleet.client.clone();
+    let sweeper = {
+        let ctx = ctx.clone();
+        async move {
+            let mut tick = tokio::time::interval(ctx.orphan_sweep);
+            tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+            loop {
+                tick.tick().await;
+                if let Err(e) = sweep_orphans(&ctx).await {
+                    tracing::warn!(error = %e, "lease orphan sweep failed");
+                }
+            }
+        }
+    };
     let controller = Controller::new(
         Api::<ProxyLease>::all(client.clone()),
         watcher::Config::default().any_semantic(),
     );
     let leases = controller.store();
-    controller
+    let controller = controller
         .watches(
             Api::<Proxy>::all(client.clone()),
             watcher::Config::default().labels(POOL_LABEL).any_semantic(),
@@ -634,6 +713,10 @@ where
             if let Err(e) = r {
                 tracing::debug!(error = %e, "lease controller stream");
             }
-        })
-        .await;
+        });
+    // The sweep never ends by itself: it stops with the controller.
+    tokio::select! {
+        () = controller => {}
+        () = sweeper => {}
+    }
 }

@@ -18,7 +18,7 @@ pub mod controller;
 pub mod metrics;
 pub mod service;
 
-pub use controller::{LeaseContext, reconcile, run};
+pub use controller::{LeaseContext, reconcile, run, sweep_orphans};
 pub use metrics::LeaseMetrics;
 
 use crate::error::{Classified, ErrorClass};
