@@ -269,6 +269,7 @@ pub fn plan(
 
 /// After the takes: the claims in `taken` (by UID) are bound, with what `seen` says of
 /// them; the rest stay claims for the next reconcile to retry or drop.
+#[allow(clippy::too_many_arguments)]
 pub fn promote(
     planned: &ProxyLeaseStatus,
     taken: &[String],
