@@ -345,3 +345,52 @@ fn an_ended_lease_lists_nothing_and_releases_all_it_held() {
     let d = ended(&status, false, Some(1), t(0));
     assert_eq!(reason(&d), "Released");
 }
+
+#[test]
+fn a_settled_lease_plans_no_change_so_nothing_is_written_again() {
+    let pool = [seen("p1", true, None), seen("p2", true, None)];
+    let first = run(&spec(1), &ProxyLeaseStatus::default(), &pool, 0);
+    let taken: Vec<String> = first.take.iter().map(|c| c.uid.clone()).collect();
+    let bound = promote(
+        &first.status,
+        &taken,
+        &pool,
+        1,
+        "office",
+        3128,
+        Some(1),
+        t(0),
+    );
+    let holder = first.take[0].name.clone();
+    let after: Vec<Seen> = pool
+        .iter()
+        .map(|s| {
+            let mut s = s.clone();
+            if s.member.name == holder {
+                s.holder = Some(LEASE.into());
+            }
+            s
+        })
+        .collect();
+    // Through a JSON round trip, as the API server hands it back.
+    let stored: ProxyLeaseStatus =
+        serde_json::from_value(serde_json::to_value(&bound).unwrap()).unwrap();
+    for now in [1, 30, 500] {
+        let again = run(&spec(1), &stored, &after, now);
+        assert_eq!(again.status, stored, "at {now}");
+        assert!(again.take.is_empty() && again.release.is_empty() && again.lost.is_empty());
+    }
+    // A proxy that stops serving starts a timer once; the next look changes nothing.
+    let down: Vec<Seen> = after
+        .iter()
+        .map(|s| {
+            let mut s = s.clone();
+            s.member.serving = false;
+            s
+        })
+        .collect();
+    let timed = run(&spec(1), &stored, &down, 10);
+    let stored: ProxyLeaseStatus =
+        serde_json::from_value(serde_json::to_value(&timed.status).unwrap()).unwrap();
+    assert_eq!(run(&spec(1), &stored, &down, 12).status, stored);
+}
