@@ -17,6 +17,7 @@ pub mod binding;
 pub mod controller;
 pub mod metrics;
 pub mod service;
+pub mod surge;
 
 pub use controller::{LeaseContext, reconcile, run, sweep_orphans};
 pub use metrics::LeaseMetrics;
