@@ -894,3 +894,135 @@ async fn the_pools_scale_in_never_removes_a_leased_proxy() {
     .await;
     inst.shutdown().await;
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_pool_with_lease_surge_grows_for_a_waiting_lease_and_no_further() {
+    let _serial = SERIAL.lock().await;
+    let s = setup("lease-surge").await;
+    let (admin, ns) = (s.admin.clone(), s.ns.clone());
+    let metrics = LeaseMetrics::default();
+    let inst = instance(s.cp, &metrics, "replica-0").await;
+    let pool = make_pool(
+        &admin,
+        &ns,
+        "office",
+        serde_json::json!({"replicas": 1, "leaseSurge": 1}),
+    )
+    .await;
+    let first = make_proxy(&admin, &ns, &pool, "office-first", "198.51.100.1").await;
+    create_lease(
+        &admin,
+        &ns,
+        &lease_obj("one", "office", serde_json::json!({"service": false})),
+    )
+    .await;
+    let one = wait_phase(&admin, &ns, "one", LeasePhase::Bound).await;
+    assert_eq!(bound_uids(&one), [first.uid().unwrap()]);
+    for name in ["two", "three"] {
+        create_lease(
+            &admin,
+            &ns,
+            &lease_obj(name, "office", serde_json::json!({"service": false})),
+        )
+        .await;
+    }
+    wait_phase(&admin, &ns, "two", LeasePhase::Pending).await;
+    wait_phase(&admin, &ns, "three", LeasePhase::Pending).await;
+
+    // The pool's own reconcile, as the operator; the test plays the Proxy controller
+    // (a new Proxy gets a serving status).
+    let operator =
+        s.cp.client_for(&s.cp.operator_kubeconfig().unwrap())
+            .await
+            .unwrap();
+    let (_leading, leading_rx) = watch::channel(true);
+    let fleet = Arc::new(FleetContext::new(
+        operator,
+        config(),
+        Arc::new(LivenessBoard::default()),
+        FleetMetrics::default(),
+        leading_rx,
+        None,
+    ));
+    let pools = Api::<ProxyPool>::namespaced(admin.clone(), &ns);
+    let api = Api::<Proxy>::namespaced(admin.clone(), &ns);
+    let mut next_ip = 10;
+    let mut reconcile_and_serve = || {
+        let (pools, api, fleet, admin, ns) = (
+            pools.clone(),
+            api.clone(),
+            fleet.clone(),
+            admin.clone(),
+            ns.clone(),
+        );
+        next_ip += 1;
+        let ip = format!("198.51.100.{next_ip}");
+        async move {
+            let p = pools.get("office").await.unwrap();
+            egress_operator::fleet::pool::reconcile(Arc::new(p), fleet)
+                .await
+                .unwrap();
+            for p in api.list(&ListParams::default()).await.unwrap().items {
+                if p.status.as_ref().and_then(|s| s.address.clone()).is_none() {
+                    set_serving(&admin, &ns, &p.name_any(), &ip, true).await;
+                }
+            }
+        }
+    };
+    let bound = poll("a surged proxy bound to a waiting lease", || {
+        let step = reconcile_and_serve();
+        let admin = admin.clone();
+        let ns = ns.clone();
+        async move {
+            step.await;
+            let two = get_lease(&admin, &ns, "two").await?;
+            let three = get_lease(&admin, &ns, "three").await?;
+            [two, three]
+                .into_iter()
+                .find(|l| phase(l) == Some(LeasePhase::Bound))
+        }
+    })
+    .await;
+    // One surged proxy (leaseSurge 1): the other lease keeps waiting and the pool grows
+    // no further, and removes none of the leased ones.
+    for _ in 0..3 {
+        reconcile_and_serve().await;
+        tokio::time::sleep(Duration::from_millis(300)).await;
+    }
+    let live: Vec<Proxy> = api
+        .list(&ListParams::default())
+        .await
+        .unwrap()
+        .items
+        .into_iter()
+        .filter(|p| {
+            p.metadata.deletion_timestamp.is_none()
+                && !p.annotations().contains_key(DRAINING_ANNOTATION)
+        })
+        .collect();
+    assert_eq!(live.len(), 2, "replicas 1 + leaseSurge 1");
+    assert!(live.iter().all(|p| holder(p).is_some()), "both leased");
+    let other = if bound.name_any() == "two" {
+        "three"
+    } else {
+        "two"
+    };
+    let waiting = get_lease(&admin, &ns, other).await.unwrap();
+    assert_eq!(phase(&waiting), Some(LeasePhase::Pending));
+
+    Api::<ProxyLease>::namespaced(admin.clone(), &ns)
+        .delete_collection(&DeleteParams::default(), &ListParams::default())
+        .await
+        .unwrap();
+    poll("leases gone", || async {
+        Api::<ProxyLease>::namespaced(admin.clone(), &ns)
+            .list(&ListParams::default())
+            .await
+            .ok()?
+            .items
+            .is_empty()
+            .then_some(())
+    })
+    .await;
+    inst.shutdown().await;
+}
