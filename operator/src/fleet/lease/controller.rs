@@ -647,10 +647,11 @@ fn error_policy(lease: Arc<ProxyLease>, error: &LeaseError, _ctx: Arc<LeaseConte
     })
 }
 
-/// Runs the lease controller until `shutdown`. Leases, the Proxies that name one (label
-/// and name annotation), every change of a pool's Proxies (a proxy freeing up or
-/// starting to serve wakes the leases of that pool), the leases' Services and slices, and
-/// the fast probe's verdicts trigger reconciles.
+/// Runs the lease controller until `shutdown`, with the orphan sweep beside it. Leases,
+/// the Proxies that name one (label and name annotation), every change of a pool's
+/// Proxies (a proxy freeing up or starting to serve wakes the leases of that pool that
+/// still want one), the leases' Services and slices, and the fast probe's verdicts
+/// trigger reconciles.
 pub async fn run<F>(ctx: Arc<LeaseContext>, shutdown: F)
 where
     F: std::future::Future<Output = ()> + Send + Sync + 'static,
@@ -685,9 +686,15 @@ where
                 leases
                     .state()
                     .into_iter()
+                    // The holder, and the leases of the pool that still want a proxy (a
+                    // Bound or Expired one has nothing to gain from another proxy's change).
                     .filter(|l| {
+                        let wants = !matches!(
+                            l.status.as_ref().and_then(|s| s.phase),
+                            Some(LeasePhase::Bound | LeasePhase::Expired)
+                        );
                         l.namespace() == ns
-                            && (Some(&l.spec.pool) == pool.as_ref()
+                            && ((wants && Some(&l.spec.pool) == pool.as_ref())
                                 || holder.as_deref() == Some(l.name_any().as_str()))
                     })
                     .map(|l| ObjectRef::from_obj(&*l))
