@@ -80,7 +80,9 @@ impl KubeSink {
     }
 
     fn params() -> PatchParams {
-        PatchParams::apply(FIELD_MANAGER).force()
+        PatchParams::apply(FIELD_MANAGER)
+            .force()
+            .validation_strict()
     }
 
     async fn apply_object(&self, provider: &str) -> Result<(), kube::Error> {

@@ -35,10 +35,12 @@ use tokio::time::Instant;
 
 use crate::config::ServingConfig;
 
-/// What the probe CONNECTs to when no target is configured: `.invalid` never resolves
-/// (RFC 6761), so the proxy answers with an error status without opening anything, and
-/// the probe only learns that an HTTP proxy listens.
-pub const NO_TARGET: &str = "probe.invalid:443";
+/// What the probe CONNECTs to when no target is configured: an IP literal, so the proxy
+/// asks no resolver (an air-gapped guest's resolver made `probe.invalid` wait out its
+/// 10 s timeout before tinyproxy answered), and port 0, which no socket can be connected
+/// to, so the proxy answers at once with an error status without opening anything. The
+/// probe then only learns that an HTTP proxy listens and answers.
+pub const NO_TARGET: &str = "0.0.0.0:0";
 
 /// Longest status line read. `HTTP/1.1 200 Connection established` is 36 bytes and
 /// proxies' reason phrases are short; anything longer without a line end is not a proxy.

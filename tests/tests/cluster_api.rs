@@ -613,3 +613,57 @@ async fn a_proxy_using_a_field_of_a_newer_crd_is_named_and_the_others_still_deco
     .await?;
     Ok(())
 }
+
+// ---- (e) The garbage collector's index pages ----------------------------------------
+
+/// Past one page (500) of Proxies, the collector's index still sees every one: it follows
+/// the server's continue tokens, as the operator's ServiceAccount. A Proxy missed here
+/// would have its VM collected as an orphan.
+#[tokio::test]
+async fn the_gc_index_pages_past_500_proxies() -> Result<()> {
+    use egress_operator::gc::{KubeProxyIndex, ProxyIndex};
+    use integration_tests::harness::controlplane::{OPERATOR_NAMESPACE, OPERATOR_SERVICE_ACCOUNT};
+
+    const N: usize = 505;
+    let cp = plane().await?;
+    cp.install_rbac()?;
+    let admin = cp.client().await?;
+    let ns = cp.namespace("gc-pages").await?;
+    let api: Api<Proxy> = Api::namespaced(admin, ns.name());
+    let created: Vec<Result<Proxy, kube::Error>> = futures_util::stream::iter(0..N)
+        .map(|i| {
+            let api = api.clone();
+            async move {
+                create(
+                    &api,
+                    proxy_json(&format!("p-{i:04}"), json!({"provider": "kvm2"})),
+                )
+                .await
+            }
+        })
+        .buffer_unordered(16)
+        .collect()
+        .await;
+    let failed: Vec<_> = created.iter().filter_map(|r| r.as_ref().err()).collect();
+    assert!(failed.is_empty(), "creates failed: {failed:?}");
+
+    let operator = cp.client_for(&cp.operator_kubeconfig()?).await?;
+    let owners = guard("the index", KubeProxyIndex::new(operator).owners()).await?;
+    let ours = owners.values().filter(|o| o.namespace == ns.name()).count();
+    assert_eq!(ours, N, "the index missed Proxies past the first page");
+
+    let user = format!("system:serviceaccount:{OPERATOR_NAMESPACE}:{OPERATOR_SERVICE_ACCOUNT}");
+    if let Some(audit) = cp.audit()? {
+        let lists: Vec<&str> = audit
+            .iter()
+            .filter(|r| r.user == user && r.verb == "list" && r.resource == "proxies")
+            .map(|r| r.uri.as_str())
+            .collect();
+        assert!(
+            lists.iter().any(|u| u.contains("limit=500"))
+                && lists.iter().any(|u| u.contains("continue=")),
+            "no paged list with a continue token: {lists:?}"
+        );
+    }
+    Ok(())
+}

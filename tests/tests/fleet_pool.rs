@@ -2,7 +2,7 @@
 //! `ProxyPool` and discovery on the real control plane (issue 23's "done when").
 //!
 //! The operator's parts run in-process as its ServiceAccount (the shipped `config/rbac`,
-//! the fleet's own ClusterRole included): the Proxy controller over a [`FakeProvider`]
+//! the fleet's rules included): the Proxy controller over a [`FakeProvider`]
 //! (hosts `h1`, `h2`), and the pool, discovery and liveness controllers. The fake's proxies
 //! live in memory: every probe (the Proxy controller's slow one and the fast liveness one)
 //! is answered by an in-memory dialer, so no packet leaves the process, and a test turns a
@@ -38,6 +38,7 @@ use egress_operator::provider::{
 };
 use egress_operator::serving::{Dialer, ProbeStream};
 use integration_tests::harness::ControlPlane;
+use integration_tests::harness::controlplane::{OPERATOR_NAMESPACE, OPERATOR_SERVICE_ACCOUNT};
 use k8s_openapi::api::core::v1::Service;
 use k8s_openapi::api::discovery::v1::EndpointSlice;
 use kube::api::{DeleteParams, ListParams, Patch, PatchParams, PostParams};
@@ -335,6 +336,40 @@ async fn a_pool_converges_rolls_surge_first_keeps_its_slices_and_scales() {
             ("ProxyPool", POOL)
         );
     }
+    // At rest, a reconcile writes nothing: an annotation (no generation bump, a watch
+    // event all the same) makes the pool controller and discovery look again, and they
+    // leave the pool's status, Service and slices as they are.
+    let user = format!("system:serviceaccount:{OPERATOR_NAMESPACE}:{OPERATOR_SERVICE_ACCOUNT}");
+    let status_writes = || {
+        cp.audit().unwrap().map_or(0, |a| {
+            a.iter()
+                .filter(|r| {
+                    r.user == user
+                        && ["proxypools/status", "services", "endpointslices"]
+                            .contains(&r.resource.as_str())
+                        && r.verb == "patch"
+                        && r.namespace.as_deref() == Some(ns.as_str())
+                })
+                .count()
+        })
+    };
+    // Let the last reconcile of the convergence land first.
+    tokio::time::sleep(Duration::from_secs(6)).await;
+    let before = status_writes();
+    pools
+        .patch(
+            POOL,
+            &PatchParams::default(),
+            &Patch::Merge(serde_json::json!({"metadata": {"annotations": {"touched": "yes"}}})),
+        )
+        .await
+        .unwrap();
+    tokio::time::sleep(Duration::from_secs(3)).await;
+    assert_eq!(
+        status_writes(),
+        before,
+        "a settled pool's reconcile wrote its unchanged status, Service or slices"
+    );
     let svc = Api::<Service>::namespaced(admin.clone(), &ns)
         .get(POOL)
         .await
@@ -515,4 +550,15 @@ async fn a_pool_converges_rolls_surge_first_keeps_its_slices_and_scales() {
     let _ = stop_tx.send(true);
     while tasks.join_next().await.is_some() {}
     drop(ns_handle);
+
+    // The shipped RBAC covered every call of the pool, discovery and liveness controllers:
+    // the API server refused none of the ServiceAccount's requests.
+    let user = format!("system:serviceaccount:{OPERATOR_NAMESPACE}:{OPERATOR_SERVICE_ACCOUNT}");
+    if let Some(audit) = cp.audit().unwrap() {
+        let refused: Vec<_> = audit
+            .iter()
+            .filter(|r| r.user == user && r.code == 403)
+            .collect();
+        assert!(refused.is_empty(), "refused (403):\n{refused:#?}");
+    }
 }

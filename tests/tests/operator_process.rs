@@ -65,6 +65,18 @@ async fn wait_for<T, Fut: std::future::Future<Output = Option<T>>>(
     }
 }
 
+/// How many times the operator's ServiceAccount listed Proxies (a watcher relists after
+/// its watch expired); 0 against an external cluster (no audit log).
+fn proxy_lists(plane: &ControlPlane) -> usize {
+    let user = format!("system:serviceaccount:{OPERATOR_NAMESPACE}:{OPERATOR_SERVICE_ACCOUNT}");
+    plane.audit().unwrap().map_or(0, |audit| {
+        audit
+            .iter()
+            .filter(|r| r.user == user && r.verb == "list" && r.resource == "proxies")
+            .count()
+    })
+}
+
 fn condition(p: &Proxy, type_: &str) -> Option<String> {
     p.status
         .as_ref()?
@@ -177,6 +189,59 @@ async fn the_operator_runs_as_its_service_account_and_is_never_refused() {
     let health: Api<ProviderHealth> = Api::all(client.clone());
     wait_for("ProviderHealth kvm2", &op, || async {
         health.get("kvm2").await.ok()
+    })
+    .await;
+
+    // ---- ProviderHealth deleted by hand: the monitor writes it again -------------------
+    let first = health.get("kvm2").await.unwrap().uid();
+    health
+        .delete("kvm2", &DeleteParams::default())
+        .await
+        .unwrap();
+    wait_for("ProviderHealth kvm2 re-created", &op, || async {
+        let h = health.get_opt("kvm2").await.ok()??;
+        (h.uid() != first && h.status.is_some()).then_some(())
+    })
+    .await;
+    println!("ProviderHealth kvm2 re-created after its deletion");
+
+    // ---- kube-apiserver restarts: the watches resume, a new Proxy is reconciled -------
+    let lists_before = proxy_lists(plane);
+    if plane.is_local() {
+        plane.restart_apiserver().unwrap();
+    }
+    let second: Proxy = serde_json::from_value(serde_json::json!({
+        "apiVersion": "egress-operator.dev/v1alpha1",
+        "kind": "Proxy",
+        "metadata": {"name": "after-restart"},
+        "spec": {"provider": "kvm2", "userData": {"secretRef": {"name": "user-data", "key": "user-data"}}},
+    }))
+    .unwrap();
+    proxies
+        .create(&PostParams::default(), &second)
+        .await
+        .unwrap();
+    wait_for("the Proxy made after the restart Ready", &op, || async {
+        let p = proxies.get("after-restart").await.ok()?;
+        (condition(&p, "Ready").as_deref() == Some("True")).then_some(())
+    })
+    .await;
+    println!(
+        "after a kube-apiserver restart a new Proxy became Ready; the operator listed Proxies {} times before it, {} after",
+        lists_before,
+        proxy_lists(plane) - lists_before
+    );
+    proxies
+        .delete("after-restart", &DeleteParams::default())
+        .await
+        .unwrap();
+    wait_for("the Proxy made after the restart gone", &op, || async {
+        proxies
+            .get_opt("after-restart")
+            .await
+            .ok()?
+            .is_none()
+            .then_some(())
     })
     .await;
 

@@ -339,7 +339,7 @@ mod tests {
         Check {
             serving: true,
             reason: "Serving",
-            message: "192.0.2.7:3128 answered CONNECT probe.invalid:443 with 500 in 3 ms".into(),
+            message: "192.0.2.7:3128 answered CONNECT 0.0.0.0:0 with 500 in 3 ms".into(),
             running: true,
         }
     }
@@ -420,7 +420,7 @@ mod tests {
             at(0),
         );
         let slower = Check {
-            message: "192.0.2.7:3128 answered CONNECT probe.invalid:443 with 500 in 950 ms".into(),
+            message: "192.0.2.7:3128 answered CONNECT 0.0.0.0:0 with 500 in 950 ms".into(),
             ..passing()
         };
         let b = observed(&a, Some(1), &running, &slower, at(30));

@@ -578,7 +578,7 @@ fn check_of(i: &Instance) -> serving::Check {
         (InstanceState::Running, Some(a)) => (
             true,
             "Serving",
-            format!("{a}:3128 answered CONNECT probe.invalid:443 with 200 in 0 ms"),
+            format!("{a}:3128 answered CONNECT 0.0.0.0:0 with 200 in 0 ms"),
         ),
         (InstanceState::Running, None) => (
             false,
@@ -915,7 +915,7 @@ async fn create_reads_the_user_data_creates_and_reports_the_instance() {
     let message = serving["message"].as_str().unwrap();
     assert!(
         message.starts_with(&format!(
-            "{FAKE_ADDRESS}:3128 answered CONNECT probe.invalid:443 with 200 in "
+            "{FAKE_ADDRESS}:3128 answered CONNECT 0.0.0.0:0 with 200 in "
         )) && message.ends_with(" ms"),
         "{message}"
     );

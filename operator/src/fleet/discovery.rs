@@ -30,7 +30,8 @@ use k8s_openapi::apimachinery::pkg::apis::meta::v1::{Condition, OwnerReference};
 use kube::api::{ListParams, ObjectMeta, Patch, PatchParams};
 use kube::runtime::controller::{Action, Controller};
 use kube::runtime::events::EventType;
-use kube::runtime::watcher;
+use kube::runtime::reflector::{self, ObjectRef, Store};
+use kube::runtime::{WatchStreamExt, watcher};
 use kube::{Api, Resource, ResourceExt};
 
 use crate::api::proxy::Proxy;
@@ -241,8 +242,86 @@ pub fn membership_changes(
     out
 }
 
+/// What discovery reconciles with: the fleet's context and the Services and slices it
+/// last saw (its own watches), so an object that already says what it should is not
+/// written again.
+#[derive(Debug)]
+pub struct Discovery {
+    fleet: Arc<FleetContext>,
+    services: Store<Service>,
+    slices: Store<EndpointSlice>,
+}
+
+/// Whether the Service seen says what `want` says in the fields we own: our labels and
+/// owner, no selector, our port. Fields the API server fills in (cluster IP, families,
+/// policies) are not ours and not compared.
+pub fn service_current(seen: Option<&Service>, want: &Service) -> bool {
+    let Some(seen) = seen.filter(|s| s.metadata.deletion_timestamp.is_none()) else {
+        return false;
+    };
+    let port = |p: &ServicePort| {
+        (
+            p.name.clone(),
+            p.protocol.clone(),
+            p.port,
+            p.target_port.clone(),
+        )
+    };
+    let ports = |s: &Service| -> Vec<_> {
+        s.spec
+            .as_ref()
+            .and_then(|sp| sp.ports.as_ref())
+            .map(|ps| ps.iter().map(port).collect())
+            .unwrap_or_default()
+    };
+    let no_selector = seen
+        .spec
+        .as_ref()
+        .and_then(|sp| sp.selector.as_ref())
+        .is_none_or(BTreeMap::is_empty);
+    meta_current(&seen.metadata, &want.metadata) && no_selector && ports(seen) == ports(want)
+}
+
+/// Whether the EndpointSlice seen lists exactly what `want` lists, with our labels and
+/// owner.
+pub fn slice_current(seen: Option<&EndpointSlice>, want: &EndpointSlice) -> bool {
+    let Some(seen) = seen.filter(|s| s.metadata.deletion_timestamp.is_none()) else {
+        return false;
+    };
+    let endpoint = |e: &Endpoint| {
+        (
+            e.addresses.clone(),
+            e.conditions.clone(),
+            e.target_ref.as_ref().and_then(|r| r.uid.clone()),
+        )
+    };
+    let endpoints = |s: &EndpointSlice| -> Vec<_> { s.endpoints.iter().map(endpoint).collect() };
+    meta_current(&seen.metadata, &want.metadata)
+        && seen.address_type == want.address_type
+        && seen.ports == want.ports
+        && endpoints(seen) == endpoints(want)
+}
+
+/// Our labels are all there with our values, and our owner reference is.
+fn meta_current(seen: &ObjectMeta, want: &ObjectMeta) -> bool {
+    let labels_ok = want.labels.iter().flatten().all(|(k, v)| {
+        seen.labels
+            .as_ref()
+            .and_then(|l| l.get(k))
+            .is_some_and(|x| x == v)
+    });
+    let owner_ok = want.owner_references.iter().flatten().all(|o| {
+        seen.owner_references
+            .iter()
+            .flatten()
+            .any(|x| x.uid == o.uid && x.controller == o.controller)
+    });
+    labels_ok && owner_ok
+}
+
 /// One reconcile of one pool's discovery objects.
-pub async fn reconcile(pool: Arc<ProxyPool>, ctx: Arc<FleetContext>) -> Result<Action, FleetError> {
+async fn reconcile(pool: Arc<ProxyPool>, discovery: Arc<Discovery>) -> Result<Action, FleetError> {
+    let ctx = &discovery.fleet;
     if !ctx.leading() {
         return Ok(Action::await_change());
     }
@@ -266,16 +345,26 @@ pub async fn reconcile(pool: Arc<ProxyPool>, ctx: Arc<FleetContext>) -> Result<A
         .collect();
     let port = ctx.port;
     let list = listed(&members, port);
-    let params = PatchParams::apply(FIELD_MANAGER).force();
+    let params = PatchParams::apply(FIELD_MANAGER)
+        .force()
+        .validation_strict();
 
+    // Written only when what was last seen differs: at rest, a reconcile writes nothing.
+    // A deleted or hand-edited object is seen so by the watch, and put back.
     let svc = service(&name, &ns, &owner, port);
-    Api::<Service>::namespaced(ctx.client.clone(), &ns)
-        .patch(&name, &params, &Patch::Apply(&svc))
-        .await?;
+    let seen = discovery.services.get(&ObjectRef::new(&name).within(&ns));
+    if !service_current(seen.as_deref(), &svc) {
+        Api::<Service>::namespaced(ctx.client.clone(), &ns)
+            .patch(&name, &params, &Patch::Apply(&svc))
+            .await?;
+    }
     let slice_api = Api::<EndpointSlice>::namespaced(ctx.client.clone(), &ns);
     for s in slices(&name, &ns, &owner, port, &list) {
         let sname = s.metadata.name.clone().unwrap_or_default();
-        slice_api.patch(&sname, &params, &Patch::Apply(&s)).await?;
+        let seen = discovery.slices.get(&ObjectRef::new(&sname).within(&ns));
+        if !slice_current(seen.as_deref(), &s) {
+            slice_api.patch(&sname, &params, &Patch::Apply(&s)).await?;
+        }
     }
 
     let before = pool
@@ -342,14 +431,16 @@ pub async fn reconcile(pool: Arc<ProxyPool>, ctx: Arc<FleetContext>) -> Result<A
         Api::<ProxyPool>::namespaced(ctx.client.clone(), &ns)
             .patch_status(
                 &name,
-                &PatchParams::apply(STATUS_MANAGER).force(),
+                &PatchParams::apply(STATUS_MANAGER)
+                    .force()
+                    .validation_strict(),
                 &Patch::Apply(body),
             )
             .await?;
     }
     for (proxy, what) in membership_changes(&before, &after) {
         publish(
-            &ctx,
+            ctx,
             &pool,
             EventType::Normal,
             "EndpointsChanged",
@@ -365,7 +456,7 @@ pub async fn reconcile(pool: Arc<ProxyPool>, ctx: Arc<FleetContext>) -> Result<A
     Ok(Action::requeue(RESYNC))
 }
 
-fn error_policy(pool: Arc<ProxyPool>, error: &FleetError, _ctx: Arc<FleetContext>) -> Action {
+fn error_policy(pool: Arc<ProxyPool>, error: &FleetError, _ctx: Arc<Discovery>) -> Action {
     tracing::warn!(pool = %pool.name_any(), error = %error, "discovery reconcile failed");
     Action::requeue(match error {
         FleetError::BadName { .. } => RESYNC,
@@ -380,6 +471,32 @@ where
     F: std::future::Future<Output = ()> + Send + Sync + 'static,
 {
     let client = ctx.client.clone();
+    // The Services and slices are reflected, so a reconcile can compare before it writes;
+    // their deletions trigger the owner's reconcile as much as their changes.
+    let (services, services_writer) = reflector::store();
+    let service_events = watcher(
+        Api::<Service>::all(client.clone()),
+        watcher::Config::default().labels(POOL_LABEL).any_semantic(),
+    )
+    .default_backoff()
+    .reflect(services_writer)
+    .touched_objects();
+    let (slices, slices_writer) = reflector::store();
+    let slice_events = watcher(
+        Api::<EndpointSlice>::all(client.clone()),
+        watcher::Config::default()
+            .labels(&format!("{MANAGED_BY_LABEL}={MANAGED_BY}"))
+            .any_semantic(),
+    )
+    .default_backoff()
+    .reflect(slices_writer)
+    .touched_objects();
+    let board = ctx.board.clone();
+    let discovery = Arc::new(Discovery {
+        fleet: ctx,
+        services,
+        slices,
+    });
     Controller::new(
         Api::<ProxyPool>::all(client.clone()),
         watcher::Config::default().any_semantic(),
@@ -388,19 +505,11 @@ where
         Api::<Proxy>::all(client.clone()),
         watcher::Config::default().labels(POOL_LABEL).any_semantic(),
     )
-    .owns(
-        Api::<Service>::all(client.clone()),
-        watcher::Config::default().labels(POOL_LABEL).any_semantic(),
-    )
-    .owns(
-        Api::<EndpointSlice>::all(client.clone()),
-        watcher::Config::default()
-            .labels(&format!("{MANAGED_BY_LABEL}={MANAGED_BY}"))
-            .any_semantic(),
-    )
-    .reconcile_all_on(board_changes(&ctx.board))
+    .owns_stream(service_events)
+    .owns_stream(slice_events)
+    .reconcile_all_on(board_changes(&board))
     .graceful_shutdown_on(shutdown)
-    .run(reconcile, error_policy, ctx)
+    .run(reconcile, error_policy, discovery)
     .for_each(|r| async move {
         if let Err(e) = r {
             tracing::debug!(error = %e, "discovery stream");
@@ -497,6 +606,56 @@ mod tests {
         assert!(spec.selector.is_none());
         let p = &spec.ports.unwrap()[0];
         assert_eq!((p.name.as_deref(), p.port), (Some(PORT_NAME), 8888));
+    }
+
+    #[test]
+    fn only_a_service_or_slice_that_differs_in_our_fields_is_written_again() {
+        let want = service("office", "ns", &owner(), 3128);
+        assert!(
+            !service_current(None, &want),
+            "a missing Service is written"
+        );
+        // The API server fills in fields that are not ours: still current.
+        let mut seen = want.clone();
+        let spec = seen.spec.as_mut().unwrap();
+        spec.cluster_ip = Some("10.96.0.7".into());
+        spec.type_ = Some("ClusterIP".into());
+        seen.metadata.resource_version = Some("42".into());
+        assert!(service_current(Some(&seen), &want));
+        let mut edited = seen.clone();
+        edited.spec.as_mut().unwrap().selector =
+            Some(BTreeMap::from([("app".to_string(), "x".to_string())]));
+        assert!(
+            !service_current(Some(&edited), &want),
+            "a hand-added selector"
+        );
+        let mut edited = seen.clone();
+        edited.spec.as_mut().unwrap().ports.as_mut().unwrap()[0].port = 80;
+        assert!(!service_current(Some(&edited), &want), "a changed port");
+        let mut edited = seen.clone();
+        edited.metadata.labels = None;
+        assert!(!service_current(Some(&edited), &want), "our label removed");
+        let mut edited = seen;
+        edited.metadata.deletion_timestamp = Some(
+            k8s_openapi::apimachinery::pkg::apis::meta::v1::Time(jiff::Timestamp::UNIX_EPOCH),
+        );
+        assert!(!service_current(Some(&edited), &want), "being deleted");
+
+        let list = listed(&[member("a", "192.0.2.1", true)], 3128);
+        let want = slices("office", "ns", &owner(), 3128, &list).remove(0);
+        assert!(!slice_current(None, &want));
+        let mut seen = want.clone();
+        seen.metadata.generation = Some(3);
+        assert!(slice_current(Some(&seen), &want));
+        let mut edited = seen.clone();
+        edited.endpoints[0].conditions.as_mut().unwrap().ready = Some(false);
+        assert!(!slice_current(Some(&edited), &want), "a changed condition");
+        let mut edited = seen.clone();
+        edited.endpoints.clear();
+        assert!(!slice_current(Some(&edited), &want), "an emptied slice");
+        let mut edited = seen;
+        edited.metadata.owner_references = None;
+        assert!(!slice_current(Some(&edited), &want), "our owner removed");
     }
 
     #[test]

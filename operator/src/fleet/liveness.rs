@@ -5,7 +5,7 @@
 //! default). Discovery must drop a proxy within seconds, so every pool Proxy with an
 //! address is also probed every [`LivenessOptions::period`] (1 s) by the same probe code
 //! ([`crate::serving::probe_with`]) without a target: a TCP connect plus a well-formed
-//! HTTP answer to `CONNECT probe.invalid:443`, within [`LivenessOptions::timeout`].
+//! HTTP answer to `CONNECT 0.0.0.0:0`, within [`LivenessOptions::timeout`].
 //! [`LivenessOptions::failure_threshold`] failures in a row (2) mark it down; one pass marks
 //! it up again. Worst case from a failure to the verdict: one period to the next probe,
 //! then `threshold` probes of at most `timeout` each, about 3 s with the defaults; the

@@ -24,7 +24,7 @@ use tokio::sync::watch;
 use crate::api::provider_health::ProviderHealth;
 use crate::api::proxy::Proxy;
 use crate::api::proxy_pool::{
-    DRAINING_ANNOTATION, HostCount, POOL_LABEL, ProxyPool, TEMPLATE_HASH_LABEL,
+    DRAINING_ANNOTATION, HostCount, POOL_LABEL, ProxyPool, ProxyPoolStatus, TEMPLATE_HASH_LABEL,
 };
 use crate::config::ValidConfig;
 use crate::controller::status::set_condition;
@@ -373,7 +373,7 @@ async fn write_status(
         .as_ref()
         .map(|s| s.conditions.clone())
         .unwrap_or_default();
-    conditions.retain(|c| matches!(c.type_.as_str(), "Available" | "Progressing" | "Degraded"));
+    conditions.retain(is_pool_condition);
     let min = shape.replicas.saturating_sub(shape.max_unavailable);
     let available = c.available >= min;
     set_condition(
@@ -432,6 +432,28 @@ async fn write_status(
             replicas: n(*k),
         })
         .collect();
+    // A settled pool is reconciled every minute and on every liveness change: write only
+    // what changed, so a fleet at rest makes no status writes (the endpoints and
+    // `EndpointsHeld` are discovery's, and compared there).
+    let next = ProxyPoolStatus {
+        replicas: n(c.replicas),
+        ready_replicas: n(c.ready),
+        updated_replicas: n(c.updated),
+        available_replicas: n(c.available),
+        selector: Some(pool_selector(name)),
+        hosts: hosts.clone(),
+        observed_generation: generation,
+        conditions: conditions.clone(),
+        endpoints: Vec::new(),
+    };
+    if let Some(seen) = &pool.status {
+        let mut seen = seen.clone();
+        seen.conditions.retain(is_pool_condition);
+        seen.endpoints.clear();
+        if seen == next {
+            return Ok(());
+        }
+    }
     let body = serde_json::json!({
         "apiVersion": ProxyPool::api_version(&()),
         "kind": ProxyPool::kind(&()),
@@ -450,11 +472,18 @@ async fn write_status(
     Api::<ProxyPool>::namespaced(ctx.client.clone(), ns)
         .patch_status(
             name,
-            &PatchParams::apply(STATUS_MANAGER).force(),
+            &PatchParams::apply(STATUS_MANAGER)
+                .force()
+                .validation_strict(),
             &Patch::Apply(body),
         )
         .await?;
     Ok(())
+}
+
+/// The condition types the pool controller owns (discovery owns `EndpointsHeld`).
+fn is_pool_condition(c: &Condition) -> bool {
+    matches!(c.type_.as_str(), "Available" | "Progressing" | "Degraded")
 }
 
 fn error_policy(pool: Arc<ProxyPool>, error: &FleetError, _ctx: Arc<FleetContext>) -> Action {
