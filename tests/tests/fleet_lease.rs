@@ -37,6 +37,7 @@ use egress_operator::fleet::lease::{LeaseContext, LeaseMetrics};
 use egress_operator::fleet::pool::FleetContext;
 use egress_operator::fleet::{FleetMetrics, LivenessBoard};
 use integration_tests::harness::ControlPlane;
+use integration_tests::harness::controlplane::{OPERATOR_NAMESPACE, OPERATOR_SERVICE_ACCOUNT};
 use k8s_openapi::api::core::v1::Service;
 use k8s_openapi::api::discovery::v1::EndpointSlice;
 use kube::api::{DeleteParams, ListParams, Patch, PatchParams, PostParams};
@@ -771,6 +772,15 @@ async fn a_lost_proxy_is_given_up_and_the_lease_and_its_service_rebind_to_a_spar
         (slice_addresses(&admin, &ns, "crawler").await? == want).then_some(())
     })
     .await;
+    // A deleted slice is put back.
+    Api::<EndpointSlice>::namespaced(admin.clone(), &ns)
+        .delete("crawler-ipv4", &DeleteParams::default())
+        .await
+        .unwrap();
+    poll("the deleted slice is back", || async {
+        (slice_addresses(&admin, &ns, "crawler").await? == want).then_some(())
+    })
+    .await;
     let lost = Api::<Proxy>::namespaced(admin.clone(), &ns)
         .get(&first.name)
         .await
@@ -809,6 +819,16 @@ async fn a_lost_proxy_is_given_up_and_the_lease_and_its_service_rebind_to_a_spar
     })
     .await;
     inst.shutdown().await;
+    // The shipped RBAC covered every call of the lease controller: the API server
+    // refused none of the ServiceAccount's requests.
+    let user = format!("system:serviceaccount:{OPERATOR_NAMESPACE}:{OPERATOR_SERVICE_ACCOUNT}");
+    if let Some(audit) = s.cp.audit().unwrap() {
+        let refused: Vec<_> = audit
+            .iter()
+            .filter(|r| r.user == user && r.code == 403)
+            .collect();
+        assert!(refused.is_empty(), "refused (403):\n{refused:#?}");
+    }
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

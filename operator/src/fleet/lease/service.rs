@@ -63,8 +63,9 @@ pub fn slices(
     out
 }
 
-/// Writes the Service and slices (server-side apply, forced: one writer, hand edits
-/// undone), unless another owner holds the Service's name.
+/// Writes the Service and slices where they differ from what they should say (server-side
+/// apply, forced: one writer, hand edits undone), unless another owner holds the
+/// Service's name.
 pub async fn sync(
     client: &Client,
     lease: &str,
@@ -74,7 +75,8 @@ pub async fn sync(
     bound: &[Member],
 ) -> Result<ServiceState, kube::Error> {
     let services = Api::<Service>::namespaced(client.clone(), namespace);
-    if let Some(existing) = services.get_opt(lease).await? {
+    let existing = services.get_opt(lease).await?;
+    if let Some(existing) = &existing {
         let ours = existing
             .metadata
             .owner_references
@@ -87,18 +89,21 @@ pub async fn sync(
             )));
         }
     }
+    // Written only when what is there differs in our fields (discovery's comparison): a
+    // settled lease's reconcile reads and writes nothing, while a deleted or hand-edited
+    // object is put back.
     let params = PatchParams::apply(FIELD_MANAGER).force();
-    services
-        .patch(
-            lease,
-            &params,
-            &Patch::Apply(&service(lease, namespace, owner, port)),
-        )
-        .await?;
+    let want = service(lease, namespace, owner, port);
+    if !discovery::service_current(existing.as_ref(), &want) {
+        services.patch(lease, &params, &Patch::Apply(&want)).await?;
+    }
     let slice_api = Api::<EndpointSlice>::namespaced(client.clone(), namespace);
     for s in slices(lease, namespace, owner, port, bound) {
         let name = s.metadata.name.clone().unwrap_or_default();
-        slice_api.patch(&name, &params, &Patch::Apply(&s)).await?;
+        let seen = slice_api.get_opt(&name).await?;
+        if !discovery::slice_current(seen.as_ref(), &s) {
+            slice_api.patch(&name, &params, &Patch::Apply(&s)).await?;
+        }
     }
     Ok(ServiceState::Ready)
 }
