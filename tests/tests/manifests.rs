@@ -69,6 +69,7 @@ fn generated_crds() -> BTreeMap<String, Value> {
         [
             "providerhealths.egress-operator.dev",
             "proxies.egress-operator.dev",
+            "proxyleases.egress-operator.dev",
             "proxypools.egress-operator.dev"
         ]
     );
@@ -1184,7 +1185,7 @@ async fn calls_the_code_makes() -> Vec<Call> {
         egress_operator::fleet::discovery::run(fleet, stop()),
         liveness.run(client.clone(), stop()),
     );
-    let calls = recorded.lock().unwrap().calls.clone();
+    let mut calls = recorded.lock().unwrap().calls.clone();
     for (verb, resource) in [("create", "proxies"), ("delete", "proxies")] {
         assert!(
             calls
@@ -1193,7 +1194,90 @@ async fn calls_the_code_makes() -> Vec<Call> {
             "the pool controller did not {verb} {resource}: {calls:#?}"
         );
     }
+    calls.extend(lease_calls().await);
     calls
+}
+
+/// The lease controller's calls: its watches, a lease bound (finalizer, status, the take,
+/// its Service and slices, an event), the orphan sweep, and the lease deleted (status,
+/// release, finalizer off).
+async fn lease_calls() -> Vec<Call> {
+    use egress_operator::api::proxy_lease::{LEASE_FINALIZER, ProxyLease};
+    use egress_operator::fleet::lease::{self, LeaseContext, LeaseMetrics};
+    use egress_operator::fleet::pool::FleetContext;
+    use egress_operator::fleet::{FleetMetrics, LivenessBoard};
+
+    const NS: &str = "team";
+    let base = format!("/apis/egress-operator.dev/v1alpha1/namespaces/{NS}");
+    let pool = json!({
+        "apiVersion": "egress-operator.dev/v1alpha1", "kind": "ProxyPool",
+        "metadata": {"name": "office", "namespace": NS, "uid": "uid-pool", "resourceVersion": "1"},
+        "spec": {"template": {"provider": "kvm2"}},
+    });
+    let proxy = json!({
+        "apiVersion": "egress-operator.dev/v1alpha1", "kind": "Proxy",
+        "metadata": {"name": "office-a", "namespace": NS, "uid": "uid-a", "resourceVersion": "1",
+                     "labels": {"egress-operator.dev/pool": "office"},
+                     "ownerReferences": [{"apiVersion": "egress-operator.dev/v1alpha1",
+                         "kind": "ProxyPool", "name": "office", "uid": "uid-pool",
+                         "controller": true}]},
+        "spec": {"provider": "kvm2"},
+        "status": {"address": "198.51.100.1", "conditions": [{"type": "Ready", "status": "True",
+            "reason": "ProbePassed", "message": "", "lastTransitionTime": "2026-01-01T00:00:00Z"}]},
+    });
+    let lease_json = json!({
+        "apiVersion": "egress-operator.dev/v1alpha1", "kind": "ProxyLease",
+        "metadata": {"name": "feed", "namespace": NS, "uid": "uid-lease", "resourceVersion": "1",
+                     "generation": 1, "creationTimestamp": "2026-01-01T00:00:00Z"},
+        "spec": {"pool": "office", "durationSeconds": 315360000, "holder": "tests"},
+    });
+    let lease_path = format!("{base}/proxyleases/feed");
+    let (client, recorded) = recording_api(vec![
+        (format!("{base}/proxypools/office"), pool),
+        (format!("{base}/proxies/office-a"), proxy),
+        (lease_path.clone(), lease_json.clone()),
+    ])
+    .await;
+    let config =
+        Arc::new(config::parse(RBAC_TEST_CONFIG, "rbac-test.yaml", Path::new("/")).unwrap());
+    let (_leading, leading_rx) = tokio::sync::watch::channel(true);
+    let fleet = Arc::new(FleetContext::new(
+        client,
+        config,
+        Arc::new(LivenessBoard::default()),
+        FleetMetrics::default(),
+        leading_rx,
+        Some("egress-operator-0".into()),
+    ));
+    let ctx = Arc::new(LeaseContext::new(fleet, LeaseMetrics::default()));
+
+    // The watches, as `lease::run` opens them.
+    let (stop_tx, mut stop_rx) = tokio::sync::watch::channel(false);
+    let running = tokio::spawn(lease::run(ctx.clone(), async move {
+        let _ = stop_rx.wait_for(|s| *s).await;
+    }));
+    tokio::time::sleep(std::time::Duration::from_secs(2)).await;
+    let _ = stop_tx.send(true);
+    let _ = tokio::time::timeout(std::time::Duration::from_secs(10), running).await;
+
+    let lease: ProxyLease = serde_json::from_value(lease_json).unwrap();
+    lease::reconcile(Arc::new(lease), ctx.clone())
+        .await
+        .unwrap();
+    let stored = recorded.lock().unwrap().objects[&lease_path].clone();
+    let mut bound: ProxyLease = serde_json::from_value(stored).unwrap();
+    assert!(
+        bound.status.as_ref().is_some_and(|s| !s.proxies.is_empty()),
+        "the lease bound its proxy: {:?}",
+        bound.status
+    );
+    lease::sweep_orphans(&ctx).await.unwrap();
+    bound.metadata.finalizers = Some(vec![LEASE_FINALIZER.into()]);
+    bound.metadata.deletion_timestamp = Some(k8s_openapi::apimachinery::pkg::apis::meta::v1::Time(
+        jiff::Timestamp::now(),
+    ));
+    lease::reconcile(Arc::new(bound), ctx).await.unwrap();
+    recorded.lock().unwrap().calls.clone()
 }
 
 /// Grants of one Role or ClusterRole: (group, resource, verb, resourceName or `*`).

@@ -95,6 +95,16 @@ pub struct ProxyPoolSpec {
     #[serde(default = "default_drain_seconds")]
     #[schemars(range(min = 0, max = 3600))]
     pub drain_seconds: u32,
+    /// How a proxy a `ProxyLease` released goes back to the pool: `Replace` (drained and
+    /// replaced by a fresh VM, so nothing passes to the next holder) or `Reuse`.
+    #[serde(default)]
+    pub lease_recycle: super::proxy_lease::RecyclePolicy,
+    /// How many proxies the pool may add above `replicas` for `ProxyLease`s that wait
+    /// because every serving proxy is leased (0: none; leases wait for a proxy to free up
+    /// or for a scale-out).
+    #[serde(default)]
+    #[schemars(range(min = 0, max = 100))]
+    pub lease_surge: i32,
 }
 
 /// A host name (a DNS-1123 label, as the providers config spells it).

@@ -10,6 +10,10 @@
 //! - [`discovery`]: per pool a selector-less Service and one EndpointSlice per address
 //!   family that list only the Proxies serving now; the same list goes to the pool's
 //!   status.
+//! - [`lease`]: the `ProxyLease` controller: binds serving, unleased proxies of a pool to
+//!   a lease exclusively (both sides point at each other by UID, every taking write
+//!   guarded by resourceVersion), expires unrenewed leases, rebinds lost proxies, and
+//!   keeps a Service per lease.
 //! - [`liveness`]: the fast signal discovery needs (a CONNECT every second per pool
 //!   Proxy), with a guard that keeps the last known endpoints when every proxy fails at
 //!   once (the operator's own path is then the likelier culprit).
@@ -18,6 +22,7 @@
 //! pool counts as serving is exactly what the EndpointSlices list.
 
 pub mod discovery;
+pub mod lease;
 pub mod liveness;
 pub mod metrics;
 pub mod plan;

@@ -234,7 +234,8 @@ pub async fn reconcile(pool: Arc<ProxyPool>, ctx: Arc<FleetContext>) -> Result<A
     let health = Api::<ProviderHealth>::all(ctx.client.clone())
         .get_opt(&pool.spec.template.provider)
         .await?;
-    let shape = shape_of(&pool, &ctx.config);
+    let mut shape = shape_of(&pool, &ctx.config);
+    shape.replicas += super::lease::surge::for_pool(&ctx.client, &pool).await?;
     let now = ctx.now();
     // First without the cluster's usage (cheap); creates need the real room, so only
     // then every Proxy is listed.
@@ -517,6 +518,11 @@ where
                     .map(|p| ObjectRef::from_obj(&*p))
                     .collect::<Vec<_>>()
             },
+        )
+        .watches(
+            Api::<crate::api::proxy_lease::ProxyLease>::all(client.clone()),
+            watcher::Config::default().any_semantic(),
+            super::lease::surge::pool_of,
         )
         .reconcile_all_on(board_changes(&ctx.board))
         .graceful_shutdown_on(shutdown)

@@ -7,7 +7,7 @@
 //! are retried with backoff, and the replica is ready but degraded meanwhile), reaches the
 //! API server, and waits for the leader Lease. While leading, the Proxy controller, the
 //! garbage collector, the provider health monitor and the fleet controllers (pools,
-//! discovery, the fast liveness probe: [`crate::fleet`]) run; when the lease is lost they
+//! discovery, leases, the fast liveness probe: [`crate::fleet`]) run; when the lease is lost they
 //! stop and the replica stands by again. The controller and the garbage collector reach
 //! the providers only through a fence on the lease ([`Fenced`]): once it is lost no new
 //! provider call starts, a Create checks it right before define and start, and calls in
@@ -188,6 +188,7 @@ struct Parts {
     gc_metrics: GcMetrics,
     health_metrics: HealthMetrics,
     fleet_metrics: FleetMetrics,
+    lease_metrics: crate::fleet::lease::LeaseMetrics,
     identity: String,
     /// Providers whose leftover volumes the collector sweeps (kvm2).
     volumes: Vec<Arc<dyn crate::gc::VolumeCollector>>,
@@ -243,6 +244,7 @@ async fn serve(args: RunArgs, config: Arc<ValidConfig>) -> Result<(), RunError> 
         gc_metrics: GcMetrics::register(&mut registry),
         health_metrics: HealthMetrics::register(&mut registry),
         fleet_metrics: FleetMetrics::register(&mut registry),
+        lease_metrics: crate::fleet::lease::LeaseMetrics::register(&mut registry),
         identity,
         volumes: vec![kvm2.provider.clone()],
     };
@@ -435,7 +437,7 @@ enum TermEnd {
     ComponentStopped,
 }
 
-/// The fleet controllers (pools, discovery, the fast liveness probe) for one term. They
+/// The fleet controllers (pools, discovery, leases, the fast liveness probe) for one term. They
 /// write only Kubernetes objects, and each write checks `leading` first.
 fn spawn_fleet<S, F>(
     tasks: &mut tokio::task::JoinSet<()>,
@@ -464,7 +466,12 @@ fn spawn_fleet<S, F>(
     let liveness = Liveness::new(board, options, parts.fleet_metrics.clone());
     tasks.spawn(liveness.run(client.clone(), stop()));
     tasks.spawn(crate::fleet::pool::run(ctx.clone(), stop()));
-    tasks.spawn(crate::fleet::discovery::run(ctx, stop()));
+    tasks.spawn(crate::fleet::discovery::run(ctx.clone(), stop()));
+    let leases = Arc::new(crate::fleet::lease::LeaseContext::new(
+        ctx,
+        parts.lease_metrics.clone(),
+    ));
+    tasks.spawn(crate::fleet::lease::run(leases, stop()));
 }
 
 /// One leadership term: the three components run until SIGTERM or the lease is lost,

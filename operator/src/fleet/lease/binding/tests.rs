@@ -1,0 +1,396 @@
+use super::*;
+
+const LEASE: &str = "lease-a";
+
+fn t(s: i64) -> jiff::Timestamp {
+    jiff::Timestamp::from_second(1_800_000_000 + s).unwrap()
+}
+
+fn spec(count: i32) -> ProxyLeaseSpec {
+    ProxyLeaseSpec {
+        pool: "office".into(),
+        count,
+        duration_seconds: 60,
+        holder: "crawler".into(),
+        renew_time: None,
+        rebind_after_seconds: 30,
+        service: true,
+    }
+}
+
+fn seen(name: &str, serving: bool, holder: Option<&str>) -> Seen {
+    let n: u8 = name.bytes().last().unwrap() % 200;
+    Seen {
+        member: Member {
+            name: name.into(),
+            uid: format!("uid-{name}"),
+            address: Some(format!("192.0.2.{n}").parse().unwrap()),
+            host: None,
+            created: t(0),
+            template_hash: None,
+            draining_since: None,
+            leased: holder.is_some(),
+            deleting: false,
+            ready: serving,
+            serving,
+            failed: false,
+            not_serving_since: None,
+        },
+        holder: holder.map(str::to_string),
+        in_pool: true,
+    }
+}
+
+fn bound(name: &str) -> BoundProxy {
+    bound_of(&seen(name, true, Some(LEASE)), 3128)
+}
+
+fn run(spec: &ProxyLeaseSpec, status: &ProxyLeaseStatus, s: &[Seen], now: i64) -> Step {
+    plan(LEASE, spec, status, s, "office", 3128, Some(1), t(now))
+}
+
+fn reason(st: &ProxyLeaseStatus) -> String {
+    st.conditions
+        .iter()
+        .find(|c| c.type_ == BOUND)
+        .map(|c| c.reason.clone())
+        .unwrap()
+}
+
+#[test]
+fn a_new_lease_claims_a_free_serving_proxy_and_binds_it_only_once_taken() {
+    let pool = [
+        seen("p1", true, Some("lease-b")),
+        seen("p2", false, None),
+        seen("p3", true, None),
+    ];
+    let step = run(&spec(1), &ProxyLeaseStatus::default(), &pool, 0);
+    // Recorded first: a claim, not a binding.
+    assert_eq!(step.take.len(), 1);
+    assert_eq!(step.take[0].name, "p3");
+    assert!(step.status.proxies.is_empty());
+    assert_eq!(step.status.claims, step.take);
+    assert_eq!(step.status.phase, Some(LeasePhase::Pending));
+    assert_eq!(reason(&step.status), "Binding");
+    // Taken: both sides agree, Bound.
+    let bound = promote(
+        &step.status,
+        &["uid-p3".into()],
+        &pool,
+        1,
+        "office",
+        3128,
+        Some(1),
+        t(0),
+    );
+    assert_eq!(bound.phase, Some(LeasePhase::Bound));
+    assert_eq!(bound.proxies.len(), 1);
+    assert_eq!(bound.proxies[0].uid, "uid-p3");
+    assert_eq!(bound.addresses.as_deref(), Some("192.0.2.51"));
+    assert!(bound.claims.is_empty());
+    // A take that lost the race leaves the claim for the next reconcile.
+    let lost_race = promote(&step.status, &[], &pool, 1, "office", 3128, Some(1), t(0));
+    assert_eq!(lost_race.phase, Some(LeasePhase::Pending));
+    assert_eq!(lost_race.claims.len(), 1);
+}
+
+#[test]
+fn with_nothing_free_the_lease_is_pending_with_a_reason() {
+    let mut draining = seen("p2", true, None);
+    draining.member.draining_since = Some(t(0));
+    let mut foreign = seen("p3", true, None);
+    foreign.in_pool = false;
+    let mut failed = seen("p4", true, None);
+    failed.member.failed = true;
+    let pool = [seen("p1", true, Some("lease-b")), draining, foreign, failed];
+    let step = run(&spec(1), &ProxyLeaseStatus::default(), &pool, 0);
+    assert!(step.take.is_empty());
+    assert_eq!(step.status.phase, Some(LeasePhase::Pending));
+    assert_eq!(reason(&step.status), "NoFreeProxy");
+}
+
+#[test]
+fn a_claim_taken_by_another_lease_is_dropped_and_another_chosen() {
+    let status = ProxyLeaseStatus {
+        claims: vec![ProxyClaim {
+            name: "p1".into(),
+            uid: "uid-p1".into(),
+        }],
+        ..Default::default()
+    };
+    let pool = [seen("p1", true, Some("lease-b")), seen("p2", true, None)];
+    let step = run(&spec(1), &status, &pool, 0);
+    assert_eq!(step.status.claims.len(), 1);
+    assert_eq!(step.status.claims[0].name, "p2");
+    assert!(step.release.is_empty(), "never touch another lease's proxy");
+}
+
+#[test]
+fn a_claim_whose_take_went_through_is_bound_on_the_next_look() {
+    let status = ProxyLeaseStatus {
+        phase: Some(LeasePhase::Pending),
+        claims: vec![ProxyClaim {
+            name: "p1".into(),
+            uid: "uid-p1".into(),
+        }],
+        ..Default::default()
+    };
+    let step = run(&spec(1), &status, &[seen("p1", true, Some(LEASE))], 0);
+    assert!(step.take.is_empty());
+    assert_eq!(step.status.phase, Some(LeasePhase::Bound));
+    assert_eq!(step.status.proxies[0].name, "p1");
+}
+
+#[test]
+fn a_proxy_naming_the_lease_unlisted_is_adopted_when_needed_else_released() {
+    let pool = [seen("p1", true, Some(LEASE)), seen("p2", true, Some(LEASE))];
+    let step = run(&spec(1), &ProxyLeaseStatus::default(), &pool, 0);
+    assert_eq!(step.status.proxies.len(), 1);
+    assert_eq!(step.status.phase, Some(LeasePhase::Bound));
+    assert_eq!(step.release.len(), 1);
+    assert_ne!(step.release[0], step.status.proxies[0].name);
+}
+
+#[test]
+fn a_bound_proxy_that_stops_serving_is_lost_after_rebind_after_then_a_spare_is_taken() {
+    let status = ProxyLeaseStatus {
+        phase: Some(LeasePhase::Bound),
+        proxies: vec![bound("p1")],
+        ..Default::default()
+    };
+    let pool = [seen("p1", false, Some(LEASE)), seen("p2", true, None)];
+    // The timer starts; the proxy stays bound meanwhile.
+    let step = run(&spec(1), &status, &pool, 100);
+    assert!(step.lost.is_empty());
+    assert_eq!(step.status.phase, Some(LeasePhase::Bound));
+    assert_eq!(
+        step.status.proxies[0].not_serving_since.as_ref().unwrap().0,
+        t(100)
+    );
+    assert_eq!(step.requeue, Some(Duration::from_secs(30)));
+    // It serves again: the timer resets.
+    let back = run(
+        &spec(1),
+        &step.status,
+        &[seen("p1", true, Some(LEASE)), seen("p2", true, None)],
+        110,
+    );
+    assert!(back.status.proxies[0].not_serving_since.is_none());
+    // Still down after 30 s: Lost with the reason, released, a spare claimed.
+    let later = run(&spec(1), &step.status, &pool, 130);
+    assert_eq!(later.lost.len(), 1);
+    assert!(
+        later.lost[0].1.contains("does not serve"),
+        "{:?}",
+        later.lost
+    );
+    assert_eq!(later.release, ["p1"]);
+    assert_eq!(later.status.phase, Some(LeasePhase::Lost));
+    assert_eq!(reason(&later.status), "ProxyLost");
+    assert!(later.status.proxies.is_empty());
+    assert_eq!(later.take[0].name, "p2");
+    let rebound = promote(
+        &later.status,
+        &["uid-p2".into()],
+        &pool,
+        1,
+        "office",
+        3128,
+        Some(1),
+        t(130),
+    );
+    assert_eq!(rebound.phase, Some(LeasePhase::Bound));
+    assert_eq!(rebound.rebinds, 1);
+}
+
+#[test]
+fn a_lost_lease_without_a_spare_stays_lost_and_keeps_the_reason() {
+    let status = ProxyLeaseStatus {
+        phase: Some(LeasePhase::Bound),
+        proxies: vec![bound("p1")],
+        ..Default::default()
+    };
+    // The proxy is gone: lost at once, nothing to release.
+    let step = run(&spec(1), &status, &[], 0);
+    assert_eq!(step.status.phase, Some(LeasePhase::Lost));
+    assert!(step.release.is_empty());
+    let msg = |s: &ProxyLeaseStatus| s.conditions[0].message.clone();
+    assert!(msg(&step.status).contains("p1 is gone"));
+    let again = run(&spec(1), &step.status, &[], 5);
+    assert_eq!(again.status.phase, Some(LeasePhase::Lost));
+    assert!(msg(&again.status).contains("p1 is gone"));
+    let third = run(&spec(1), &again.status, &[], 10);
+    assert_eq!(
+        msg(&third.status),
+        msg(&again.status),
+        "the message does not grow"
+    );
+}
+
+#[test]
+fn a_bound_proxy_whose_label_names_another_lease_is_not_ours_any_more() {
+    let status = ProxyLeaseStatus {
+        phase: Some(LeasePhase::Bound),
+        proxies: vec![bound("p1")],
+        ..Default::default()
+    };
+    let step = run(&spec(1), &status, &[seen("p1", true, Some("lease-b"))], 0);
+    assert!(step.status.proxies.is_empty());
+    assert!(step.release.is_empty());
+    assert_eq!(step.status.phase, Some(LeasePhase::Lost));
+}
+
+#[test]
+fn count_is_filled_one_claim_per_missing_proxy_and_never_beyond() {
+    let pool: Vec<Seen> = (1..=5)
+        .map(|i| seen(&format!("p{i}"), true, None))
+        .collect();
+    let step = run(&spec(3), &ProxyLeaseStatus::default(), &pool, 0);
+    assert_eq!(step.take.len(), 3);
+    let taken: Vec<String> = step.take.iter().map(|c| c.uid.clone()).collect();
+    let all = promote(
+        &step.status,
+        &taken,
+        &pool,
+        3,
+        "office",
+        3128,
+        Some(1),
+        t(0),
+    );
+    assert_eq!(all.proxies.len(), 3);
+    assert_eq!(all.phase, Some(LeasePhase::Bound));
+    let part = promote(
+        &step.status,
+        &taken[..2],
+        &pool,
+        3,
+        "office",
+        3128,
+        Some(1),
+        t(0),
+    );
+    assert_eq!(part.phase, Some(LeasePhase::Pending));
+}
+
+#[test]
+fn leases_prefer_different_proxies() {
+    let pool: Vec<Seen> = (1..=10)
+        .map(|i| seen(&format!("p{i}"), true, None))
+        .collect();
+    let firsts: std::collections::BTreeSet<String> = (0..40)
+        .map(|i| {
+            plan(
+                &format!("lease-{i}"),
+                &spec(1),
+                &ProxyLeaseStatus::default(),
+                &pool,
+                "office",
+                3128,
+                None,
+                t(0),
+            )
+            .take[0]
+                .name
+                .clone()
+        })
+        .collect();
+    assert!(firsts.len() > 3, "{firsts:?}");
+}
+
+#[test]
+fn expiry_counts_from_creation_then_from_each_renewal_never_from_the_future() {
+    let mut s = spec(1);
+    let status = ProxyLeaseStatus::default();
+    assert_eq!(expiry(&s, &status, t(0), t(10)), (t(60), None));
+    s.renew_time = Some(Time(t(50)));
+    let (e, seen_renew) = expiry(&s, &status, t(0), t(55));
+    assert_eq!(e, t(110));
+    // A renewal dated in the future counts from when it was first seen.
+    s.renew_time = Some(Time(t(10_000)));
+    let (e, seen_renew2) = expiry(&s, &status, t(0), t(70));
+    assert_eq!(e, t(130));
+    // Once recorded, the expiry stays put until the next renewal.
+    let recorded = ProxyLeaseStatus {
+        expiry_time: Some(Time(t(130))),
+        observed_renew_time: seen_renew2,
+        ..Default::default()
+    };
+    assert_eq!(expiry(&s, &recorded, t(0), t(125)).0, t(130));
+    assert_ne!(seen_renew, recorded.observed_renew_time);
+}
+
+#[test]
+fn an_ended_lease_lists_nothing_and_releases_all_it_held() {
+    let status = ProxyLeaseStatus {
+        phase: Some(LeasePhase::Bound),
+        proxies: vec![bound("p1")],
+        claims: vec![ProxyClaim {
+            name: "p2".into(),
+            uid: "uid-p2".into(),
+        }],
+        addresses: Some("192.0.2.49".into()),
+        ..Default::default()
+    };
+    let pool = [
+        seen("p1", true, Some(LEASE)),
+        seen("p3", true, Some(LEASE)),
+        seen("p4", true, Some("lease-b")),
+    ];
+    let e = ended(&status, true, Some(1), t(0));
+    assert_eq!(e.phase, Some(LeasePhase::Expired));
+    assert!(e.proxies.is_empty() && e.claims.is_empty() && e.addresses.is_none());
+    assert_eq!(reason(&e), "Expired");
+    assert_eq!(to_release(LEASE, &status, &pool), ["p1", "p2", "p3"]);
+    let d = ended(&status, false, Some(1), t(0));
+    assert_eq!(reason(&d), "Released");
+}
+
+#[test]
+fn a_settled_lease_plans_no_change_so_nothing_is_written_again() {
+    let pool = [seen("p1", true, None), seen("p2", true, None)];
+    let first = run(&spec(1), &ProxyLeaseStatus::default(), &pool, 0);
+    let taken: Vec<String> = first.take.iter().map(|c| c.uid.clone()).collect();
+    let bound = promote(
+        &first.status,
+        &taken,
+        &pool,
+        1,
+        "office",
+        3128,
+        Some(1),
+        t(0),
+    );
+    let holder = first.take[0].name.clone();
+    let after: Vec<Seen> = pool
+        .iter()
+        .map(|s| {
+            let mut s = s.clone();
+            if s.member.name == holder {
+                s.holder = Some(LEASE.into());
+            }
+            s
+        })
+        .collect();
+    // Through a JSON round trip, as the API server hands it back.
+    let stored: ProxyLeaseStatus =
+        serde_json::from_value(serde_json::to_value(&bound).unwrap()).unwrap();
+    for now in [1, 30, 500] {
+        let again = run(&spec(1), &stored, &after, now);
+        assert_eq!(again.status, stored, "at {now}");
+        assert!(again.take.is_empty() && again.release.is_empty() && again.lost.is_empty());
+    }
+    // A proxy that stops serving starts a timer once; the next look changes nothing.
+    let down: Vec<Seen> = after
+        .iter()
+        .map(|s| {
+            let mut s = s.clone();
+            s.member.serving = false;
+            s
+        })
+        .collect();
+    let timed = run(&spec(1), &stored, &down, 10);
+    let stored: ProxyLeaseStatus =
+        serde_json::from_value(serde_json::to_value(&timed.status).unwrap()).unwrap();
+    assert_eq!(run(&spec(1), &stored, &down, 12).status, stored);
+}

@@ -1,0 +1,729 @@
+//! The `ProxyLease` controller: reads the lease, its pool and the pool's Proxies (fresh
+//! from the API server, never from a cache: a stale view is what let Metal3 bind one host
+//! twice), asks [`binding`] what to do, and does it with guarded writes:
+//!
+//! - every lease status write is a replace carrying the lease's resourceVersion;
+//! - every write that takes or gives back a Proxy is a patch carrying the Proxy's
+//!   resourceVersion.
+//!
+//! So when several reconciles race (two replicas around a handover, a stale cache), the
+//! API server lets one write through and answers the others 409 Conflict; they look again.
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use futures_util::StreamExt;
+use k8s_openapi::api::core::v1::Service;
+use k8s_openapi::api::discovery::v1::EndpointSlice;
+use k8s_openapi::apimachinery::pkg::apis::meta::v1::Time;
+use kube::api::{ListParams, Patch, PatchParams, PostParams};
+use kube::runtime::controller::{Action, Controller};
+use kube::runtime::events::{Event, EventType};
+use kube::runtime::reflector::ObjectRef;
+use kube::runtime::watcher;
+use kube::{Api, Resource, ResourceExt};
+
+use crate::api::proxy::Proxy;
+use crate::api::proxy_lease::{
+    LEASE_FINALIZER, LEASE_LABEL, LEASE_NAME_ANNOTATION, LEASE_SERVICE_LABEL, LeasePhase,
+    ProxyLease, ProxyLeaseStatus, RecyclePolicy,
+};
+use crate::api::proxy_pool::{DRAINING_ANNOTATION, POOL_LABEL, ProxyPool};
+use crate::controller::status::set_condition;
+
+use super::super::pool::FleetContext;
+use super::super::{Member, pool_selector};
+use super::binding::{self, Seen};
+use super::service::{self, ServiceState};
+use super::{LeaseError, LeaseMetrics};
+
+/// Condition type of the lease's Service.
+pub const SERVICE_READY: &str = "ServiceReady";
+/// How soon a lease short of proxies looks again when no event comes (a proxy freeing up
+/// also wakes it through the watch on the pool's Proxies).
+const PENDING_RESYNC: Duration = Duration::from_secs(5);
+/// Resync of a settled lease (its expiry is a requeue of its own).
+const RESYNC: Duration = Duration::from_secs(60);
+/// How soon a reconcile that lost a race looks again.
+const CONFLICT_RETRY: Duration = Duration::from_millis(200);
+/// Attempts at giving a proxy back when its resourceVersion keeps moving (the Proxy
+/// controller writes status while the lease writes labels).
+const RELEASE_ATTEMPTS: usize = 8;
+
+/// How often proxies are looked for whose lease label names a lease that no longer
+/// exists: rare (a finalizer removed by hand), so a slow sweep suffices.
+pub const ORPHAN_SWEEP: Duration = Duration::from_secs(60);
+
+/// What the lease controller needs: the fleet's context and its own metrics.
+#[derive(Debug)]
+pub struct LeaseContext {
+    /// Client, liveness board, recorder, port, leadership, clock.
+    pub fleet: Arc<FleetContext>,
+    /// Lease metrics.
+    pub metrics: LeaseMetrics,
+    /// Period of [`sweep_orphans`].
+    pub orphan_sweep: Duration,
+}
+
+impl LeaseContext {
+    /// A context with the default sweep period.
+    pub fn new(fleet: Arc<FleetContext>, metrics: LeaseMetrics) -> Self {
+        Self {
+            fleet,
+            metrics,
+            orphan_sweep: ORPHAN_SWEEP,
+        }
+    }
+}
+
+fn is_conflict(e: &kube::Error) -> bool {
+    matches!(e, kube::Error::Api(s) if s.code == 409)
+}
+
+fn is_not_found(e: &kube::Error) -> bool {
+    matches!(e, kube::Error::Api(s) if s.code == 404)
+}
+
+async fn publish(
+    ctx: &LeaseContext,
+    lease: &ProxyLease,
+    type_: EventType,
+    reason: &str,
+    note: String,
+) {
+    let ev = Event {
+        type_,
+        reason: reason.into(),
+        note: Some(note),
+        action: "Lease".into(),
+        secondary: None,
+    };
+    if let Err(e) = ctx
+        .fleet
+        .recorder
+        .publish(&ev, &lease.object_ref(&()))
+        .await
+    {
+        tracing::debug!(error = %e, reason, "could not publish event");
+    }
+}
+
+/// The pool's Proxies, fresh, as the lease sees them; the pool's recycle policy.
+struct PoolView {
+    seen: Vec<Seen>,
+    proxies: Vec<Proxy>,
+    recycle: RecyclePolicy,
+    exists: bool,
+}
+
+async fn read_pool(ctx: &LeaseContext, ns: &str, pool: &str) -> Result<PoolView, LeaseError> {
+    let client = ctx.fleet.client.clone();
+    let found = Api::<ProxyPool>::namespaced(client.clone(), ns)
+        .get_opt(pool)
+        .await?;
+    let proxies = Api::<Proxy>::namespaced(client, ns)
+        .list(&ListParams::default().labels(&pool_selector(pool)))
+        .await?
+        .items;
+    let pool_uid = found.as_ref().and_then(|p| p.uid());
+    let seen = proxies
+        .iter()
+        .map(|p| Seen {
+            member: Member::of(p, &ctx.fleet.board),
+            holder: p
+                .labels()
+                .get(LEASE_LABEL)
+                .filter(|v| !v.is_empty())
+                .cloned(),
+            in_pool: pool_uid.as_ref().is_some_and(|uid| {
+                p.owner_references()
+                    .iter()
+                    .any(|o| o.controller == Some(true) && &o.uid == uid)
+            }),
+        })
+        .collect();
+    Ok(PoolView {
+        seen,
+        proxies,
+        recycle: found
+            .as_ref()
+            .map(|p| p.spec.lease_recycle)
+            .unwrap_or_default(),
+        exists: found.is_some(),
+    })
+}
+
+/// Replaces the lease's status, guarded by `lease`'s resourceVersion.
+async fn write_status(
+    api: &Api<ProxyLease>,
+    lease: &ProxyLease,
+    status: ProxyLeaseStatus,
+) -> Result<ProxyLease, kube::Error> {
+    let mut next = lease.clone();
+    next.status = Some(status);
+    api.replace_status(&lease.name_any(), &PostParams::default(), &next)
+        .await
+}
+
+/// Takes `proxy` for the lease: sets the lease label (and the lease name annotation) with
+/// the Proxy's resourceVersion as read, so a concurrent take of the same proxy fails.
+/// Ok(false): another write came first (409) or the proxy is gone.
+async fn take(
+    api: &Api<Proxy>,
+    proxy: &Proxy,
+    lease_uid: &str,
+    lease_name: &str,
+) -> Result<bool, kube::Error> {
+    let Some(rv) = proxy.resource_version() else {
+        return Ok(false);
+    };
+    let body = serde_json::json!({
+        "metadata": {
+            "resourceVersion": rv,
+            "labels": { LEASE_LABEL: lease_uid },
+            "annotations": { LEASE_NAME_ANNOTATION: lease_name },
+        }
+    });
+    match api
+        .patch(
+            &proxy.name_any(),
+            &PatchParams::default(),
+            &Patch::Merge(&body),
+        )
+        .await
+    {
+        Ok(_) => Ok(true),
+        Err(e) if is_conflict(&e) || is_not_found(&e) => Ok(false),
+        Err(e) => Err(e),
+    }
+}
+
+/// Gives `name` back if it still names the lease: clears the label and, with `Replace`,
+/// marks it draining so the pool deletes it and makes a fresh one. Guarded by the Proxy's
+/// resourceVersion (a stale release must not clear the next holder's label), retried
+/// while other writes move it.
+async fn release(
+    api: &Api<Proxy>,
+    name: &str,
+    lease_uid: &str,
+    policy: RecyclePolicy,
+    now: jiff::Timestamp,
+) -> Result<(), LeaseError> {
+    for _ in 0..RELEASE_ATTEMPTS {
+        let Some(p) = api.get_opt(name).await? else {
+            return Ok(());
+        };
+        if p.labels().get(LEASE_LABEL).map(String::as_str) != Some(lease_uid) {
+            return Ok(());
+        }
+        let mut annotations = serde_json::json!({ LEASE_NAME_ANNOTATION: null });
+        if policy == RecyclePolicy::Replace && !p.annotations().contains_key(DRAINING_ANNOTATION) {
+            annotations[DRAINING_ANNOTATION] = serde_json::json!(now.to_string());
+        }
+        let body = serde_json::json!({
+            "metadata": {
+                "resourceVersion": p.resource_version(),
+                "labels": { LEASE_LABEL: null },
+                "annotations": annotations,
+            }
+        });
+        match api
+            .patch(name, &PatchParams::default(), &Patch::Merge(&body))
+            .await
+        {
+            Ok(_) => return Ok(()),
+            Err(e) if is_conflict(&e) => continue,
+            Err(e) if is_not_found(&e) => return Ok(()),
+            Err(e) => return Err(e.into()),
+        }
+    }
+    Err(LeaseError::Contended(name.to_string()))
+}
+
+async fn release_all(
+    ctx: &LeaseContext,
+    ns: &str,
+    names: &[String],
+    lease_uid: &str,
+    policy: RecyclePolicy,
+) -> Result<(), LeaseError> {
+    let api = Api::<Proxy>::namespaced(ctx.fleet.client.clone(), ns);
+    for name in names {
+        release(&api, name, lease_uid, policy, ctx.fleet.now()).await?;
+    }
+    Ok(())
+}
+
+/// Gives back every proxy whose lease label names a lease that no longer exists (its
+/// finalizer was removed by hand, so it never released them), recycled as its pool says;
+/// returns how many. The proxies are listed before the leases: a label was set by a lease
+/// that existed then, so a UID missing from the later list is gone for good, and a lease
+/// created meanwhile cannot be mistaken for a missing one.
+pub async fn sweep_orphans(ctx: &LeaseContext) -> Result<usize, LeaseError> {
+    if !ctx.fleet.leading() {
+        return Ok(0);
+    }
+    let client = ctx.fleet.client.clone();
+    let labelled = Api::<Proxy>::all(client.clone())
+        .list(&ListParams::default().labels(LEASE_LABEL))
+        .await?
+        .items;
+    if labelled.is_empty() {
+        return Ok(0);
+    }
+    let leases: std::collections::HashSet<String> = Api::<ProxyLease>::all(client.clone())
+        .list(&ListParams::default())
+        .await?
+        .items
+        .iter()
+        .filter_map(|l| l.uid())
+        .collect();
+    let mut released = 0;
+    for p in &labelled {
+        let (Some(holder), Some(ns)) = (p.labels().get(LEASE_LABEL), p.namespace()) else {
+            continue;
+        };
+        if leases.contains(holder) {
+            continue;
+        }
+        let policy = match p.labels().get(POOL_LABEL) {
+            Some(pool) => Api::<ProxyPool>::namespaced(client.clone(), &ns)
+                .get_opt(pool)
+                .await?
+                .map(|p| p.spec.lease_recycle)
+                .unwrap_or_default(),
+            None => RecyclePolicy::default(),
+        };
+        let api = Api::<Proxy>::namespaced(client.clone(), &ns);
+        release(&api, &p.name_any(), holder, policy, ctx.fleet.now()).await?;
+        tracing::warn!(proxy = %p.name_any(), namespace = %ns, lease_uid = %holder,
+            "released a proxy whose lease no longer exists");
+        released += 1;
+    }
+    Ok(released)
+}
+
+/// One reconcile of one lease.
+pub async fn reconcile(
+    lease: Arc<ProxyLease>,
+    ctx: Arc<LeaseContext>,
+) -> Result<Action, LeaseError> {
+    if !ctx.fleet.leading() {
+        return Ok(Action::await_change());
+    }
+    let ns = lease
+        .namespace()
+        .ok_or(LeaseError::Incomplete("metadata.namespace"))?;
+    let name = lease.name_any();
+    let uid = lease.uid().ok_or(LeaseError::Incomplete("metadata.uid"))?;
+    let api = Api::<ProxyLease>::namespaced(ctx.fleet.client.clone(), &ns);
+    let result = if lease.metadata.deletion_timestamp.is_some() {
+        finalize(&ctx, &api, &lease, &ns, &uid).await
+    } else {
+        bind(&ctx, &api, (*lease).clone(), &ns, &uid).await
+    };
+    match result {
+        Err(LeaseError::Kube(e)) if is_conflict(&e) => {
+            tracing::debug!(lease = %name, "lost a write race; looking again");
+            Ok(Action::requeue(CONFLICT_RETRY))
+        }
+        other => other,
+    }
+}
+
+/// A deleted lease: drop everything from its status, give its proxies back, then let it
+/// go.
+async fn finalize(
+    ctx: &LeaseContext,
+    api: &Api<ProxyLease>,
+    lease: &ProxyLease,
+    ns: &str,
+    uid: &str,
+) -> Result<Action, LeaseError> {
+    if !lease.finalizers().iter().any(|f| f == LEASE_FINALIZER) {
+        return Ok(Action::await_change());
+    }
+    let status = lease.status.clone().unwrap_or_default();
+    let view = read_pool(ctx, ns, &lease.spec.pool).await?;
+    let names = binding::to_release(uid, &status, &view.seen);
+    let mut lease = lease.clone();
+    if !status.proxies.is_empty() || !status.claims.is_empty() {
+        let next = binding::ended(&status, false, lease.metadata.generation, ctx.fleet.now());
+        lease = write_status(api, &lease, next).await?;
+    }
+    release_all(ctx, ns, &names, uid, view.recycle).await?;
+    let rest: Vec<String> = lease
+        .finalizers()
+        .iter()
+        .filter(|f| *f != LEASE_FINALIZER)
+        .cloned()
+        .collect();
+    let body = serde_json::json!({
+        "metadata": { "resourceVersion": lease.resource_version(), "finalizers": rest }
+    });
+    match api
+        .patch(
+            &lease.name_any(),
+            &PatchParams::default(),
+            &Patch::Merge(&body),
+        )
+        .await
+    {
+        Ok(_) => {}
+        Err(e) if is_not_found(&e) => {}
+        Err(e) => return Err(e.into()),
+    }
+    ctx.metrics.phase(ns, &lease.name_any(), None);
+    Ok(Action::await_change())
+}
+
+async fn bind(
+    ctx: &LeaseContext,
+    api: &Api<ProxyLease>,
+    mut lease: ProxyLease,
+    ns: &str,
+    uid: &str,
+) -> Result<Action, LeaseError> {
+    let name = lease.name_any();
+    if !lease.finalizers().iter().any(|f| f == LEASE_FINALIZER) {
+        let mut all = lease.finalizers().to_vec();
+        all.push(LEASE_FINALIZER.to_string());
+        let body = serde_json::json!({
+            "metadata": { "resourceVersion": lease.resource_version(), "finalizers": all }
+        });
+        lease = api
+            .patch(&name, &PatchParams::default(), &Patch::Merge(&body))
+            .await?;
+    }
+    let generation = lease.metadata.generation;
+    let status = lease.status.clone().unwrap_or_default();
+    let view = read_pool(ctx, ns, &lease.spec.pool).await?;
+    let now = ctx.fleet.now();
+    let created = lease
+        .metadata
+        .creation_timestamp
+        .as_ref()
+        .map_or(now, |t| t.0);
+    let owner = lease
+        .controller_owner_ref(&())
+        .ok_or(LeaseError::Incomplete("metadata.uid"))?;
+
+    if status.phase == Some(LeasePhase::Expired) {
+        // Final. Anything still naming the lease (a release cut short) goes back.
+        let names = binding::to_release(uid, &ProxyLeaseStatus::default(), &view.seen);
+        release_all(ctx, ns, &names, uid, view.recycle).await?;
+        sync_service(ctx, &lease, ns, &owner, &[]).await?;
+        ctx.metrics.phase(ns, &name, Some(LeasePhase::Expired));
+        return Ok(Action::await_change());
+    }
+
+    let (expiry, observed_renew) = binding::expiry(&lease.spec, &status, created, now);
+    if now >= expiry {
+        let mut next = binding::ended(&status, true, generation, now);
+        next.expiry_time = Some(Time(expiry));
+        next.observed_renew_time = observed_renew;
+        let names = binding::to_release(uid, &status, &view.seen);
+        lease = write_status(api, &lease, next).await?;
+        release_all(ctx, ns, &names, uid, view.recycle).await?;
+        ctx.metrics.expired(ns);
+        ctx.metrics.phase(ns, &name, Some(LeasePhase::Expired));
+        publish(
+            ctx,
+            &lease,
+            EventType::Normal,
+            "Expired",
+            format!(
+                "not renewed by {expiry}; released {}",
+                if names.is_empty() {
+                    "nothing".to_string()
+                } else {
+                    names.join(", ")
+                }
+            ),
+        )
+        .await;
+        sync_service(ctx, &lease, ns, &owner, &[]).await?;
+        return Ok(Action::await_change());
+    }
+
+    let port = i32::from(ctx.fleet.port);
+    let pool = lease.spec.pool.clone();
+    let pool = pool.as_str();
+    let mut step = binding::plan(
+        uid,
+        &lease.spec,
+        &status,
+        &view.seen,
+        pool,
+        port,
+        generation,
+        now,
+    );
+    if !view.exists && step.status.phase != Some(LeasePhase::Bound) {
+        set_condition(
+            &mut step.status.conditions,
+            binding::BOUND,
+            false,
+            "PoolNotFound",
+            &format!("no ProxyPool {pool} in namespace {ns}"),
+            generation,
+            now,
+        );
+    }
+    step.status.expiry_time = Some(Time(expiry));
+    step.status.observed_renew_time = observed_renew;
+    let before = status.phase;
+
+    // 1. Record: losses, drops and the chosen proxies.
+    if step.status != status {
+        lease = write_status(api, &lease, step.status.clone()).await?;
+    }
+    for (proxy, why) in &step.lost {
+        publish(ctx, &lease, EventType::Warning, "ProxyLost", why.clone()).await;
+        tracing::info!(lease = %name, %proxy, %why, "lease gave up a proxy");
+    }
+    // 2. Give back what was dropped from the status (never before that write).
+    release_all(ctx, ns, &step.release, uid, view.recycle).await?;
+    // 3. Take the chosen proxies, each guarded by its resourceVersion.
+    let proxies = Api::<Proxy>::namespaced(ctx.fleet.client.clone(), ns);
+    let mut taken = Vec::new();
+    let mut raced = false;
+    for c in &step.take {
+        let Some(p) = view
+            .proxies
+            .iter()
+            .find(|p| p.uid().as_deref() == Some(c.uid.as_str()))
+        else {
+            continue;
+        };
+        if !ctx.fleet.leading() {
+            return Ok(Action::await_change());
+        }
+        if take(&proxies, p, uid, &name).await? {
+            taken.push(c.uid.clone());
+        } else {
+            raced = true;
+        }
+    }
+    // 4. Both sides agree: bound. A take went through with the resourceVersion read, so the
+    // proxy is exactly as seen (its address included).
+    let mut current = step.status.clone();
+    if !taken.is_empty() {
+        current = binding::promote(
+            &step.status,
+            &taken,
+            &view.seen,
+            lease.spec.count,
+            pool,
+            port,
+            generation,
+            now,
+        );
+        lease = write_status(api, &lease, current.clone()).await?;
+    }
+    let after = current.phase;
+    observe(ctx, &lease, ns, before, &current, &status, created, now).await;
+
+    let bound: Vec<Member> = view
+        .seen
+        .iter()
+        .filter(|s| current.proxies.iter().any(|b| b.uid == s.member.uid))
+        .map(|s| s.member.clone())
+        .collect();
+    sync_service(ctx, &lease, ns, &owner, &bound).await?;
+
+    let until_expiry = Duration::try_from(expiry.duration_since(now)).unwrap_or_default();
+    let mut next = if raced {
+        CONFLICT_RETRY
+    } else if after == Some(LeasePhase::Bound) {
+        RESYNC
+    } else {
+        PENDING_RESYNC
+    };
+    next = next.min(until_expiry + Duration::from_millis(50));
+    if let Some(r) = step.requeue {
+        next = next.min(r + Duration::from_millis(50));
+    }
+    Ok(Action::requeue(next))
+}
+
+/// Metrics and events of a phase change.
+#[allow(clippy::too_many_arguments)]
+async fn observe(
+    ctx: &LeaseContext,
+    lease: &ProxyLease,
+    ns: &str,
+    before: Option<LeasePhase>,
+    current: &ProxyLeaseStatus,
+    prev: &ProxyLeaseStatus,
+    created: jiff::Timestamp,
+    now: jiff::Timestamp,
+) {
+    let name = lease.name_any();
+    let after = current.phase;
+    ctx.metrics.phase(ns, &name, after);
+    let rebound = current.rebinds > prev.rebinds;
+    if rebound {
+        ctx.metrics.rebind(ns);
+    }
+    // A loss and its rebind can fall in one reconcile: the phase reads Bound before and
+    // after, the rebind count tells.
+    if after != Some(LeasePhase::Bound) || (before == after && !rebound) {
+        return;
+    }
+    let seconds = |since: jiff::Timestamp| now.duration_since(since).as_secs_f64().max(0.0);
+    // Since when it was short of proxies: the Bound condition's last change to False (a
+    // loss and rebind in one reconcile waited no time).
+    let short_since = prev
+        .conditions
+        .iter()
+        .find(|c| c.type_ == binding::BOUND && c.status == "False")
+        .map_or(if rebound { now } else { created }, |c| {
+            c.last_transition_time.0
+        });
+    ctx.metrics.pending_for(seconds(short_since));
+    if current.rebinds == 0 {
+        ctx.metrics.bound_after(seconds(created));
+    }
+    let addrs = current.addresses.clone().unwrap_or_default();
+    publish(
+        ctx,
+        lease,
+        EventType::Normal,
+        "Bound",
+        format!("bound to {addrs}"),
+    )
+    .await;
+}
+
+async fn sync_service(
+    ctx: &LeaseContext,
+    lease: &ProxyLease,
+    ns: &str,
+    owner: &k8s_openapi::apimachinery::pkg::apis::meta::v1::OwnerReference,
+    bound: &[Member],
+) -> Result<(), LeaseError> {
+    if !lease.spec.service || !ctx.fleet.leading() {
+        return Ok(());
+    }
+    let name = lease.name_any();
+    super::check_name(&name)?;
+    let state = service::sync(&ctx.fleet.client, &name, ns, owner, ctx.fleet.port, bound).await?;
+    let (ok, reason, message) = match &state {
+        ServiceState::Ready => (
+            true,
+            "Written",
+            format!("Service {name} lists the serving bound proxies"),
+        ),
+        ServiceState::Conflict(why) => (false, "ServiceConflict", why.clone()),
+    };
+    let had = lease
+        .status
+        .as_ref()
+        .and_then(|s| s.conditions.iter().find(|c| c.type_ == SERVICE_READY))
+        .map(|c| (c.status == "True", c.reason.clone()));
+    if had != Some((ok, reason.to_string())) {
+        let mut status = lease.status.clone().unwrap_or_default();
+        set_condition(
+            &mut status.conditions,
+            SERVICE_READY,
+            ok,
+            reason,
+            &message,
+            lease.metadata.generation,
+            ctx.fleet.now(),
+        );
+        let api = Api::<ProxyLease>::namespaced(ctx.fleet.client.clone(), ns);
+        write_status(&api, lease, status).await?;
+    }
+    Ok(())
+}
+
+fn error_policy(lease: Arc<ProxyLease>, error: &LeaseError, _ctx: Arc<LeaseContext>) -> Action {
+    tracing::warn!(lease = %lease.name_any(), error = %error, "lease reconcile failed");
+    Action::requeue(match error {
+        LeaseError::BadName { .. } => RESYNC,
+        _ => Duration::from_secs(2),
+    })
+}
+
+/// Runs the lease controller until `shutdown`, with the orphan sweep beside it. Leases,
+/// the Proxies that name one (label and name annotation), every change of a pool's
+/// Proxies (a proxy freeing up or starting to serve wakes the leases of that pool that
+/// still want one), the leases' Services and slices, and the fast probe's verdicts
+/// trigger reconciles.
+pub async fn run<F>(ctx: Arc<LeaseContext>, shutdown: F)
+where
+    F: std::future::Future<Output = ()> + Send + Sync + 'static,
+{
+    let client = ctx.fleet.client.clone();
+    let sweeper = {
+        let ctx = ctx.clone();
+        async move {
+            let mut tick = tokio::time::interval(ctx.orphan_sweep);
+            tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+            loop {
+                tick.tick().await;
+                if let Err(e) = sweep_orphans(&ctx).await {
+                    tracing::warn!(error = %e, "lease orphan sweep failed");
+                }
+            }
+        }
+    };
+    let controller = Controller::new(
+        Api::<ProxyLease>::all(client.clone()),
+        watcher::Config::default().any_semantic(),
+    );
+    let leases = controller.store();
+    let controller = controller
+        .watches(
+            Api::<Proxy>::all(client.clone()),
+            watcher::Config::default().labels(POOL_LABEL).any_semantic(),
+            move |p: Proxy| {
+                let ns = p.namespace();
+                let pool = p.labels().get(POOL_LABEL).cloned();
+                let holder = p.annotations().get(LEASE_NAME_ANNOTATION).cloned();
+                leases
+                    .state()
+                    .into_iter()
+                    // The holder, and the leases of the pool that still want a proxy (a
+                    // Bound or Expired one has nothing to gain from another proxy's change).
+                    .filter(|l| {
+                        let wants = !matches!(
+                            l.status.as_ref().and_then(|s| s.phase),
+                            Some(LeasePhase::Bound | LeasePhase::Expired)
+                        );
+                        l.namespace() == ns
+                            && ((wants && Some(&l.spec.pool) == pool.as_ref())
+                                || holder.as_deref() == Some(l.name_any().as_str()))
+                    })
+                    .map(|l| ObjectRef::from_obj(&*l))
+                    .collect::<Vec<_>>()
+            },
+        )
+        .owns(
+            Api::<Service>::all(client.clone()),
+            watcher::Config::default()
+                .labels(LEASE_SERVICE_LABEL)
+                .any_semantic(),
+        )
+        .owns(
+            Api::<EndpointSlice>::all(client.clone()),
+            watcher::Config::default()
+                .labels(LEASE_SERVICE_LABEL)
+                .any_semantic(),
+        )
+        .reconcile_all_on(super::super::pool::board_changes(&ctx.fleet.board))
+        .graceful_shutdown_on(shutdown)
+        .run(reconcile, error_policy, ctx)
+        .for_each(|r| async move {
+            if let Err(e) = r {
+                tracing::debug!(error = %e, "lease controller stream");
+            }
+        });
+    // The sweep never ends by itself: it stops with the controller.
+    tokio::select! {
+        () = controller => {}
+        () = sweeper => {}
+    }
+}
