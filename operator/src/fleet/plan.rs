@@ -1,5 +1,5 @@
 //! What a pool does next: a pure function of the pool's spec, its members and the hosts,
-//! so every rule is tested without an API server (and with paused time in [`super::sim`]).
+//! so every rule is tested without an API server (and with paused time in the `sim` tests).
 //!
 //! Rules:
 //!
