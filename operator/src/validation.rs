@@ -340,8 +340,12 @@ pub fn sha256_hex(value: &str) -> Result<(), String> {
 /// Whether a URL may use plain `http`.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum HttpPolicy {
-    /// Only `https` is accepted.
+    /// Only `https` is accepted; the entry could opt in to `http` with `allowHttp: true`
+    /// (images), and the refusal says so.
     HttpsOnly,
+    /// Only `https` is accepted, with no opt-out (template plugins: code is never fetched
+    /// over plain http, so the refusal names no key that would then be refused).
+    HttpsAlways,
     /// `http` is accepted too, because the config said so explicitly.
     AllowHttp,
 }
@@ -362,6 +366,13 @@ pub fn download_url(value: &str, policy: HttpPolicy) -> Result<url::Url, String>
         ("http", HttpPolicy::HttpsOnly) => {
             return Err(format!(
                 "{} uses http; only https is allowed unless this entry sets allowHttp: true",
+                show(value)
+            ));
+        }
+        ("http", HttpPolicy::HttpsAlways) => {
+            return Err(format!(
+                "{} uses http; only https is allowed here (there is no opt-out: serve it over \
+                 https, or use `path` with a local copy)",
                 show(value)
             ));
         }
@@ -660,7 +671,12 @@ mod tests {
         assert!(download_url("https://images.example.org/debian.qcow2", HttpsOnly).is_ok());
         assert!(download_url("http://127.0.0.1:8080/img", AllowHttp).is_ok());
         let cases = [
-            ("http://images.example.org/a", HttpsOnly, "uses http"),
+            (
+                "http://images.example.org/a",
+                HttpsOnly,
+                "sets allowHttp: true",
+            ),
+            ("http://plugins.example.org/a", HttpsAlways, "no opt-out"),
             ("ftp://images.example.org/a", AllowHttp, "scheme \"ftp\""),
             ("file:///etc/passwd", HttpsOnly, "scheme \"file\""),
             (
@@ -676,6 +692,9 @@ mod tests {
             let err = download_url(value, policy).unwrap_err();
             assert!(err.contains(want), "{value:?}: {err}");
         }
+        // A plugin URL has no allowHttp key: its refusal must not point at one.
+        let err = download_url("http://plugins.example.org/a", HttpsAlways).unwrap_err();
+        assert!(!err.contains("allowHttp"), "{err}");
         let err = download_url("https://user:hunter2@example.org/a", HttpsOnly).unwrap_err();
         assert!(!err.contains("hunter2"), "credential leaked into {err}");
         let long = format!("https://example.org/{}", "a".repeat(LONG));

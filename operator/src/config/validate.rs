@@ -431,7 +431,7 @@ fn validate_template(path: &str, t: &TemplateConfig, p: &mut Problems) {
         (None, Some(url)) => {
             p.check(
                 at("url"),
-                rules::download_url(url, HttpPolicy::HttpsOnly).map(drop),
+                rules::download_url(url, HttpPolicy::HttpsAlways).map(drop),
             );
             if t.sha256.is_none() {
                 p.push(
