@@ -58,12 +58,60 @@ pub fn schema_json<S: JsonSchema>() -> String {
 /// let err = templates_sdk::settings::parse::<S>(r#"{"ports": [80, "x"]}"#).unwrap_err();
 /// assert_eq!(err.pointer, "/ports/1");
 /// ```
+///
+/// An unknown key is reported at the key itself, with the closest known key when one is
+/// near:
+///
+/// ```
+/// #[derive(Debug, serde::Deserialize)]
+/// #[serde(deny_unknown_fields, rename_all = "camelCase")]
+/// struct S { listen_port: u16 }
+/// let err = templates_sdk::settings::parse::<S>(r#"{"listenPrt": 1}"#).unwrap_err();
+/// assert_eq!(err.pointer, "/listenPrt");
+/// assert!(err.message.contains("did you mean `listenPort`?"), "{err}");
+/// ```
 pub fn parse<S: DeserializeOwned>(json: &str) -> Result<S, SettingsProblem> {
     let mut de = serde_json::Deserializer::from_str(json);
-    serde_path_to_error::deserialize(&mut de).map_err(|e| SettingsProblem {
-        pointer: pointer_of(e.path()),
-        message: e.into_inner().to_string(),
+    serde_path_to_error::deserialize(&mut de).map_err(|e| {
+        let mut pointer = pointer_of(e.path());
+        let mut message = e.into_inner().to_string();
+        if let Some((key, expected)) = unknown_field(&message) {
+            // The path usually ends at the key already; where it does not (a flattened
+            // struct, an enum), the key is added, so the pointer never stops at `/`.
+            let escaped = format!("/{}", key.replace('~', "~0").replace('/', "~1"));
+            if !pointer.ends_with(&escaped) {
+                pointer.push_str(&escaped);
+            }
+            if let Some(near) = closest(&key, &expected) {
+                message.push_str(&format!("; did you mean `{near}`?"));
+            }
+        }
+        SettingsProblem { pointer, message }
     })
+}
+
+/// The key and the expected keys of serde's "unknown field `k`, expected one of `a`,
+/// `b`" (or "expected `a`", or "there are no fields").
+fn unknown_field(message: &str) -> Option<(String, Vec<String>)> {
+    let rest = message.strip_prefix("unknown field `")?;
+    let (key, rest) = rest.split_once('`')?;
+    let expected = rest
+        .split('`')
+        .skip(1)
+        .step_by(2)
+        .map(str::to_string)
+        .collect();
+    Some((key.to_string(), expected))
+}
+
+/// The known key nearest to `key`, if it is near enough to be a likely typo.
+fn closest(key: &str, known: &[String]) -> Option<String> {
+    known
+        .iter()
+        .map(|k| (strsim::jaro_winkler(key, k), k))
+        .filter(|(score, _)| *score >= 0.8)
+        .max_by(|a, b| a.0.total_cmp(&b.0))
+        .map(|(_, k)| k.clone())
 }
 
 /// Parses settings and runs the plugin's own checks on them, collecting every problem.
@@ -121,6 +169,11 @@ mod tests {
         );
         let unknown = parse::<S>(r#"{"zzz": 1}"#).unwrap_err();
         assert!(unknown.message.contains("unknown field"), "{unknown}");
+        assert_eq!(unknown.pointer, "/zzz");
+        assert!(!unknown.message.contains("did you mean"), "{unknown}");
+        let typo = parse::<S>(r#"{"lst": [1]}"#).unwrap_err();
+        assert_eq!(typo.pointer, "/lst");
+        assert!(typo.message.ends_with("did you mean `list`?"), "{typo}");
     }
 
     #[test]
