@@ -1,6 +1,7 @@
 //! Shared helpers for the integration tests in `tests/tests/`.
 #![forbid(unsafe_code)]
 
+pub mod bench;
 pub mod connect_responder;
 pub mod fake_rig;
 pub mod guest_lab;
