@@ -10,6 +10,7 @@ pub mod http;
 pub mod https;
 pub mod operator_process;
 pub mod provider_rig;
+pub mod scale;
 
 use std::path::PathBuf;
 
