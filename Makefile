@@ -110,6 +110,8 @@ bench: setup plugins
 	$(CARGO) bench --locked -p integration-tests --bench templates
 	$(CARGO) bench --locked -p integration-tests --bench transport
 	$(CARGO) bench --locked -p integration-tests --bench provider
+	EGRESS_CONTROLPLANE_DIR="$$(bash scripts/controlplane.sh | tail -n 1)" \
+	  $(CARGO) bench --locked -p integration-tests --bench scale
 
 clean:
 	$(CARGO) clean

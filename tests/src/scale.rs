@@ -189,8 +189,10 @@ pub struct Report {
     pub gc_sweeps_at_rest: f64,
     /// Domains and instance volumes left on the hosts after the delete.
     pub leftovers: Vec<String>,
-    /// Proxies that did not become Ready (named, when the hang guard fired).
+    /// Proxies per host once all were Ready.
     pub proxies_per_host: BTreeMap<String, usize>,
+    /// Events in the run's namespace by reason, once all were Ready.
+    pub events_by_reason: BTreeMap<String, usize>,
 }
 
 impl Report {
@@ -632,6 +634,14 @@ serving: {{{serving}}}
                 .and_then(|s| s.host.clone())
                 .unwrap_or_default();
             *report.proxies_per_host.entry(host).or_default() += 1;
+        }
+        let events: Api<k8s_openapi::api::core::v1::Event> =
+            Api::namespaced(self.client.clone(), self.ns.name());
+        for e in events.list(&ListParams::default()).await?.items {
+            *report
+                .events_by_reason
+                .entry(e.reason.unwrap_or_default())
+                .or_default() += 1;
         }
         let metrics = self.metrics()?;
         let sum = metric(
