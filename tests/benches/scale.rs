@@ -189,6 +189,9 @@ fn print(r: &Report) {
             .unwrap_or_else(|| "not seen".into()),
         r.rest.libvirt_calls
     );
+    for w in &r.first_warnings {
+        println!("operator warning: {w}");
+    }
     println!(
         "time to all gone {:>8.1} s; leftovers on hosts: {} (goal none: {})",
         r.delete.wall.as_secs_f64(),

@@ -191,6 +191,8 @@ pub struct Report {
     pub leftovers: Vec<String>,
     /// Proxies per host once all were Ready.
     pub proxies_per_host: BTreeMap<String, usize>,
+    /// The operator's first warnings (at most 5), to tell a figure's cause.
+    pub first_warnings: Vec<String>,
     /// Events in the run's namespace by reason, once all were Ready.
     pub events_by_reason: BTreeMap<String, usize>,
 }
@@ -393,6 +395,26 @@ serving: {{{serving}}}
         }
         let mut operator = OperatorProcess::start(&op_options)?;
         tokio::task::block_in_place(|| operator.wait_ready(options.guard))?;
+        // Ready comes before the plugins are loaded (a degraded replica is ready); a
+        // deployed operator has its plugins long before a fleet is applied, so the run
+        // starts once both are up (else every first Create fails transiently).
+        let start = Instant::now();
+        loop {
+            let up = match operator.http_get("/metrics") {
+                Some((200, text)) => metric(&text, "egress_template_plugin_up", &[]),
+                _ => 0.0,
+            };
+            if up >= 2.0 {
+                break;
+            }
+            if start.elapsed() > options.guard {
+                bail!(
+                    "the plugins were not loaded within {:?} (hang guard)",
+                    options.guard
+                );
+            }
+            tokio::time::sleep(Duration::from_millis(200)).await;
+        }
         Ok(ScaleRig {
             options,
             plane,
@@ -676,6 +698,7 @@ serving: {{{serving}}}
         self.wait("all Proxies gone", |_, total| total == 0).await?;
         report.delete = self.phase(&mark)?;
         report.leftovers = tokio::task::block_in_place(|| self.leftovers())?;
+        report.first_warnings = self.operator.warnings().into_iter().take(5).collect();
         Ok(report)
     }
 
