@@ -379,7 +379,7 @@ serving: {{{serving}}}
         let concurrency = options.concurrency.unwrap_or_else(default_concurrency);
         let creates_per_host = options
             .creates_per_host
-            .unwrap_or_else(|| egress_operator::config::types::defaults::max_concurrent_creates());
+            .unwrap_or_else(egress_operator::config::types::defaults::max_concurrent_creates);
         let mut op_options = OperatorOptions::new(
             &binary,
             &config,
