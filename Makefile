@@ -51,6 +51,8 @@ generate:
 	$(BIN) allow-list > templates-sdk/src/allow_list.md
 
 ## test: setup, lint, docs, the guest image and the test control plane, then every test
+## and every bench once in its quick mode (`cargo test --benches`: each step on small inputs,
+## so a broken bench fails here; log $(TARGET_DIR)/bench-quick.log)
 ## (tests/tests/guest_e2e.rs boots the guest; the cluster tier runs against a local etcd and
 ## kube-apiserver, or the cluster of KUBECONFIG when set). The guest image (mostly downloads
 ## and dpkg) and the control plane (Go builds of etcd, kube-apiserver, kube-controller-manager
@@ -70,7 +72,8 @@ test: setup
 	if ! wait $$plane; then tail -n 40 $(TARGET_DIR)/controlplane.log; echo "make test: the control plane build failed (log above)" >&2; exit 1; fi; \
 	tail -n 2 $(TARGET_DIR)/controlplane.log; \
 	export EGRESS_CONTROLPLANE_DIR="$$(tail -n 1 $(TARGET_DIR)/controlplane.log)"; \
-	$(CARGO) test --workspace --locked --no-fail-fast 2>&1 | tee $(TARGET_DIR)/test.log
+	$(CARGO) test --workspace --locked --no-fail-fast 2>&1 | tee $(TARGET_DIR)/test.log; \
+	$(CARGO) test --workspace --locked --benches 2>&1 | tee $(TARGET_DIR)/bench-quick.log
 	@bash scripts/test-summary.sh $(TARGET_DIR)/test.log
 
 ## controlplane: build (or find cached) etcd, kube-apiserver, kube-controller-manager and
@@ -107,6 +110,8 @@ bench: setup plugins
 	$(CARGO) bench --locked -p integration-tests --bench templates
 	$(CARGO) bench --locked -p integration-tests --bench transport
 	$(CARGO) bench --locked -p integration-tests --bench provider
+	EGRESS_CONTROLPLANE_DIR="$$(bash scripts/controlplane.sh | tail -n 1)" \
+	  $(CARGO) bench --locked -p integration-tests --bench scale
 
 clean:
 	$(CARGO) clean

@@ -9,8 +9,9 @@
 //!   (the OpenSSH client, `nc -U` on the far side). Measured through the library's call
 //!   wrapper (`LibvirtConn::call`: blocking pool and deadline), through `Hosts::call` (the
 //!   production path: link lookup, metrics, tracing), and as bare `virt` calls on one
-//!   thread (the transport alone). Target: `Hosts::call` through the tunnel within 1.3x of
-//!   `LibvirtConn::call` on the direct socket. A fourth peer is the floor under any
+//!   thread (the transport alone). The peer that matters is libvirt's own `+ssh://`
+//!   (the former target, within 1.3x of the direct socket, was retired for that
+//!   comparison; the ratio to the direct socket is printed as a plain figure). A fourth peer is the floor under any
 //!   tunnel: one plain relay hop (socat between two unix sockets, no encryption, no SSH),
 //!   so the ratio of a single extra process hop is printed next to ours, which crosses
 //!   two (this process and sshd) and encrypts.
@@ -22,7 +23,9 @@
 //!
 //! Peers take turns (rounds of calls, one dial each per run), so load from elsewhere on
 //! the machine falls on all of them alike. Nothing here leaves 127.0.0.1 and the
-//! harness's namespace; the daemons stop when the bench ends.
+//! harness's namespace; the daemons stop when the bench ends. Under `cargo test --benches`
+//! (part of `make test`) every step runs with a handful of calls, so a broken bench fails
+//! CI.
 #![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)] // a bench fails loudly
 
 use std::os::unix::fs::PermissionsExt as _;
@@ -36,25 +39,29 @@ use egress_operator::provider::kvm2::hosts::{HostLink, Hosts};
 use egress_operator::provider::kvm2::libvirt::{BlockingPool, LibvirtConn};
 use egress_operator::provider::kvm2::observe::CallMetrics;
 use egress_operator::provider::kvm2::ssh::SshTarget;
+use integration_tests::bench;
 use integration_tests::harness::{self, Libvirtd, Need, Sshd};
 
 /// Deadline of every call and dial here: far above anything on loopback, so only a hang
 /// trips it (and fails the bench loudly); it is not a timing limit.
 const CALL_DEADLINE: Duration = Duration::from_secs(30);
 /// Calls per transport before sampling: the first calls pay for things made lazily
-/// (blocking-pool threads, the daemon's per-client state, CPU clocks ramping up).
-const WARMUP_CALLS: usize = 50;
+/// (blocking-pool threads, the daemon's per-client state, CPU clocks ramping up). Each
+/// count is (full run, quick run).
+const WARMUP_CALLS: (usize, usize) = (50, 2);
 /// Rounds x calls per round = samples per transport (500); every transport takes its
 /// turn in each round.
-const ROUNDS: usize = 5;
-const CALLS_PER_ROUND: usize = 100;
+const ROUNDS: (usize, usize) = (5, 1);
+const CALLS_PER_ROUND: (usize, usize) = (100, 5);
 /// Fresh connections per transport for the time to a first call: each is a full SSH
 /// login (tens of milliseconds), so 15 give a stable median in a few seconds.
-const FIRST_CALL_RUNS: usize = 15;
-/// Deliverable 9 of issue 4: the tunnel may cost at most 30% over the local socket.
-const TARGET_RTT_RATIO: f64 = 1.3;
+const FIRST_CALL_RUNS: (usize, usize) = (15, 1);
 /// Runs of the login shell's start-up measurement (a few ms to a few hundred each).
-const SHELL_RUNS: usize = 5;
+const SHELL_RUNS: (usize, usize) = (5, 1);
+
+fn count(n: (usize, usize)) -> usize {
+    bench::pick(n.0, n.1)
+}
 /// What the bench needs besides the harness's daemons: `nc -U` is the far end of
 /// libvirt's `+ssh://` transport (package netcat-openbsd, installed by `make setup`).
 const NETCAT: &str = "nc";
@@ -78,6 +85,7 @@ fn main() {
         println!("transport bench SKIPPED: {reason}");
         return;
     }
+    bench::announce("transport");
     let sshd = Sshd::start().unwrap();
     let libvirtd = Libvirtd::start().unwrap();
     let scratch = tempfile::tempdir().unwrap();
@@ -87,9 +95,10 @@ fn main() {
 
     let shell = login_shell_start(sshd.user());
     println!(
-        "login shell of {} (as sshd starts it for a command) median {:>7.1} ms ({SHELL_RUNS} runs; every +ssh:// dial pays it, our tunnel does not)",
+        "login shell of {} (as sshd starts it for a command) median {:>7.1} ms ({} runs; every +ssh:// dial pays it, our tunnel does not)",
         sshd.user(),
-        millis(shell)
+        millis(shell),
+        count(SHELL_RUNS)
     );
     let rt = tokio::runtime::Builder::new_multi_thread()
         .worker_threads(2)
@@ -248,7 +257,7 @@ fn ratio(a: Duration, b: Duration) -> f64 {
 }
 
 fn verdict(met: bool) -> &'static str {
-    if met { "met" } else { "NOT met" }
+    bench::verdict(met)
 }
 
 /// One way of making the call, and its samples.
@@ -351,16 +360,16 @@ async fn round_trips(config: &ValidConfig, driver: LibvirtDriver, host: &'static
         ("plain relay (socat) bare virt call   ", Via::Bare(&relay)),
     ];
     for (_, via) in &vias {
-        via.sample(WARMUP_CALLS).await;
+        via.sample(count(WARMUP_CALLS)).await;
     }
     let mut samples: Vec<Vec<Duration>> = vec![Vec::new(); vias.len()];
-    for _ in 0..ROUNDS {
+    for _ in 0..count(ROUNDS) {
         for ((_, via), s) in vias.iter().zip(&mut samples) {
-            s.extend(via.sample(CALLS_PER_ROUND).await);
+            s.extend(via.sample(count(CALLS_PER_ROUND)).await);
         }
     }
     let medians: Vec<Duration> = samples.into_iter().map(median).collect();
-    let calls = ROUNDS * CALLS_PER_ROUND;
+    let calls = count(ROUNDS) * count(CALLS_PER_ROUND);
     for ((label, _), m) in vias.iter().zip(&medians) {
         println!(
             "round trip {name} {label} median {:>8.1} µs/call ({calls} calls)",
@@ -381,10 +390,9 @@ async fn round_trips(config: &ValidConfig, driver: LibvirtDriver, host: &'static
     else {
         unreachable!("one median per way of calling")
     };
-    let headline = ratio(hosts_tunnel, conn_direct);
     println!(
-        "ratio {name} tunnel Hosts::call / direct LibvirtConn::call     {headline:>5.2}x (target <= {TARGET_RTT_RATIO}x: {})",
-        verdict(headline <= TARGET_RTT_RATIO)
+        "ratio {name} tunnel Hosts::call / direct LibvirtConn::call     {:>5.2}x",
+        ratio(hosts_tunnel, conn_direct)
     );
     println!(
         "ratio {name} tunnel / direct, both LibvirtConn::call           {:>5.2}x",
@@ -434,7 +442,8 @@ async fn first_calls(
     let host = config.kvm2.hosts.iter().find(|h| h.name == host).unwrap();
     let target = SshTarget::from_config(&config.kvm2.ssh, host).unwrap();
     let (mut ours, mut ssh, mut direct) = (Vec::new(), Vec::new(), Vec::new());
-    for _ in 0..FIRST_CALL_RUNS {
+    let runs = count(FIRST_CALL_RUNS);
+    for _ in 0..runs {
         let t = Instant::now();
         let link = HostLink::dial(&target, host, &pool, CALL_DEADLINE)
             .await
@@ -452,15 +461,15 @@ async fn first_calls(
     }
     let (ours, ssh, direct) = (median(ours), median(ssh), median(direct));
     println!(
-        "first call {name} ours (HostLink::dial + call)          median {:>7.1} ms ({FIRST_CALL_RUNS} runs)",
+        "first call {name} ours (HostLink::dial + call)          median {:>7.1} ms ({runs} runs)",
         millis(ours)
     );
     println!(
-        "first call {name} +ssh:// (LibvirtConn::open + call)   median {:>7.1} ms ({FIRST_CALL_RUNS} runs)",
+        "first call {name} +ssh:// (LibvirtConn::open + call)   median {:>7.1} ms ({runs} runs)",
         millis(ssh)
     );
     println!(
-        "first call {name} direct unix socket (open + call)   median {:>7.1} ms ({FIRST_CALL_RUNS} runs, no SSH)",
+        "first call {name} direct unix socket (open + call)   median {:>7.1} ms ({runs} runs, no SSH)",
         millis(direct)
     );
     let r = ratio(ours, ssh);
@@ -489,7 +498,7 @@ fn login_shell_start(user: &str) -> Duration {
         .find(|f| f.len() == 7 && f[0] == user)
         .unwrap_or_else(|| panic!("{user} is not in /etc/passwd"));
     let (home, shell) = (entry[5], entry[6]);
-    let runs = (0..SHELL_RUNS)
+    let runs = (0..count(SHELL_RUNS))
         .map(|_| {
             let t = Instant::now();
             let status = Command::new(shell)

@@ -1,6 +1,7 @@
 //! Shared helpers for the integration tests in `tests/tests/`.
 #![forbid(unsafe_code)]
 
+pub mod bench;
 pub mod connect_responder;
 pub mod fake_rig;
 pub mod guest_lab;
@@ -9,6 +10,7 @@ pub mod http;
 pub mod https;
 pub mod operator_process;
 pub mod provider_rig;
+pub mod scale;
 
 use std::path::PathBuf;
 

@@ -2967,3 +2967,26 @@ fn is_ready_value(p: &Proxy) -> bool {
 
 mod churn;
 mod server_rules;
+
+#[test]
+fn the_proxy_cache_keeps_no_managed_fields_and_everything_else() {
+    let mut proxy: Proxy = serde_json::from_value(json!({
+        "apiVersion": "egress-operator.dev/v1alpha1",
+        "kind": "Proxy",
+        "metadata": {
+            "name": "p", "namespace": "ns", "uid": "u", "generation": 2,
+            "finalizers": ["egress-operator.dev/instance"],
+            "managedFields": [{"manager": "egress-operator", "operation": "Apply",
+                "fieldsType": "FieldsV1", "fieldsV1": {"f:status": {}}}],
+        },
+        "spec": {"provider": "kvm2"},
+        "status": {"address": "10.0.0.1"},
+    }))
+    .unwrap();
+    let before = serde_json::to_value(&proxy).unwrap();
+    strip_for_cache(&mut proxy);
+    assert_eq!(proxy.metadata.managed_fields, None);
+    let mut after = serde_json::to_value(&proxy).unwrap();
+    after["metadata"]["managedFields"] = before["metadata"]["managedFields"].clone();
+    assert_eq!(after, before, "only managedFields go");
+}

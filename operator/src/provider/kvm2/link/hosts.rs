@@ -505,6 +505,11 @@ impl Hosts {
         self.entries.keys().map(String::as_str)
     }
 
+    /// The libvirt driver `host` is configured with (`None` for an unknown host).
+    pub fn driver(&self, host: &str) -> Option<crate::config::LibvirtDriver> {
+        self.entries.get(host).map(|e| e.host.driver)
+    }
+
     fn entry(&self, host: &str) -> Result<&Arc<Entry>, HostError> {
         self.entries
             .get(host)
