@@ -295,10 +295,16 @@ impl Operator {
             if let Some(s) = self.child.try_wait().unwrap() {
                 break s;
             }
-            assert!(
-                started.elapsed() < GUARD,
-                "the operator did not stop after SIGTERM"
-            );
+            if started.elapsed() > GUARD {
+                let _ = self.child.kill();
+                let _ = self.child.wait();
+                let log = self.log.take().unwrap().join().unwrap();
+                let tail: Vec<&str> = log.lines().rev().take(40).collect();
+                panic!(
+                    "the operator did not stop within {GUARD:?} of SIGTERM (hang guard); the end of its log:\n{}",
+                    tail.into_iter().rev().collect::<Vec<_>>().join("\n")
+                );
+            }
             std::thread::sleep(Duration::from_millis(100));
         };
         let stderr = self.log.take().unwrap().join().unwrap();

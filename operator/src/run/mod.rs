@@ -465,13 +465,43 @@ fn spawn_fleet<S, F>(
     };
     let liveness = Liveness::new(board, options, parts.fleet_metrics.clone());
     tasks.spawn(liveness.run(client.clone(), stop()));
-    tasks.spawn(crate::fleet::pool::run(ctx.clone(), stop()));
-    tasks.spawn(crate::fleet::discovery::run(ctx.clone(), stop()));
+    tasks.spawn(bounded_stop(
+        crate::fleet::pool::run(ctx.clone(), stop()),
+        stop(),
+    ));
+    tasks.spawn(bounded_stop(
+        crate::fleet::discovery::run(ctx.clone(), stop()),
+        stop(),
+    ));
     let leases = Arc::new(crate::fleet::lease::LeaseContext::new(
         ctx,
         parts.lease_metrics.clone(),
     ));
-    tasks.spawn(crate::fleet::lease::run(leases, stop()));
+    tasks.spawn(bounded_stop(
+        crate::fleet::lease::run(leases, stop()),
+        stop(),
+    ));
+}
+
+/// How long a fleet controller may take to wind down after the stop: its writes are
+/// idempotent, so what is cut off is redone by the next leader.
+const FLEET_STOP_GRACE: Duration = Duration::from_secs(5);
+
+/// Runs `component` until it ends, or until [`FLEET_STOP_GRACE`] after `stop`. A kube
+/// `Controller` asked to stop gracefully first waits for its store to be ready; when its
+/// CRD is not installed (an operator upgraded before its CRDs) that never happens, and the
+/// process would not stop on SIGTERM.
+async fn bounded_stop(
+    component: impl std::future::Future<Output = ()>,
+    stop: impl std::future::Future<Output = ()>,
+) {
+    tokio::select! {
+        () = component => {}
+        () = async {
+            stop.await;
+            tokio::time::sleep(FLEET_STOP_GRACE).await;
+        } => tracing::warn!("a fleet controller did not wind down within its grace; stopped"),
+    }
 }
 
 /// One leadership term: the three components run until SIGTERM or the lease is lost,
