@@ -22,6 +22,9 @@ use crate::harness::{self, Libvirtd, Need, Sshd};
 use crate::http::{HttpServer, Route};
 use crate::{TestImage, provider_config, small_qcow2};
 
+/// The rig's libvirt call deadline (production: 30 s).
+const RIG_CALL_DEADLINE: Duration = Duration::from_secs(120);
+
 /// Everything one test needs: daemons, a pool, an image server, a provider.
 pub struct Rig {
     /// OpenSSH's sshd on 127.0.0.1.
@@ -82,7 +85,11 @@ impl Rig {
                 BlockingPool::default(),
                 Arc::new(CallMetrics::unregistered()),
             )
-            .unwrap(),
+            .unwrap()
+            // A hang guard, not the production deadline: six rigs (each a libvirtd
+            // pinned to one core, spawning qemu-img) share this machine's two cores,
+            // and CI once saw a seed volume-create wait 30 s behind them.
+            .with_call_deadline(RIG_CALL_DEADLINE),
         );
         let ops: Arc<dyn HostOps> = Arc::new(LibvirtOps::new(hosts.clone()));
         Some(Rig {
