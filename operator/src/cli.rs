@@ -52,6 +52,63 @@ pub enum Command {
     /// Create (or with --delete, remove) one Proxy's VM from files, without a cluster,
     /// through the same provider code the operator runs, and print its status.
     Provision(ProvisionCliArgs),
+    /// Write and test template plugins: `plugin new` writes a standalone plugin crate,
+    /// `plugin test` renders a built plugin for a matrix of inputs through the operator's
+    /// checks.
+    #[command(subcommand)]
+    Plugin(PluginCommand),
+}
+
+/// Subcommands of `plugin`.
+#[derive(Debug, Subcommand)]
+pub enum PluginCommand {
+    /// Write a new plugin crate (buildable anywhere with `cargo build --release --target
+    /// wasm32-wasip2`): an example that passes the operator's checks, a settings type, a
+    /// test, a README, and a copy of the SDK.
+    New(PluginNewArgs),
+    /// Render a built plugin for BIOS and UEFI machine types, one and three NICs, a static
+    /// address and DHCP, on each host of a config (or a sample host), check every output as
+    /// the operator does, and print a table. Exits non-zero when any case fails.
+    Test(PluginTestArgs),
+}
+
+/// Arguments of `plugin new`.
+#[derive(Debug, clap::Args)]
+pub struct PluginNewArgs {
+    /// What the plugin renders.
+    #[arg(long, value_enum)]
+    pub kind: crate::authoring::Kind,
+    /// The crate name (lower-case letters, digits, `-`, `_`).
+    pub name: String,
+    /// Write the crate here (must not exist, or be empty); `./NAME` by default.
+    #[arg(long, value_name = "DIR")]
+    pub dir: Option<PathBuf>,
+}
+
+/// Arguments of `plugin test`.
+#[derive(Debug, clap::Args)]
+pub struct PluginTestArgs {
+    /// The built component (`target/wasm32-wasip2/release/<crate_name>.wasm`).
+    pub plugin: PathBuf,
+    /// What the plugin renders; found from its exports when left out.
+    #[arg(long, value_enum)]
+    pub kind: Option<crate::authoring::Kind>,
+    /// The plugin's settings (YAML or JSON), as `kvm2.templates.<kind>.settings` would hold
+    /// them; `{}` when left out.
+    #[arg(long, value_name = "FILE")]
+    pub settings: Option<PathBuf>,
+    /// Render for the hosts and machine types of this providers config instead of a sample.
+    #[arg(long, value_name = "FILE")]
+    pub config: Option<PathBuf>,
+    /// Write each case's output (or refusal) into this directory for review.
+    #[arg(long, value_name = "DIR")]
+    pub snapshot: Option<PathBuf>,
+    /// Cache compiled plugins here.
+    #[arg(long, value_name = "DIR")]
+    pub cache_dir: Option<PathBuf>,
+    /// Host fact: KVM is available.
+    #[arg(long)]
+    pub kvm: bool,
 }
 
 /// Arguments of `provision`.
@@ -186,8 +243,82 @@ pub fn execute(command: Command, out: &mut dyn Write, err: &mut dyn Write) -> u8
         Command::Check(args) => check(&args, out, err),
         Command::Provision(args) => provision(&args, out, err),
         Command::Run(args) => crate::run::run(&args, err),
+        Command::Plugin(PluginCommand::New(args)) => plugin_new(&args, out, err),
+        Command::Plugin(PluginCommand::Test(args)) => plugin_test(&args, out, err),
     };
     result.unwrap_or(2)
+}
+
+fn plugin_new(
+    args: &PluginNewArgs,
+    out: &mut dyn Write,
+    err: &mut dyn Write,
+) -> std::io::Result<u8> {
+    let dir = args
+        .dir
+        .clone()
+        .unwrap_or_else(|| PathBuf::from(&args.name));
+    match crate::authoring::scaffold::create(args.kind, &args.name, &dir) {
+        Ok(files) => {
+            writeln!(
+                out,
+                "wrote {} ({} files); next:\n  cd {}\n  cargo build --release --target wasm32-wasip2\n  egress-operator plugin test target/wasm32-wasip2/release/{}.wasm",
+                dir.display(),
+                files.len(),
+                dir.display(),
+                crate::authoring::scaffold::crate_name(&args.name)
+            )?;
+            Ok(0)
+        }
+        Err(e) => {
+            writeln!(err, "{e}")?;
+            Ok(1)
+        }
+    }
+}
+
+fn plugin_test(
+    args: &PluginTestArgs,
+    out: &mut dyn Write,
+    err: &mut dyn Write,
+) -> std::io::Result<u8> {
+    let opts = crate::authoring::runner::TestOptions {
+        plugin: args.plugin.clone(),
+        kind: args.kind,
+        settings: args.settings.clone(),
+        config: args.config.clone(),
+        snapshot: args.snapshot.clone(),
+        cache_dir: args.cache_dir.clone(),
+        kvm: args.kvm,
+    };
+    match crate::authoring::runner::run(&opts) {
+        Ok(report) => {
+            out.write_all(crate::authoring::table::render(&report).as_bytes())?;
+            Ok(if report.passed() { 0 } else { 1 })
+        }
+        Err(crate::authoring::AuthoringError::Plugin(e)) => {
+            // Settings refusals one per line, each with its JSON pointer.
+            match &e.kind {
+                crate::templates::TemplateErrorKind::Settings { issues } => {
+                    let source = args
+                        .settings
+                        .as_ref()
+                        .map(|p| p.display().to_string())
+                        .unwrap_or_else(|| "settings {} (no --settings given)".into());
+                    writeln!(err, "{source}: refused by plugin {:?}:", e.plugin)?;
+                    for issue in issues {
+                        writeln!(err, "  {issue}")?;
+                    }
+                }
+                _ => writeln!(err, "{e}")?,
+            }
+            Ok(1)
+        }
+        Err(e) => {
+            writeln!(err, "{e}")?;
+            Ok(1)
+        }
+    }
 }
 
 fn crd(out: &mut dyn Write, err: &mut dyn Write) -> std::io::Result<u8> {

@@ -4,6 +4,7 @@
 //! everything testable lives here.
 
 pub mod api;
+pub mod authoring;
 pub mod cli;
 pub mod config;
 pub mod controller;

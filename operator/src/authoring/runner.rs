@@ -1,0 +1,395 @@
+//! `plugin test`: loads a built plugin with the given settings (checked against its schema
+//! and its `validate-settings`, as the operator does at load), renders every case of the
+//! [`matrix`](super::matrix) through the operator's own entry points (`render_on` with the
+//! host's policy for domain XML, `render_with` for vendor-data: the output checks run
+//! inside them), and records a verdict per case.
+
+use std::path::{Path, PathBuf};
+
+use serde_json::{Map, Value, json};
+
+use crate::config::{TemplateConfig, ValidConfig};
+use crate::render::Facts;
+use crate::templates::check::HostPolicy;
+use crate::templates::{
+    DomainTemplate, TemplateEngine, TemplateError, TemplateErrorKind, TemplateKind,
+    VendorDataTemplate,
+};
+
+use super::matrix::{self, Case};
+use super::{AuthoringError, Kind};
+
+/// The settings key through which the matrix asks a domain plugin for further NICs (the
+/// default plugin's and `plugin new`'s). A plugin without it gets only one-NIC cases.
+pub const NICS_SETTING: &str = "extraNics";
+
+/// What `plugin test` was asked to do.
+#[derive(Debug, Clone, Default)]
+pub struct TestOptions {
+    /// The component file.
+    pub plugin: PathBuf,
+    /// Its kind; found from its exports when `None`.
+    pub kind: Option<Kind>,
+    /// Settings file (YAML or JSON); `{}` when `None`.
+    pub settings: Option<PathBuf>,
+    /// Providers config whose hosts and machine types to render for; a sample when `None`.
+    pub config: Option<PathBuf>,
+    /// Write every output (or refusal) here.
+    pub snapshot: Option<PathBuf>,
+    /// Cache compiled plugins here.
+    pub cache_dir: Option<PathBuf>,
+    /// Host fact: KVM is available (a host with `disableKvm` still renders for emulation).
+    pub kvm: bool,
+}
+
+/// The verdict on one case.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Verdict {
+    /// Rendered, and the output passed every check.
+    Pass,
+    /// Refused: the rule, where (an element path, when the refusal names one) and why.
+    Fail {
+        /// The check's rule name, or what stopped the render (`refused`, `trap`, ...).
+        rule: String,
+        /// The path the refusal names, if any.
+        path: Option<String>,
+        /// The whole reason.
+        detail: String,
+    },
+}
+
+/// One row of the report.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Outcome {
+    /// The case.
+    pub case: Case,
+    /// How it went.
+    pub verdict: Verdict,
+}
+
+/// Everything `plugin test` found.
+#[derive(Debug, Clone)]
+pub struct Report {
+    /// The plugin's kind.
+    pub kind: TemplateKind,
+    /// Its name in the operator's terms (`domain:<path>`).
+    pub plugin: String,
+    /// Its sha256 (what a `url` entry pins).
+    pub sha256: String,
+    /// Remarks on the matrix (an axis that does not apply, say).
+    pub notes: Vec<String>,
+    /// One per case.
+    pub outcomes: Vec<Outcome>,
+}
+
+impl Report {
+    /// Whether every case passed.
+    pub fn passed(&self) -> bool {
+        self.outcomes.iter().all(|o| o.verdict == Verdict::Pass)
+    }
+}
+
+enum Loaded {
+    Domain(DomainTemplate),
+    VendorData(VendorDataTemplate),
+}
+
+/// Reads a settings file: YAML or JSON (JSON is YAML).
+pub fn read_settings(path: &Path) -> Result<Value, AuthoringError> {
+    let fail = |reason: String| AuthoringError::SettingsFile {
+        path: path.display().to_string(),
+        reason,
+    };
+    let text = std::fs::read_to_string(path).map_err(|e| AuthoringError::io(path, e))?;
+    let limit = crate::config::validate::limits::TEMPLATE_SETTINGS_BYTES;
+    if text.len() > limit {
+        return Err(fail(format!(
+            "is {} bytes; settings are at most {limit}",
+            text.len()
+        )));
+    }
+    serde_yaml_ng::from_str::<Value>(&text).map_err(|e| fail(e.to_string()))
+}
+
+/// The template entry `plugin test` loads: the file, the settings, the defaults of every
+/// limit, and [`NICS_SETTING`] overridable so the matrix can set it per case.
+fn template_config(plugin: &Path, settings: Value) -> Result<TemplateConfig, AuthoringError> {
+    serde_json::from_value(json!({
+        "path": plugin.display().to_string(),
+        "settings": settings,
+        "overridableSettings": [NICS_SETTING],
+    }))
+    .map_err(|e| AuthoringError::Inputs {
+        case: "any".into(),
+        reason: format!("cannot make the template entry: {e}"),
+    })
+}
+
+fn load(
+    engine: &TemplateEngine,
+    t: &TemplateConfig,
+    kind: Option<Kind>,
+) -> Result<Loaded, AuthoringError> {
+    let as_domain = |engine: &TemplateEngine| engine.load_domain(t).map(Loaded::Domain);
+    let as_vendor = |engine: &TemplateEngine| engine.load_vendor_data(t).map(Loaded::VendorData);
+    match kind {
+        Some(Kind::Domain) => Ok(as_domain(engine)?),
+        Some(Kind::VendorData) => Ok(as_vendor(engine)?),
+        // Exports are checked before settings, so an interface error means "not this
+        // kind"; anything else (settings, a trap) is the plugin's answer as that kind.
+        None => match as_domain(engine) {
+            Ok(l) => Ok(l),
+            Err(TemplateError {
+                kind: TemplateErrorKind::Abi(domain),
+                ..
+            }) => match as_vendor(engine) {
+                Ok(l) => Ok(l),
+                Err(TemplateError {
+                    kind: TemplateErrorKind::Abi(vendor_data),
+                    ..
+                }) => Err(AuthoringError::UnknownKind {
+                    path: t.path.clone().unwrap_or_default(),
+                    domain,
+                    vendor_data,
+                }),
+                Err(e) => Err(e.into()),
+            },
+            Err(e) => Err(e.into()),
+        },
+    }
+}
+
+/// Whether the plugin's settings schema declares a top-level [`NICS_SETTING`].
+fn has_nics_setting(schema: &str) -> bool {
+    serde_json::from_str::<Value>(schema)
+        .ok()
+        .and_then(|s| s.get("properties").map(|p| p.get(NICS_SETTING).is_some()))
+        .unwrap_or(false)
+}
+
+/// The rule and path of a failed render.
+pub fn verdict_of(e: &TemplateError) -> Verdict {
+    let detail = e.kind.to_string();
+    let rule = match &e.kind {
+        TemplateErrorKind::InvalidOutput { rule, .. } => (*rule).to_string(),
+        TemplateErrorKind::OutputTooLarge { .. } => "output-size".into(),
+        TemplateErrorKind::Refused(_) | TemplateErrorKind::RefusalTooLarge { .. } => {
+            "refused".into()
+        }
+        TemplateErrorKind::Limit { limit } => format!("limit: {limit}"),
+        TemplateErrorKind::Trap(_) => "trap".into(),
+        TemplateErrorKind::Exit(_) => "exit".into(),
+        TemplateErrorKind::Settings { .. } | TemplateErrorKind::Overrides { .. } => {
+            "settings".into()
+        }
+        _ => "load".into(),
+    };
+    let path = match &e.kind {
+        TemplateErrorKind::InvalidOutput { detail, .. } => path_in(detail),
+        _ => None,
+    };
+    Verdict::Fail { rule, path, detail }
+}
+
+/// The first element path a refusal names (the checks write it as `/domain/...`, with
+/// `/@attr` for attributes and `[n]` for positions).
+pub fn path_in(detail: &str) -> Option<String> {
+    detail
+        .split_whitespace()
+        .find(|w| w.starts_with("/domain") || w.starts_with("/@"))
+        .map(|w| w.trim_end_matches([':', ',', ';', '.', ')']).to_string())
+}
+
+/// Runs the matrix. An error is returned only when nothing could be tested (the plugin did
+/// not load, its settings were refused, the config was invalid); failing cases are in the
+/// report.
+pub fn run(opts: &TestOptions) -> Result<Report, AuthoringError> {
+    let settings = match &opts.settings {
+        Some(path) => read_settings(path)?,
+        None => Value::Object(Map::new()),
+    };
+    let config: Option<ValidConfig> = match &opts.config {
+        Some(path) => Some(crate::config::load_file(path).map_err(AuthoringError::Config)?),
+        None => None,
+    };
+    let (config, types) = matrix::prepare(config)?;
+    let engine = TemplateEngine::new(opts.cache_dir.as_deref())?;
+    let t = template_config(&opts.plugin, settings)?;
+    let loaded = load(&engine, &t, opts.kind)?;
+    let facts = Facts {
+        kvm: opts.kvm,
+        ..Facts::default()
+    };
+    let (kind, plugin, sha256, schema) = match &loaded {
+        Loaded::Domain(d) => (
+            TemplateKind::Domain,
+            d.name().to_string(),
+            d.sha256().to_string(),
+            d.settings_schema()?,
+        ),
+        Loaded::VendorData(v) => (
+            TemplateKind::VendorData,
+            v.name().to_string(),
+            v.sha256().to_string(),
+            v.settings_schema()?,
+        ),
+    };
+    let nics = kind == TemplateKind::Domain && has_nics_setting(&schema);
+    let mut notes = Vec::new();
+    match kind {
+        TemplateKind::Domain if !nics => notes.push(format!(
+            "the plugin's settings have no `{NICS_SETTING}`: only one-NIC cases are rendered"
+        )),
+        TemplateKind::VendorData => notes.push(
+            "NICs and addressing do not reach a vendor-data input: cases are hosts × firmware"
+                .into(),
+        ),
+        TemplateKind::Domain => {}
+    }
+    let mut outcomes = Vec::new();
+    for case in matrix::cases(kind, &config, &types, nics) {
+        let inputs = matrix::inputs(&config, &case, &facts)?;
+        let rendered = match &loaded {
+            Loaded::Domain(d) => {
+                let overrides = case.nics.filter(|_| nics).map(|n| {
+                    let mut o = Map::new();
+                    o.insert(NICS_SETTING.into(), json!(n.saturating_sub(1)));
+                    o
+                });
+                d.render_on(
+                    &inputs.domain,
+                    overrides.as_ref(),
+                    &HostPolicy::for_host(&inputs.host),
+                )
+            }
+            Loaded::VendorData(v) => v.render_with(&inputs.vendor_data, None),
+        };
+        let verdict = match &rendered {
+            Ok(_) => Verdict::Pass,
+            Err(e) => verdict_of(e),
+        };
+        if let Some(dir) = &opts.snapshot {
+            snapshot(dir, kind, &case, &rendered)?;
+        }
+        outcomes.push(Outcome { case, verdict });
+    }
+    Ok(Report {
+        kind,
+        plugin,
+        sha256,
+        notes,
+        outcomes,
+    })
+}
+
+/// Writes one case's output (`<case>.xml` or `<case>.vendor-data`) or, when it failed,
+/// its refusal (`<case>.refused.txt`).
+fn snapshot(
+    dir: &Path,
+    kind: TemplateKind,
+    case: &Case,
+    rendered: &Result<String, TemplateError>,
+) -> Result<(), AuthoringError> {
+    std::fs::create_dir_all(dir).map_err(|e| AuthoringError::io(dir, e))?;
+    let stem = case.file_stem();
+    let (file, text) = match rendered {
+        Ok(out) => (
+            match kind {
+                TemplateKind::Domain => format!("{stem}.xml"),
+                TemplateKind::VendorData => format!("{stem}.vendor-data"),
+            },
+            out.clone(),
+        ),
+        Err(e) => (format!("{stem}.refused.txt"), format!("{}\n", e.kind)),
+    };
+    let path = dir.join(file);
+    std::fs::write(&path, text).map_err(|e| AuthoringError::io(&path, e))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn paths_are_read_from_refusals() {
+        for (detail, path) in [
+            (
+                "/domain/devices/hostdev is not on the allow-list",
+                Some("/domain/devices/hostdev"),
+            ),
+            (
+                "the machine type asks for UEFI: /domain/os needs a <loader> or firmware=\"efi\"",
+                Some("/domain/os"),
+            ),
+            (
+                "/domain/cputune/vcpupin[1] pins vCPU \"4\", the domain has 2",
+                Some("/domain/cputune/vcpupin[1]"),
+            ),
+            (
+                "/domain/os/loader/@type: must be pflash.",
+                Some("/domain/os/loader/@type"),
+            ),
+            ("root element is <x>, not <domain>", None),
+        ] {
+            assert_eq!(path_in(detail).as_deref(), path, "{detail}");
+        }
+    }
+
+    #[test]
+    fn verdicts_name_the_rule() {
+        let err = |kind| TemplateError {
+            plugin: "domain:x".into(),
+            kind,
+        };
+        assert_eq!(
+            verdict_of(&err(TemplateErrorKind::InvalidOutput {
+                rule: "interface-bridge-only",
+                detail: "/domain/devices/interface[1]/source/@bridge is \"other\"".into(),
+            })),
+            Verdict::Fail {
+                rule: "interface-bridge-only".into(),
+                path: Some("/domain/devices/interface[1]/source/@bridge".into()),
+                detail: "output refused by rule \"interface-bridge-only\": /domain/devices/interface[1]/source/@bridge is \"other\"".into(),
+            }
+        );
+        let Verdict::Fail { rule, path, .. } =
+            verdict_of(&err(TemplateErrorKind::Trap("x".into())))
+        else {
+            panic!("a trap fails")
+        };
+        assert_eq!((rule.as_str(), path), ("trap", None));
+    }
+
+    #[test]
+    fn the_nics_axis_follows_the_schema() {
+        assert!(has_nics_setting(
+            r#"{"type":"object","properties":{"extraNics":{"type":"integer"}}}"#
+        ));
+        assert!(!has_nics_setting(
+            r#"{"type":"object","properties":{"mode":{}}}"#
+        ));
+        assert!(!has_nics_setting("not json"));
+    }
+
+    #[test]
+    fn settings_files_are_yaml_or_json() {
+        let dir = tempfile::tempdir().unwrap();
+        let yaml = dir.path().join("s.yaml");
+        std::fs::write(&yaml, "extraNics: 2\nuefi: {secureBoot: false}\n").unwrap();
+        assert_eq!(
+            read_settings(&yaml).unwrap(),
+            json!({"extraNics": 2, "uefi": {"secureBoot": false}})
+        );
+        let json_file = dir.path().join("s.json");
+        std::fs::write(&json_file, r#"{"mode": "good"}"#).unwrap();
+        assert_eq!(read_settings(&json_file).unwrap(), json!({"mode": "good"}));
+        let bad = dir.path().join("bad.yaml");
+        std::fs::write(&bad, "a: [\n").unwrap();
+        let e = read_settings(&bad).unwrap_err();
+        assert!(
+            e.to_string()
+                .starts_with(&format!("--settings {}", bad.display())),
+            "{e}"
+        );
+    }
+}
