@@ -1,0 +1,472 @@
+//! Plugin authoring end to end, with the real binary, cargo and the wasm32-wasip2 target:
+//! `plugin new` writes a crate outside this repository that builds and passes `plugin
+//! test`; `plugin test` passes the default plugins and names the rule a hostile one breaks;
+//! and the "Your first plugin" walkthrough of `plugins/README.md` runs as written.
+//!
+//! The new crates build into one target directory under the workspace's
+//! (`target/plugin-authoring`), so a repeat run compiles only the crate itself. Builds try
+//! `--offline` first (the registry cache holds every crate the workspace uses) and go to
+//! the registry only when that fails.
+#![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)] // tests fail loudly
+
+use std::path::{Path, PathBuf};
+use std::process::Command;
+use std::time::Duration;
+
+use integration_tests::guest_lab::{Finished, run_guarded};
+use integration_tests::{plugin_path, target_dir, workspace_root};
+
+/// A hang fails the test instead of blocking CI; never a timing assertion. A cold build of
+/// a new crate (serde, schemars, wit-bindgen for wasm32 and the host) takes minutes on two
+/// busy cores.
+const BUILD_HANG_GUARD: Duration = Duration::from_secs(30 * 60);
+const RUN_HANG_GUARD: Duration = Duration::from_secs(120);
+
+fn binary() -> PathBuf {
+    PathBuf::from(env!("CARGO_BIN_EXE_operator-under-test"))
+}
+
+/// The target directory every new crate of these tests builds into.
+fn shared_target() -> PathBuf {
+    target_dir().join("plugin-authoring")
+}
+
+fn cargo() -> String {
+    std::env::var("CARGO").unwrap_or_else(|_| "cargo".into())
+}
+
+fn operator(args: &[&str]) -> Finished {
+    let mut cmd = Command::new(binary());
+    cmd.args(args);
+    run_guarded(
+        &mut cmd,
+        RUN_HANG_GUARD,
+        &format!("egress-operator {args:?}"),
+    )
+    .unwrap()
+}
+
+/// A temporary directory outside the repository (the system's temp dir), so the new crate
+/// cannot borrow anything from this workspace.
+fn outside_dir() -> tempfile::TempDir {
+    let dir = tempfile::Builder::new()
+        .prefix("plugin-authoring-")
+        .tempdir()
+        .unwrap();
+    let root = workspace_root().canonicalize().unwrap();
+    assert!(
+        !dir.path().canonicalize().unwrap().starts_with(&root),
+        "{} is inside the repository",
+        dir.path().display()
+    );
+    dir
+}
+
+/// Runs cargo with `args` in `dir`: offline first, then (when that fails) with the
+/// registry. Panics with both outputs when neither works.
+fn cargo_in(dir: &Path, args: &[&str]) {
+    let attempt = |offline: bool| {
+        let mut cmd = Command::new(cargo());
+        cmd.args(args)
+            .current_dir(dir)
+            .env("CARGO_TARGET_DIR", shared_target());
+        if offline {
+            cmd.arg("--offline");
+        }
+        run_guarded(&mut cmd, BUILD_HANG_GUARD, &format!("cargo {args:?}")).unwrap()
+    };
+    let offline = attempt(true);
+    if offline.code == 0 {
+        return;
+    }
+    let online = attempt(false);
+    assert_eq!(
+        online.code, 0,
+        "cargo {args:?} failed offline:\n{}\nand online:\n{}",
+        offline.stderr, online.stderr
+    );
+}
+
+#[test]
+fn a_new_crate_of_each_kind_builds_outside_the_repository_and_passes_plugin_test() {
+    let dir = outside_dir();
+    for (kind, name, file, cases) in [
+        ("domain", "site-domain", "site_domain.wasm", 8),
+        (
+            "vendor-data",
+            "site-vendor-data",
+            "site_vendor_data.wasm",
+            2,
+        ),
+    ] {
+        let crate_dir = dir.path().join(name);
+        let new = operator(&[
+            "plugin",
+            "new",
+            "--kind",
+            kind,
+            name,
+            "--dir",
+            crate_dir.to_str().unwrap(),
+        ]);
+        assert_eq!(new.code, 0, "{}", new.stderr);
+        assert!(new.stdout.contains(file), "{}", new.stdout);
+
+        cargo_in(
+            &crate_dir,
+            &["build", "--release", "--target", "wasm32-wasip2"],
+        );
+        // The crate's own unit tests, on the host.
+        cargo_in(&crate_dir, &["test"]);
+
+        let wasm = shared_target().join("wasm32-wasip2/release").join(file);
+        let test = operator(&["plugin", "test", wasm.to_str().unwrap()]);
+        assert_eq!(test.code, 0, "{}\n{}", test.stdout, test.stderr);
+        assert!(
+            test.stdout
+                .contains(&format!("{cases} case(s): {cases} passed, 0 failed")),
+            "{}",
+            test.stdout
+        );
+        assert!(
+            test.stdout.starts_with(&format!("{kind} plugin ")),
+            "{}",
+            test.stdout
+        );
+    }
+}
+
+#[test]
+fn plugin_new_refuses_a_bad_name_and_a_taken_directory() {
+    let dir = outside_dir();
+    let bad = operator(&["plugin", "new", "--kind", "domain", "My.Plugin"]);
+    assert_eq!(bad.code, 1);
+    assert!(
+        bad.stderr
+            .contains("NAME \"My.Plugin\" is not a valid crate name"),
+        "{}",
+        bad.stderr
+    );
+    let taken = dir.path().join("taken");
+    std::fs::create_dir(&taken).unwrap();
+    std::fs::write(taken.join("mine"), "x").unwrap();
+    let out = operator(&[
+        "plugin",
+        "new",
+        "--kind",
+        "domain",
+        "ok-name",
+        "--dir",
+        taken.to_str().unwrap(),
+    ]);
+    assert_eq!(out.code, 1);
+    assert!(
+        out.stderr
+            .contains("(--dir, ./NAME by default) exists and is not empty"),
+        "{}",
+        out.stderr
+    );
+    assert_eq!(std::fs::read_dir(&taken).unwrap().count(), 1);
+}
+
+/// The cells of the table row of `case` (columns are separated by two or more spaces).
+fn cells(table: &str, case: &str) -> Vec<String> {
+    let row = table
+        .lines()
+        .find(|l| l.starts_with(&format!("{case}  ")))
+        .unwrap_or_else(|| panic!("no row {case:?} in\n{table}"));
+    row.split("  ")
+        .map(str::trim)
+        .filter(|c| !c.is_empty())
+        .map(str::to_string)
+        .collect()
+}
+
+#[test]
+fn plugin_test_passes_the_default_plugins() {
+    let domain = plugin_path("domain-default").unwrap();
+    let snapshots = tempfile::tempdir().unwrap();
+    let out = operator(&[
+        "plugin",
+        "test",
+        domain.to_str().unwrap(),
+        "--snapshot",
+        snapshots.path().to_str().unwrap(),
+    ]);
+    assert_eq!(out.code, 0, "{}\n{}", out.stdout, out.stderr);
+    assert!(
+        out.stdout.contains("8 case(s): 8 passed, 0 failed"),
+        "{}",
+        out.stdout
+    );
+    for case in [
+        "sample-host bios 1-nic static",
+        "sample-host uefi 3-nic dhcp",
+    ] {
+        assert_eq!(cells(&out.stdout, case)[1], "pass", "{}", out.stdout);
+    }
+    // One reviewable output per case; the three-NIC ones carry three NICs.
+    let mut files: Vec<String> = std::fs::read_dir(snapshots.path())
+        .unwrap()
+        .map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
+        .collect();
+    files.sort();
+    assert_eq!(files.len(), 8, "{files:?}");
+    let three =
+        std::fs::read_to_string(snapshots.path().join("sample-host_uefi_3-nic_dhcp.xml")).unwrap();
+    assert_eq!(three.matches("<interface ").count(), 3, "{three}");
+    assert!(three.contains("OVMF_CODE_4M.fd"), "{three}");
+
+    let vendor = plugin_path("vendor-data-default").unwrap();
+    let out = operator(&[
+        "plugin",
+        "test",
+        vendor.to_str().unwrap(),
+        "--kind",
+        "vendor-data",
+    ]);
+    assert_eq!(out.code, 0, "{}\n{}", out.stdout, out.stderr);
+    assert!(
+        out.stdout.contains("2 case(s): 2 passed, 0 failed"),
+        "{}",
+        out.stdout
+    );
+
+    // The hosts and machine types of a given config.
+    let config = workspace_root().join("config/samples/providers-config.yaml");
+    let out = operator(&[
+        "plugin",
+        "test",
+        domain.to_str().unwrap(),
+        "--config",
+        config.to_str().unwrap(),
+    ]);
+    assert_eq!(out.code, 0, "{}\n{}", out.stdout, out.stderr);
+    assert_eq!(cells(&out.stdout, "kvm-b uefi 3-nic static")[1], "pass");
+    assert!(
+        out.stdout.contains("16 case(s): 16 passed, 0 failed"),
+        "{}",
+        out.stdout
+    );
+}
+
+#[test]
+fn plugin_test_names_the_rule_a_hostile_plugin_breaks_and_fails() {
+    let hostile = plugin_path("hostile-domain").unwrap();
+    let dir = tempfile::tempdir().unwrap();
+    let settings = dir.path().join("settings.yaml");
+    // A NIC on another bridge than the host's.
+    std::fs::write(&settings, "mode: second-bridge\n").unwrap();
+    let out = operator(&[
+        "plugin",
+        "test",
+        hostile.to_str().unwrap(),
+        "--settings",
+        settings.to_str().unwrap(),
+    ]);
+    assert_eq!(out.code, 1, "{}\n{}", out.stdout, out.stderr);
+    let row = cells(&out.stdout, "sample-host bios 1-nic dhcp");
+    assert_eq!(row[1], "FAIL", "{row:?}");
+    assert_eq!(row[2], "interface-bridge-only", "{row:?}");
+    assert_eq!(row[3], "/domain/devices/interface[2]/source", "{row:?}");
+    assert!(out.stdout.contains("0 passed"), "{}", out.stdout);
+
+    // Settings are checked before anything renders; a refusal names its JSON pointer.
+    std::fs::write(&settings, "{\"mode\": 42}").unwrap();
+    let out = operator(&[
+        "plugin",
+        "test",
+        hostile.to_str().unwrap(),
+        "--settings",
+        settings.to_str().unwrap(),
+    ]);
+    assert_eq!(out.code, 1);
+    assert!(out.stderr.contains("\n  /mode: "), "{}", out.stderr);
+    assert!(!out.stdout.contains("case(s)"), "{}", out.stdout);
+
+    let domain = plugin_path("domain-default").unwrap();
+    std::fs::write(&settings, "extraNics: 7\n").unwrap();
+    let out = operator(&[
+        "plugin",
+        "test",
+        domain.to_str().unwrap(),
+        "--settings",
+        settings.to_str().unwrap(),
+    ]);
+    assert_eq!(out.code, 1);
+    assert!(out.stderr.contains("/extraNics: "), "{}", out.stderr);
+
+    // A plugin of the other kind than --kind says is refused as such.
+    let out = operator(&[
+        "plugin",
+        "test",
+        domain.to_str().unwrap(),
+        "--kind",
+        "vendor-data",
+    ]);
+    assert_eq!(out.code, 1);
+    assert!(out.stderr.contains("is a domain plugin"), "{}", out.stderr);
+}
+
+/// One fenced block of the walkthrough.
+#[derive(Debug)]
+struct Block {
+    lang: String,
+    body: String,
+}
+
+/// The fenced blocks of the "Your first plugin" section of `plugins/README.md`, in order.
+fn walkthrough() -> Vec<Block> {
+    let readme = std::fs::read_to_string(workspace_root().join("plugins/README.md")).unwrap();
+    let start = readme
+        .find("\n## Your first plugin\n")
+        .expect("plugins/README.md has a \"Your first plugin\" section");
+    let section = &readme[start + 1..];
+    let section = match section[3..].find("\n## ") {
+        Some(end) => &section[..end + 3],
+        None => section,
+    };
+    let mut blocks = Vec::new();
+    let mut current: Option<Block> = None;
+    for line in section.lines() {
+        match (&mut current, line.strip_prefix("```")) {
+            (None, Some(lang)) => {
+                current = Some(Block {
+                    lang: lang.trim().to_string(),
+                    body: String::new(),
+                })
+            }
+            (Some(_), Some("")) => blocks.extend(current.take()),
+            (Some(b), _) => {
+                b.body.push_str(line);
+                b.body.push('\n');
+            }
+            (None, None) => {}
+        }
+    }
+    blocks
+}
+
+#[test]
+fn your_first_plugin_walkthrough_runs_as_written() {
+    let blocks = walkthrough();
+    let langs: Vec<&str> = blocks.iter().map(|b| b.lang.as_str()).collect();
+    assert_eq!(langs, ["sh", "sh", "rust", "sh", "sh", "sh", "yaml"]);
+
+    let work = outside_dir();
+    let bin = work.path().join("bin");
+    std::fs::create_dir(&bin).unwrap();
+    std::os::unix::fs::symlink(binary(), bin.join("egress-operator")).unwrap();
+    let path = format!(
+        "{}:{}",
+        bin.display(),
+        std::env::var("PATH").unwrap_or_default()
+    );
+    let plugins = target_dir().join("plugins");
+    let mut cwd = work.path().to_path_buf();
+    let mut last_stdout = String::new();
+    for block in &blocks {
+        match block.lang.as_str() {
+            "sh" => {
+                // The directory a block ends in is where the next one starts, as in one
+                // shell session.
+                let state = work.path().join(".cwd");
+                let script = format!(
+                    "set -euo pipefail\ncd {cwd:?}\n{}\npwd > {state:?}\n",
+                    block.body
+                );
+                let run = |offline: bool| {
+                    let mut cmd = Command::new("bash");
+                    cmd.arg("-c")
+                        .arg(&script)
+                        .env("PATH", &path)
+                        .env("EGRESS_PLUGINS", &plugins)
+                        .env("CARGO", cargo())
+                        // As in the reader's shell: cargo's default `target/` (a link to
+                        // the shared directory, made below), not the one of this test run.
+                        .env_remove("CARGO_TARGET_DIR")
+                        .env_remove("CARGO_BUILD_TARGET_DIR")
+                        .env("CARGO_NET_OFFLINE", if offline { "true" } else { "false" });
+                    run_guarded(&mut cmd, BUILD_HANG_GUARD, "a walkthrough block").unwrap()
+                };
+                let mut done = run(true);
+                if done.code != 0 && block.body.contains("cargo ") {
+                    done = run(false);
+                }
+                assert_eq!(
+                    done.code, 0,
+                    "walkthrough block failed:\n{}\nstdout:\n{}\nstderr:\n{}",
+                    block.body, done.stdout, done.stderr
+                );
+                last_stdout = done.stdout;
+                cwd = PathBuf::from(std::fs::read_to_string(&state).unwrap().trim());
+                // Between the steps, what the reader brings: a shared target directory
+                // (so repeat runs are fast; the commands still say `target/`), and a
+                // providers config and a Proxy manifest (the samples).
+                let crate_target = cwd.join("target");
+                if cwd.join("Cargo.toml").is_file() && !crate_target.exists() {
+                    std::fs::create_dir_all(shared_target()).unwrap();
+                    std::os::unix::fs::symlink(shared_target(), &crate_target).unwrap();
+                    let samples = workspace_root().join("config/samples");
+                    std::fs::copy(
+                        samples.join("providers-config.yaml"),
+                        cwd.join("providers-config.yaml"),
+                    )
+                    .unwrap();
+                    std::fs::copy(samples.join("proxy_kvm2.yaml"), cwd.join("proxy.yaml")).unwrap();
+                }
+            }
+            "rust" => {
+                let lib = cwd.join("src/lib.rs");
+                let text = std::fs::read_to_string(&lib).unwrap();
+                let marker = "// Add devices here.\n";
+                let at =
+                    text.find(marker).expect("the marker line is in src/lib.rs") + marker.len();
+                let indented: String = block
+                    .body
+                    .lines()
+                    .map(|l| format!("        {l}\n"))
+                    .collect();
+                std::fs::write(&lib, format!("{}{indented}{}", &text[..at], &text[at..])).unwrap();
+            }
+            "yaml" => {
+                // The digest `sha256sum` printed goes into the entry, which must then be
+                // a valid plugin entry of a providers config.
+                let digest = last_stdout.split_whitespace().next().unwrap().to_string();
+                let wasm =
+                    std::fs::read(cwd.join("target/wasm32-wasip2/release/my_domain.wasm")).unwrap();
+                assert_eq!(digest, integration_tests::sha256_hex(&wasm));
+                let entry = block
+                    .body
+                    .replace("<the digest sha256sum printed>", &digest);
+                let entry: serde_json::Value = serde_yaml_ng::from_str(&entry).unwrap();
+                let sample = std::fs::read_to_string(
+                    workspace_root().join("config/samples/providers-config.yaml"),
+                )
+                .unwrap();
+                let mut config: serde_json::Value = serde_yaml_ng::from_str(&sample).unwrap();
+                config["kvm2"]["templates"]["domain"] =
+                    entry["kvm2"]["templates"]["domain"].clone();
+                let text = serde_json::to_string(&config).unwrap();
+                egress_operator::config::parse(&text, "walkthrough", Path::new("/"))
+                    .unwrap_or_else(|e| panic!("the walkthrough's entry is refused: {e}"));
+            }
+            other => panic!("unexpected block language {other:?}"),
+        }
+    }
+    // The edit is in every rendered case and in the Proxy rendered with the config.
+    let snapshots: Vec<PathBuf> = std::fs::read_dir(cwd.join("snapshots"))
+        .unwrap()
+        .map(|e| e.unwrap().path())
+        .collect();
+    assert_eq!(snapshots.len(), 8, "{snapshots:?}");
+    for s in &snapshots {
+        assert!(
+            std::fs::read_to_string(s)
+                .unwrap()
+                .contains("<rng model=\"virtio\">")
+        );
+    }
+    let rendered = std::fs::read_to_string(cwd.join("rendered/domain.xml")).unwrap();
+    assert!(rendered.contains("<rng model=\"virtio\">"), "{rendered}");
+}
