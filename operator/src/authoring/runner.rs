@@ -1,6 +1,6 @@
 //! `plugin test`: loads a built plugin with the given settings (checked against its schema
 //! and its `validate-settings`, as the operator does at load), renders every case of the
-//! [`matrix`](super::matrix) through the operator's own entry points (`render_on` with the
+//! [`matrix`] through the operator's own entry points (`render_on` with the
 //! host's policy for domain XML, `render_with` for vendor-data: the output checks run
 //! inside them), and records a verdict per case.
 
