@@ -62,17 +62,15 @@ fn outside_dir() -> tempfile::TempDir {
     dir
 }
 
-/// Runs cargo with `args` in `dir`: offline first, then (when that fails) with the
-/// registry. Panics with both outputs when neither works.
+/// Runs cargo with `args` in `dir`: offline first (`CARGO_NET_OFFLINE`, which every
+/// subcommand reads), then (when that fails) with the registry. Panics with both outputs when neither works.
 fn cargo_in(dir: &Path, args: &[&str]) {
     let attempt = |offline: bool| {
         let mut cmd = Command::new(cargo());
         cmd.args(args)
             .current_dir(dir)
-            .env("CARGO_TARGET_DIR", shared_target());
-        if offline {
-            cmd.arg("--offline");
-        }
+            .env("CARGO_TARGET_DIR", shared_target())
+            .env("CARGO_NET_OFFLINE", if offline { "true" } else { "false" });
         run_guarded(&mut cmd, BUILD_HANG_GUARD, &format!("cargo {args:?}")).unwrap()
     };
     let offline = attempt(true);
@@ -116,8 +114,14 @@ fn a_new_crate_of_each_kind_builds_outside_the_repository_and_passes_plugin_test
             &crate_dir,
             &["build", "--release", "--target", "wasm32-wasip2"],
         );
-        // The crate's own unit tests, on the host.
+        // The crate's own unit tests, on the host; and the code an author starts from
+        // passes the checks their CI would run.
         cargo_in(&crate_dir, &["test"]);
+        cargo_in(&crate_dir, &["fmt", "--check"]);
+        cargo_in(
+            &crate_dir,
+            &["clippy", "--all-targets", "--", "-D", "warnings"],
+        );
 
         let wasm = shared_target().join("wasm32-wasip2/release").join(file);
         let test = operator(&["plugin", "test", wasm.to_str().unwrap()]);

@@ -152,8 +152,7 @@ pub fn prepare(config: Option<ValidConfig>) -> Result<(ValidConfig, MachineTypes
         .machine_types
         .first()
         .cloned()
-        .ok_or_else(|| AuthoringError::Inputs {
-            case: "any".into(),
+        .ok_or_else(|| AuthoringError::Matrix {
             reason: "the providers config has no machine types".into(),
         })?;
     added.firmware = match added.firmware {
@@ -163,8 +162,7 @@ pub fn prepare(config: Option<ValidConfig>) -> Result<(ValidConfig, MachineTypes
     added.name = unused_name(&providers.kvm2.machine_types);
     let name = added.name.clone();
     providers.kvm2.machine_types.push(added);
-    let text = serde_json::to_string(&providers).map_err(|e| AuthoringError::Inputs {
-        case: "any".into(),
+    let text = serde_json::to_string(&providers).map_err(|e| AuthoringError::Matrix {
         reason: e.to_string(),
     })?;
     // JSON is YAML: the config parser checks the amended config like any other.

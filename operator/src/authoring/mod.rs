@@ -76,6 +76,12 @@ pub enum AuthoringError {
         /// Why it did not load as a vendor-data plugin.
         vendor_data: String,
     },
+    /// The matrix could not be set up from the config (no machine types, say).
+    #[error("cannot set up the test matrix: {reason}")]
+    Matrix {
+        /// Why.
+        reason: String,
+    },
     /// The inputs of a case could not be assembled (a config without images, say).
     #[error("cannot assemble the inputs of case {case}: {reason}")]
     Inputs {

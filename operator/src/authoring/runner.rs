@@ -119,8 +119,7 @@ fn template_config(plugin: &Path, settings: Value) -> Result<TemplateConfig, Aut
         "settings": settings,
         "overridableSettings": [NICS_SETTING],
     }))
-    .map_err(|e| AuthoringError::Inputs {
-        case: "any".into(),
+    .map_err(|e| AuthoringError::Matrix {
         reason: format!("cannot make the template entry: {e}"),
     })
 }
