@@ -15,6 +15,60 @@ const README: &str = include_str!("scaffold/README.md.tmpl");
 const CARGO_TOML: &str = include_str!("scaffold/Cargo.toml.tmpl");
 const GITIGNORE: &str = "/target\n";
 
+/// What the new crate's test fixtures give each field of the WIT's `host-facts` record, by
+/// WIT name. The fields are read from the embedded WIT, so the fixtures follow the ABI; a
+/// field missing here gets `Default::default()` (a unit test asks for a real value).
+const HOST_FACT_VALUES: &[(&str, &str)] = &[
+    ("name", "\"kvm-a\".into()"),
+    ("arch", "\"x86_64\".into()"),
+    ("kvm", "false"),
+    ("libvirt-version", "\"9.0.0\".into()"),
+    ("cpus", "4"),
+    ("numa-nodes", "1"),
+];
+
+/// Indentation of the host facts' fields in the templates' fixtures.
+const HOST_FACTS_INDENT: usize = 16;
+
+/// The field names of `record NAME { ... }` in WIT text, in order.
+fn wit_record_fields(wit: &str, record: &str) -> Vec<String> {
+    let open = format!("record {record} {{");
+    let Some(start) = wit.find(&open) else {
+        return Vec::new();
+    };
+    wit[start + open.len()..]
+        .lines()
+        .map(str::trim)
+        .take_while(|l| !l.starts_with('}'))
+        .filter(|l| !l.starts_with("//") && !l.is_empty())
+        .filter_map(|l| l.split_once(':').map(|(name, _)| name.trim().to_string()))
+        .collect()
+}
+
+/// The fields of a `HostFacts` literal for the templates' fixtures, one per line.
+fn host_facts_fields() -> String {
+    let wit = sdk::FILES
+        .iter()
+        .find(|f| f.path.ends_with(".wit"))
+        .map(|f| f.text)
+        .unwrap_or_default();
+    wit_record_fields(wit, "host-facts")
+        .iter()
+        .map(|field| {
+            let value = HOST_FACT_VALUES
+                .iter()
+                .find(|(name, _)| name == field)
+                .map(|(_, v)| *v)
+                .unwrap_or("Default::default()");
+            format!(
+                "{}{}: {value},\n",
+                " ".repeat(HOST_FACTS_INDENT),
+                field.replace('-', "_")
+            )
+        })
+        .collect()
+}
+
 /// Longest crate name accepted (crates.io's limit).
 const MAX_NAME: usize = 64;
 
@@ -163,6 +217,7 @@ pub fn files(kind: Kind, name: &str) -> Vec<NewFile> {
             .replace("{{other_file}}", other_file)
             .replace("{{schemars}}", &dep("schemars"))
             .replace("{{serde}}", &dep("serde"))
+            .replace("{{host_facts}}", &host_facts_fields())
     };
     let mut files = vec![
         NewFile {
@@ -300,6 +355,35 @@ mod tests {
             .unwrap()
             .text;
         assert!(lib.contains("export_vendor_data_plugin!(Plugin)"));
+    }
+
+    #[test]
+    fn fixtures_give_every_host_fact_of_the_wit_a_value() {
+        let wit = sdk::FILES
+            .iter()
+            .find(|f| f.path == "wit/templates.wit")
+            .unwrap()
+            .text;
+        let fields = wit_record_fields(wit, "host-facts");
+        assert!(fields.len() >= 4, "{fields:?}");
+        for f in &fields {
+            assert!(
+                HOST_FACT_VALUES.iter().any(|(name, _)| name == f),
+                "host-facts field {f:?} has no fixture value in HOST_FACT_VALUES"
+            );
+        }
+        let lines = host_facts_fields();
+        assert!(
+            lines.contains("                libvirt_version: \"9.0.0\".into(),\n"),
+            "{lines}"
+        );
+        assert_eq!(
+            wit_record_fields(
+                "record x {\n  /// doc: with colon\n  a-b: u32,\n  c: string,\n}\n",
+                "x"
+            ),
+            ["a-b", "c"]
+        );
     }
 
     #[test]
