@@ -168,7 +168,11 @@ fn has_nics_setting(schema: &str) -> bool {
 
 /// The rule and path of a failed render.
 pub fn verdict_of(e: &TemplateError) -> Verdict {
-    let detail = e.kind.to_string();
+    // The rule has its own column; the reason is the rest.
+    let detail = match &e.kind {
+        TemplateErrorKind::InvalidOutput { detail, .. } => detail.clone(),
+        other => other.to_string(),
+    };
     let rule = match &e.kind {
         TemplateErrorKind::InvalidOutput { rule, .. } => (*rule).to_string(),
         TemplateErrorKind::OutputTooLarge { .. } => "output-size".into(),
@@ -291,17 +295,22 @@ fn snapshot(
 ) -> Result<(), AuthoringError> {
     std::fs::create_dir_all(dir).map_err(|e| AuthoringError::io(dir, e))?;
     let stem = case.file_stem();
-    let (file, text) = match rendered {
-        Ok(out) => (
-            match kind {
-                TemplateKind::Domain => format!("{stem}.xml"),
-                TemplateKind::VendorData => format!("{stem}.vendor-data"),
-            },
-            out.clone(),
-        ),
-        Err(e) => (format!("{stem}.refused.txt"), format!("{}\n", e.kind)),
+    let output = dir.join(match kind {
+        TemplateKind::Domain => format!("{stem}.xml"),
+        TemplateKind::VendorData => format!("{stem}.vendor-data"),
+    });
+    let refusal = dir.join(format!("{stem}.refused.txt"));
+    // A case's other file from an earlier run goes, so the directory shows this run only.
+    let (path, text, stale) = match rendered {
+        Ok(out) => (output, out.clone(), refusal),
+        Err(e) => (refusal, format!("{}\n", e.kind), output),
     };
-    let path = dir.join(file);
+    match std::fs::remove_file(&stale) {
+        Err(e) if e.kind() != std::io::ErrorKind::NotFound => {
+            return Err(AuthoringError::io(&stale, e));
+        }
+        _ => {}
+    }
     std::fs::write(&path, text).map_err(|e| AuthoringError::io(&path, e))
 }
 
@@ -348,7 +357,7 @@ mod tests {
             Verdict::Fail {
                 rule: "interface-bridge-only".into(),
                 path: Some("/domain/devices/interface[1]/source/@bridge".into()),
-                detail: "output refused by rule \"interface-bridge-only\": /domain/devices/interface[1]/source/@bridge is \"other\"".into(),
+                detail: "/domain/devices/interface[1]/source/@bridge is \"other\"".into(),
             }
         );
         let Verdict::Fail { rule, path, .. } =
@@ -357,6 +366,40 @@ mod tests {
             panic!("a trap fails")
         };
         assert_eq!((rule.as_str(), path), ("trap", None));
+    }
+
+    #[test]
+    fn a_snapshot_holds_this_run_only() {
+        let dir = tempfile::tempdir().unwrap();
+        let case = Case {
+            host: "h".into(),
+            machine_type: "small".into(),
+            firmware: crate::config::Firmware::Bios,
+            nics: Some(1),
+            addressing: Some(matrix::Addressing::Dhcp),
+        };
+        let refused = Err(TemplateError {
+            plugin: "domain:x".into(),
+            kind: TemplateErrorKind::Refused("no".into()),
+        });
+        snapshot(dir.path(), TemplateKind::Domain, &case, &refused).unwrap();
+        let refusal = dir.path().join("h_bios_1-nic_dhcp.refused.txt");
+        assert_eq!(
+            std::fs::read_to_string(&refusal).unwrap(),
+            "refused to render: no\n"
+        );
+        snapshot(
+            dir.path(),
+            TemplateKind::Domain,
+            &case,
+            &Ok("<domain/>".into()),
+        )
+        .unwrap();
+        assert!(!refusal.exists());
+        let output = dir.path().join("h_bios_1-nic_dhcp.xml");
+        assert_eq!(std::fs::read_to_string(&output).unwrap(), "<domain/>");
+        snapshot(dir.path(), TemplateKind::Domain, &case, &refused).unwrap();
+        assert!(!output.exists() && refusal.exists());
     }
 
     #[test]
