@@ -132,3 +132,36 @@ impl From<Kind> for TemplateKind {
         }
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn errors_carry_a_class() {
+        let io = |kind| AuthoringError::Io {
+            path: "/x".into(),
+            source: std::io::Error::from(kind),
+        };
+        assert_eq!(
+            io(std::io::ErrorKind::NotFound).class(),
+            ErrorClass::NotFound
+        );
+        assert_eq!(
+            io(std::io::ErrorKind::PermissionDenied).class(),
+            ErrorClass::Transient
+        );
+        let name = AuthoringError::InvalidName {
+            name: "X".into(),
+            reason: "upper case".into(),
+        };
+        assert_eq!(name.class(), ErrorClass::Permanent);
+        let plugin = AuthoringError::Plugin(crate::templates::TemplateError {
+            plugin: "domain:x".into(),
+            kind: crate::templates::TemplateErrorKind::Limit {
+                limit: crate::templates::Limit::Timeout,
+            },
+        });
+        assert_eq!(plugin.class(), ErrorClass::Transient);
+    }
+}

@@ -218,6 +218,7 @@ pub fn files(kind: Kind, name: &str) -> Vec<NewFile> {
             .replace("{{schemars}}", &dep("schemars"))
             .replace("{{serde}}", &dep("serde"))
             .replace("{{host_facts}}", &host_facts_fields())
+            .replace("{{rust_version}}", sdk::RUST_VERSION)
     };
     let mut files = vec![
         NewFile {

@@ -92,6 +92,9 @@ pub const SDK_DEPENDENCIES: &[Pin] = &[
 /// The SDK's version, as its package declares it.
 pub const SDK_VERSION: &str = "0.1.0";
 
+/// The oldest Rust the SDK is built with here (the workspace's `rust-version`).
+pub const RUST_VERSION: &str = "1.95";
+
 /// A pin by name (for the plugin crate's own dependencies).
 pub fn pinned(name: &str) -> Option<&'static Pin> {
     SDK_DEPENDENCIES.iter().find(|p| p.name == name)
@@ -129,6 +132,7 @@ pub fn cargo_toml() -> String {
          description = \"SDK for egress-operator template plugins (WebAssembly components)\"\n\
          version = \"{SDK_VERSION}\"\n\
          edition = \"2024\"\n\
+         rust-version = \"{RUST_VERSION}\"\n\
          license = \"Apache-2.0\"\n\
          publish = false\n\
          \n\
@@ -272,6 +276,16 @@ mod tests {
                 "{line}"
             );
         }
+    }
+
+    #[test]
+    fn the_rust_version_is_the_workspace_one() {
+        let workspace = std::fs::read_to_string(repo().join("Cargo.toml")).unwrap();
+        assert!(
+            workspace.contains(&format!("\nrust-version = \"{RUST_VERSION}\"\n")),
+            "authoring/sdk.rs RUST_VERSION differs from the workspace's rust-version"
+        );
+        assert!(cargo_toml().contains(&format!("rust-version = \"{RUST_VERSION}\"")));
     }
 
     #[test]
