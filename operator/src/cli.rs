@@ -28,9 +28,11 @@ pub enum Command {
     /// Print the CustomResourceDefinitions (Proxy, ProviderHealth, ProxyPool) as YAML, as
     /// `config/crd/` holds them.
     Crd,
-    /// Print the allow-list of domain XML that plugin output is checked against (Markdown,
-    /// as `templates-sdk/src/allow_list.md` holds it).
-    AllowList,
+    /// Print every rule plugin output is checked against: the allow-list of domain XML,
+    /// the values tied to the input, firmware, host bounds, vendor-data and settings
+    /// schema rules (Markdown, as `templates-sdk/src/rules.md` holds it).
+    #[command(alias = "allow-list")]
+    Rules,
     /// Validate a providers config file and print every problem it has: the config
     /// itself, Proxy manifests against it, and the settings of each template plugin it
     /// can load here (and the manifests' overrides of them), as the plugin checks them.
@@ -197,8 +199,8 @@ pub fn execute(command: Command, out: &mut dyn Write, err: &mut dyn Write) -> u8
     let result = match command {
         Command::ConfigSchema => out.write_all(config::json_schema().as_bytes()).map(|_| 0),
         Command::Crd => crd(out, err),
-        Command::AllowList => out
-            .write_all(crate::templates::check::allow_list_markdown().as_bytes())
+        Command::Rules => out
+            .write_all(crate::templates::check::rules_markdown().as_bytes())
             .map(|_| 0),
         Command::ValidateConfig(args) => crate::validate_config::run(
             &args.file,

@@ -24,10 +24,10 @@
 //! The operator reads domain XML exactly as libvirt does, or refuses it: no namespaces
 //! outside `<metadata>`, no CDATA, no comments or child elements inside text, no
 //! repeated singletons, UTF-8 only. Every element and attribute must be on the
-//! [allow-list](allow_list), and the document must match its input: the given name, UUID,
+//! [allow-list](rules), and the document must match its input: the given name, UUID,
 //! memory and vCPUs, only the prepared volumes (each once, `<driver type>` equal to its
 //! format, the seed `<readonly/>`), NICs only on the given bridge with the primary NIC on
-//! the given MAC and no MAC on the others, firmware files from the known list, the
+//! the given MAC and no MAC on the others, firmware files from [the lists](rules#firmware), the
 //! operator's mark unchanged as the one element of its namespace in `<metadata>`. The
 //! same checks run again on libvirt's own reading of the defined domain before it starts.
 //! Vendor-data is read as the guest's cloud-init reads it, or refused: either a document
@@ -158,18 +158,16 @@ pub mod xml;
 
 pub use settings::SettingsProblem;
 
-/// The allow-list of domain XML: every element path a plugin may write, how often, with
-/// which attributes and content. Anything else is refused at render, naming its path.
-/// Values marked "must match the input" are tied to [`domain::DomainInput`]. Widening the
-/// list is a change to the operator (`operator/src/templates/check/allow.rs`) with its
-/// tests; this page is generated from it (`make generate`) and a test keeps them in step.
+/// Every rule plugin output is held to, one section per rule: how domain XML is read, the
+/// allow-list of element paths, attributes and values, the values tied to
+/// [`domain::DomainInput`], the firmware files, host bounds, vendor-data and the settings
+/// schema. A refusal names its rule and points at its section here (`rules.md#<rule>`).
+/// Widening a rule is a change to the operator (`operator/src/templates/check/`) with its
+/// tests; this page is generated from the checker's tables (`make generate`) and a test
+/// keeps them in step.
 ///
-/// Elements libvirt itself adds to its reading of a defined domain (`<emulator>`,
-/// `<resource>`, generated MACs of further NICs, the NVRAM file path) are accepted there
-/// only; a plugin may not write them.
-///
-#[doc = include_str!("allow_list.md")]
-pub mod allow_list {}
+#[doc = include_str!("rules.md")]
+pub mod rules {}
 
 /// Bindings of the `domain` world: its input types and the exports a domain plugin makes.
 #[cfg(feature = "domain")]
