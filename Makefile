@@ -10,7 +10,7 @@ BIN := $(TARGET_DIR)/debug/egress-operator
 # Template plugins (and the hostile test plugins) are wasm32-wasip2 components; they are
 # copied to target/plugins/ under the file names the sample config uses.
 PLUGINS := domain-default vendor-data-default
-TEST_PLUGINS := hostile-domain hostile-fs
+TEST_PLUGINS := sdk-example hostile-domain hostile-fs
 WASM_DIR := $(TARGET_DIR)/wasm32-wasip2/release
 PLUGIN_DIR := $(TARGET_DIR)/plugins
 
