@@ -152,6 +152,55 @@ fn the_sdk_example_renders_through_the_operators_checks() {
     );
 }
 
+/// `plugins/README.md` documents both default plugins' settings with tables generated
+/// from the schemas the plugins export (what the operator checks settings against), so
+/// the page cannot drift from what is accepted. `UPDATE_SNAPSHOTS=1` rewrites them.
+#[test]
+fn the_default_plugins_settings_are_documented_from_their_schemas() {
+    use egress_operator::templates::settings_doc;
+
+    let engine = TemplateEngine::new(None).unwrap();
+    let (d, v) = sample_templates();
+    let tables = [
+        (
+            "domain-default",
+            engine.load_domain(&d).unwrap().settings_schema().unwrap(),
+        ),
+        (
+            "vendor-data-default",
+            engine
+                .load_vendor_data(&v)
+                .unwrap()
+                .settings_schema()
+                .unwrap(),
+        ),
+    ];
+    let path = workspace_root().join("plugins/README.md");
+    let mut page = std::fs::read_to_string(&path).unwrap();
+    let mut stale = Vec::new();
+    for (name, schema) in tables {
+        let table = settings_doc::markdown(&schema).unwrap();
+        let begin = format!("<!-- BEGIN generated settings of {name} -->\n");
+        let end = format!("<!-- END generated settings of {name} -->");
+        let (Some(from), Some(to)) = (page.find(&begin), page.find(&end)) else {
+            panic!("plugins/README.md lacks the markers {begin:?} ... {end:?}");
+        };
+        let from = from + begin.len();
+        if page[from..to] != table {
+            stale.push(name);
+            page.replace_range(from..to, &table);
+        }
+    }
+    if std::env::var_os("UPDATE_SNAPSHOTS").is_some() {
+        std::fs::write(&path, &page).unwrap();
+    } else {
+        assert!(
+            stale.is_empty(),
+            "plugins/README.md's settings tables of {stale:?} are stale: rerun with UPDATE_SNAPSHOTS=1"
+        );
+    }
+}
+
 #[test]
 fn default_domain_xml_passes_libvirts_schema() {
     let Ok(validator) = which("virt-xml-validate") else {
