@@ -10,7 +10,7 @@ BIN := $(TARGET_DIR)/debug/egress-operator
 # Template plugins (and the hostile test plugins) are wasm32-wasip2 components; they are
 # copied to target/plugins/ under the file names the sample config uses.
 PLUGINS := domain-default vendor-data-default
-TEST_PLUGINS := hostile-domain hostile-fs
+TEST_PLUGINS := sdk-example hostile-domain hostile-fs
 WASM_DIR := $(TARGET_DIR)/wasm32-wasip2/release
 PLUGIN_DIR := $(TARGET_DIR)/plugins
 
@@ -48,7 +48,7 @@ generate:
 	$(CARGO) build --quiet --locked -p egress-operator --bin egress-operator
 	$(BIN) config-schema > config/schema/providers-config.schema.json
 	set -o pipefail; $(BIN) crd | bash scripts/split-crds.sh config/crd/bases
-	$(BIN) allow-list > templates-sdk/src/allow_list.md
+	$(BIN) rules > templates-sdk/src/rules.md
 
 ## test: setup, lint, docs, the guest image and the test control plane, then every test
 ## and every bench once in its quick mode (`cargo test --benches`: each step on small inputs,

@@ -28,17 +28,15 @@ pub enum Command {
     /// Print the CustomResourceDefinitions (Proxy, ProviderHealth, ProxyPool) as YAML, as
     /// `config/crd/` holds them.
     Crd,
-    /// Print the allow-list of domain XML that plugin output is checked against (Markdown,
-    /// as `templates-sdk/src/allow_list.md` holds it).
-    AllowList,
-    /// Validate a providers config file and print every problem it has.
-    ValidateConfig {
-        /// The providers config (YAML).
-        file: PathBuf,
-        /// Also check Proxy manifests against the config.
-        #[arg(long = "proxy", value_name = "FILE")]
-        proxies: Vec<PathBuf>,
-    },
+    /// Print every rule plugin output is checked against: the allow-list of domain XML,
+    /// the values tied to the input, firmware, host bounds, vendor-data and settings
+    /// schema rules (Markdown, as `templates-sdk/src/rules.md` holds it).
+    #[command(alias = "allow-list")]
+    Rules,
+    /// Validate a providers config file and print every problem it has: the config
+    /// itself, Proxy manifests against it, and the settings of each template plugin it
+    /// can load here (and the manifests' overrides of them), as the plugin checks them.
+    ValidateConfig(ValidateConfigArgs),
     /// Render the domain XML and vendor-data of a Proxy with the configured template
     /// plugins, exactly as the operator would, and print them (or write them to --out).
     Render(RenderArgs),
@@ -109,6 +107,29 @@ pub struct PluginTestArgs {
     /// Host fact: KVM is available.
     #[arg(long)]
     pub kvm: bool,
+}
+
+/// Arguments of `validate-config`.
+#[derive(Debug, clap::Args)]
+pub struct ValidateConfigArgs {
+    /// The providers config (YAML).
+    pub file: PathBuf,
+    /// Also check Proxy manifests against the config.
+    #[arg(long = "proxy", value_name = "FILE")]
+    pub proxies: Vec<PathBuf>,
+    /// Load plugins configured by `path` from this directory instead (same file names).
+    #[arg(long, value_name = "DIR")]
+    pub plugin_dir: Option<PathBuf>,
+    /// The operator's compiled-plugin cache: a `url` plugin cached there is checked
+    /// without a download.
+    #[arg(long, value_name = "DIR")]
+    pub plugin_cache_dir: Option<PathBuf>,
+    /// Trust these PEM certificates for `url` plugin downloads.
+    #[arg(long, value_name = "PEM")]
+    pub plugin_ca_file: Option<PathBuf>,
+    /// Do not load the plugins (check the config and manifests only).
+    #[arg(long)]
+    pub no_plugins: bool,
 }
 
 /// Arguments of `provision`.
@@ -235,10 +256,21 @@ pub fn execute(command: Command, out: &mut dyn Write, err: &mut dyn Write) -> u8
     let result = match command {
         Command::ConfigSchema => out.write_all(config::json_schema().as_bytes()).map(|_| 0),
         Command::Crd => crd(out, err),
-        Command::AllowList => out
-            .write_all(crate::templates::check::allow_list_markdown().as_bytes())
+        Command::Rules => out
+            .write_all(crate::templates::check::rules_markdown().as_bytes())
             .map(|_| 0),
-        Command::ValidateConfig { file, proxies } => validate_config(&file, &proxies, out, err),
+        Command::ValidateConfig(args) => crate::validate_config::run(
+            &args.file,
+            &crate::validate_config::ValidateOptions {
+                proxies: args.proxies,
+                plugin_dir: args.plugin_dir,
+                plugin_cache_dir: args.plugin_cache_dir,
+                plugin_ca_file: args.plugin_ca_file,
+                skip_plugins: args.no_plugins,
+            },
+            out,
+            err,
+        ),
         Command::Render(args) => render(&args, out, err),
         Command::Check(args) => check(&args, out, err),
         Command::Provision(args) => provision(&args, out, err),
@@ -331,55 +363,6 @@ fn crd(out: &mut dyn Write, err: &mut dyn Write) -> std::io::Result<u8> {
     }
 }
 
-fn validate_config(
-    file: &std::path::Path,
-    proxies: &[PathBuf],
-    out: &mut dyn Write,
-    err: &mut dyn Write,
-) -> std::io::Result<u8> {
-    let config = match config::load_file(file) {
-        Ok(c) => c,
-        Err(e) => {
-            report(&e, err)?;
-            return Ok(1);
-        }
-    };
-    let mut failed = false;
-    for proxy in proxies {
-        if let Err(e) = crate::api::proxy::load_manifest(proxy, &config) {
-            report(&e, err)?;
-            failed = true;
-        }
-    }
-    if failed {
-        return Ok(1);
-    }
-    let extra = match proxies.len() {
-        0 => String::new(),
-        n => format!(", {n} Proxy manifest(s) checked"),
-    };
-    writeln!(
-        out,
-        "{}: valid: {}{extra}",
-        file.display(),
-        config.summary()
-    )?;
-    Ok(0)
-}
-
-fn report(e: &config::ConfigError, err: &mut dyn Write) -> std::io::Result<()> {
-    match e {
-        config::ConfigError::Invalid { document, problems } => {
-            writeln!(err, "{document}: {} problem(s)", problems.len())?;
-            for p in problems {
-                writeln!(err, "  {p}")?;
-            }
-            Ok(())
-        }
-        other => writeln!(err, "{other}"),
-    }
-}
-
 fn render(args: &RenderArgs, out: &mut dyn Write, err: &mut dyn Write) -> std::io::Result<u8> {
     match render_inner(args) {
         Ok((xml, vendor_data)) => match &args.out {
@@ -426,16 +409,8 @@ fn render_inner(args: &RenderArgs) -> Result<(String, String), String> {
     };
     let inputs = crate::render::inputs(&config, &proxy, args.host.as_deref(), &facts, &created_at)?;
     let mut templates = config.kvm2.templates.clone();
-    if let Some(dir) = &args.plugin_dir {
-        for t in [&mut templates.domain, &mut templates.vendor_data] {
-            if let Some(file) = t
-                .path
-                .as_deref()
-                .and_then(|p| std::path::Path::new(p).file_name())
-            {
-                t.path = Some(dir.join(file).display().to_string());
-            }
-        }
+    for t in [&mut templates.domain, &mut templates.vendor_data] {
+        *t = crate::validate_config::entry_in(t, args.plugin_dir.as_deref());
     }
     let engine = TemplateEngine::new(args.cache_dir.as_deref()).map_err(|e| e.to_string())?;
     let domain = engine
@@ -465,7 +440,7 @@ fn check(args: &CheckArgs, out: &mut dyn Write, err: &mut dyn Write) -> std::io:
     let config = match config::load_file(&args.config) {
         Ok(c) => c,
         Err(e) => {
-            report(&e, err)?;
+            crate::validate_config::report(&e, err)?;
             return Ok(1);
         }
     };

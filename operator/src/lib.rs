@@ -21,6 +21,7 @@ pub mod run;
 pub mod serving;
 pub mod telemetry;
 pub mod templates;
+pub mod validate_config;
 pub mod validation;
 
 pub use error::{Classified, ErrorClass};

@@ -24,10 +24,10 @@
 //! The operator reads domain XML exactly as libvirt does, or refuses it: no namespaces
 //! outside `<metadata>`, no CDATA, no comments or child elements inside text, no
 //! repeated singletons, UTF-8 only. Every element and attribute must be on the
-//! [allow-list](allow_list), and the document must match its input: the given name, UUID,
+//! [allow-list](rules), and the document must match its input: the given name, UUID,
 //! memory and vCPUs, only the prepared volumes (each once, `<driver type>` equal to its
 //! format, the seed `<readonly/>`), NICs only on the given bridge with the primary NIC on
-//! the given MAC and no MAC on the others, firmware files from the known list, the
+//! the given MAC and no MAC on the others, firmware files from [the lists](rules#firmware), the
 //! operator's mark unchanged as the one element of its namespace in `<metadata>`. The
 //! same checks run again on libvirt's own reading of the defined domain before it starts.
 //! Vendor-data is read as the guest's cloud-init reads it, or refused: either a document
@@ -71,82 +71,45 @@
 //!
 //! # A complete plugin
 //!
-//! ```
-//! use templates_sdk::domain::{DomainInput, DiskRole};
-//! use templates_sdk::xml::Element;
-//! use templates_sdk::{DomainPlugin, SettingsProblem};
+//! A domain plugin with BIOS or UEFI, the prepared root disk and seed, a NIC with the
+//! given MAC on the given bridge, and a setting of its own. It is the crate
+//! `plugins/sdk-example` verbatim: `make plugins` builds it into a component and a test
+//! renders it through the operator's checks, so this example always passes them. Its
+//! `Cargo.toml` depends on `templates-sdk` (feature `domain`), `serde` and `schemars`,
+//! with `crate-type = ["cdylib"]`.
 //!
-//! /// Settings of this plugin; `{}` is valid.
-//! #[derive(serde::Deserialize, schemars::JsonSchema, Default)]
-//! #[serde(default, deny_unknown_fields, rename_all = "camelCase")]
-//! struct Settings {
-//!     /// Guest-visible name of the disk's serial number.
-//!     disk_serial: String,
-//! }
-//!
-//! struct Minimal;
-//!
-//! impl DomainPlugin for Minimal {
-//!     type Settings = Settings;
-//!
-//!     fn validate_settings(s: &Settings) -> Vec<SettingsProblem> {
-//!         if s.disk_serial.len() > 20 {
-//!             vec![SettingsProblem::new("/diskSerial", "at most 20 characters")]
-//!         } else {
-//!             vec![]
-//!         }
-//!     }
-//!
-//!     fn render(input: &DomainInput, s: &Settings) -> Result<String, String> {
-//!         let root = input
-//!             .disks
-//!             .iter()
-//!             .find(|d| d.role == DiskRole::Root)
-//!             .ok_or("no root disk")?;
-//!         Ok(Element::new("domain")
-//!             .attr("type", if input.host.kvm { "kvm" } else { "qemu" })
-//!             .child(Element::new("name").text(&input.name))
-//!             .child(Element::new("uuid").text(&input.uuid))
-//!             .child(Element::new("metadata").trusted_fragment(&input.metadata_mark))
-//!             .child(Element::new("memory").attr("unit", "MiB").text(input.memory_mib.to_string()))
-//!             .child(Element::new("vcpu").text(input.vcpus.to_string()))
-//!             .child(Element::new("os").child(Element::new("type").attr("arch", &input.host.arch).text("hvm")))
-//!             .child(Element::new("features").child(Element::new("acpi")))
-//!             .child(
-//!                 Element::new("devices").child(
-//!                     Element::new("disk")
-//!                         .attr("type", "volume")
-//!                         .attr("device", "disk")
-//!                         .child(Element::new("source").attr("pool", &root.pool).attr("volume", &root.volume))
-//!                         .child(Element::new("driver").attr("name", "qemu").attr("type", &root.format))
-//!                         .child(Element::new("target").attr("dev", "vda").attr("bus", "virtio"))
-//!                         .child_opt((!s.disk_serial.is_empty()).then(|| Element::new("serial").text(&s.disk_serial))),
-//!                 ),
-//!             )
-//!             .to_xml())
-//!     }
-//! }
-//!
-//! templates_sdk::export_domain_plugin!(Minimal);
-//!
-//! # use templates_sdk::domain::{Disk, DiskBus, Firmware, HostFacts};
-//! # let input = DomainInput {
-//! #     name: "p-1".into(), uuid: "8d2c0f9e-3b1a-4c55-9e0e-2f3a4b5c6d7e".into(), vcpus: 1,
-//! #     memory_mib: 512, firmware: Firmware::Bios,
-//! #     disks: vec![Disk { pool: "default".into(), volume: "p-1-root".into(),
-//! #         role: DiskRole::Root, bus: DiskBus::Virtio, format: "qcow2".into() }],
-//! #     bridge: "br0".into(), mac: None, metadata_mark: "<m/>".into(),
-//! #     host: HostFacts { name: "h".into(), arch: "x86_64".into(), kvm: false,
-//! #         libvirt_version: "9.0.0".into() },
-//! #     settings: "{}".into(),
-//! # };
-//! // The operator calls these through the component; here we call them directly.
-//! let xml = templates_sdk::__private::render_domain::<Minimal>(&input).unwrap();
-//! assert!(xml.starts_with("<domain type=\"qemu\"><name>p-1</name>"));
-//! let bad = templates_sdk::__private::validate::<Settings>(r#"{"diskSerial": "x-far-too-long-for-a-serial"}"#, Minimal::validate_settings);
-//! assert_eq!(bad.unwrap_err()[0].pointer, "/diskSerial");
-//! ```
 
+#![doc = concat!(
+    "```\n",
+    include_str!("../../plugins/sdk-example/src/lib.rs"),
+    r##"
+# fn main() {
+# use templates_sdk::domain::{Disk, DiskBus, HostFacts};
+# let disk = |volume: &str, role| Disk { pool: "default".into(), volume: volume.into(), role,
+#     bus: DiskBus::Virtio, format: if role == DiskRole::Root { "qcow2" } else { "raw" }.into() };
+# let input = DomainInput {
+#     name: "p-1".into(), uuid: "8d2c0f9e-3b1a-4c55-9e0e-2f3a4b5c6d7e".into(), vcpus: 1,
+#     memory_mib: 512, firmware: Firmware::Efi,
+#     disks: vec![disk("p-1-seed", DiskRole::Seed), disk("p-1-root", DiskRole::Root)],
+#     bridge: "br0".into(), mac: Some("52:54:00:12:34:56".into()), metadata_mark: "<m/>".into(),
+#     host: HostFacts { name: "h".into(), arch: "x86_64".into(), kvm: false,
+#         libvirt_version: "9.0.0".into() },
+#     settings: "{}".into(),
+# };
+// The operator calls these through the component; here we call them directly.
+let xml = templates_sdk::__private::render_domain::<Example>(&input).unwrap();
+assert!(xml.starts_with("<domain type=\"qemu\"><name>p-1</name>"));
+assert!(xml.contains("<os firmware=\"efi\">"));
+assert!(xml.contains("<mac address=\"52:54:00:12:34:56\"/>"));
+let bad = templates_sdk::__private::validate::<Settings>(
+    r#"{"diskSerial": "x-far-too-long-for-a-serial"}"#,
+    Example::validate_settings,
+);
+assert_eq!(bad.unwrap_err()[0].pointer, "/diskSerial");
+# }
+"##,
+    "```\n"
+)]
 #![warn(missing_docs)]
 
 // The generated bindings and the export macros name this crate by its public path.
@@ -158,18 +121,16 @@ pub mod xml;
 
 pub use settings::SettingsProblem;
 
-/// The allow-list of domain XML: every element path a plugin may write, how often, with
-/// which attributes and content. Anything else is refused at render, naming its path.
-/// Values marked "must match the input" are tied to [`domain::DomainInput`]. Widening the
-/// list is a change to the operator (`operator/src/templates/check/allow.rs`) with its
-/// tests; this page is generated from it (`make generate`) and a test keeps them in step.
+/// Every rule plugin output is held to, one section per rule: how domain XML is read, the
+/// allow-list of element paths, attributes and values, the values tied to
+/// [`domain::DomainInput`], the firmware files, host bounds, vendor-data and the settings
+/// schema. A refusal names its rule and points at its section here (`rules.md#<rule>`).
+/// Widening a rule is a change to the operator (`operator/src/templates/check/`) with its
+/// tests; this page is generated from the checker's tables (`make generate`) and a test
+/// keeps them in step.
 ///
-/// Elements libvirt itself adds to its reading of a defined domain (`<emulator>`,
-/// `<resource>`, generated MACs of further NICs, the NVRAM file path) are accepted there
-/// only; a plugin may not write them.
-///
-#[doc = include_str!("allow_list.md")]
-pub mod allow_list {}
+#[doc = include_str!("rules.md")]
+pub mod rules {}
 
 /// Bindings of the `domain` world: its input types and the exports a domain plugin makes.
 #[cfg(feature = "domain")]

@@ -112,6 +112,95 @@ fn default_plugins_render_the_samples_deterministically_and_match_snapshots() {
     );
 }
 
+/// The SDK's "A complete plugin" example is `plugins/sdk-example` verbatim (its docs
+/// include the file); built as a component, it passes every check the operator runs on a
+/// render, for BIOS and UEFI machine types, with and without an assigned MAC, and its
+/// setting is validated by the operator as by the plugin.
+#[test]
+fn the_sdk_example_renders_through_the_operators_checks() {
+    use egress_operator::templates::Firmware;
+    use egress_operator::templates::check::HostPolicy;
+
+    let sdk_doc =
+        std::fs::read_to_string(workspace_root().join("templates-sdk/src/lib.rs")).unwrap();
+    assert!(
+        sdk_doc.contains("include_str!(\"../../plugins/sdk-example/src/lib.rs\")"),
+        "the SDK's example must be the plugin's source"
+    );
+    let engine = TemplateEngine::new(None).unwrap();
+    let (mut d, _) = sample_templates();
+    d.path = Some(plugin_path("sdk-example").unwrap().display().to_string());
+    d.settings = json!({"diskSerial": "root-0001"});
+    let plugin = engine.load_domain(&d).unwrap();
+    let inputs = sample_inputs();
+    let policy = HostPolicy::for_host(&inputs.host);
+    for firmware in [Firmware::Bios, Firmware::Efi] {
+        for mac in [inputs.domain.mac.clone(), None] {
+            let mut input = inputs.domain.clone();
+            input.firmware = firmware;
+            input.mac = mac;
+            let xml = plugin.render_on(&input, None, &policy);
+            assert!(xml.is_ok(), "{firmware:?}: {xml:?}");
+            assert!(xml.unwrap().contains("<serial>root-0001</serial>"));
+        }
+    }
+    d.settings = json!({"diskSerial": "x".repeat(21)});
+    let refused = engine.load_domain(&d).unwrap_err().to_string();
+    assert!(
+        refused.contains("/diskSerial: at most 20 characters"),
+        "{refused}"
+    );
+}
+
+/// `plugins/README.md` documents both default plugins' settings with tables generated
+/// from the schemas the plugins export (what the operator checks settings against), so
+/// the page cannot drift from what is accepted. `UPDATE_SNAPSHOTS=1` rewrites them.
+#[test]
+fn the_default_plugins_settings_are_documented_from_their_schemas() {
+    use egress_operator::templates::settings_doc;
+
+    let engine = TemplateEngine::new(None).unwrap();
+    let (d, v) = sample_templates();
+    let tables = [
+        (
+            "domain-default",
+            engine.load_domain(&d).unwrap().settings_schema().unwrap(),
+        ),
+        (
+            "vendor-data-default",
+            engine
+                .load_vendor_data(&v)
+                .unwrap()
+                .settings_schema()
+                .unwrap(),
+        ),
+    ];
+    let path = workspace_root().join("plugins/README.md");
+    let mut page = std::fs::read_to_string(&path).unwrap();
+    let mut stale = Vec::new();
+    for (name, schema) in tables {
+        let table = settings_doc::markdown(&schema).unwrap();
+        let begin = format!("<!-- BEGIN generated settings of {name} -->\n");
+        let end = format!("<!-- END generated settings of {name} -->");
+        let (Some(from), Some(to)) = (page.find(&begin), page.find(&end)) else {
+            panic!("plugins/README.md lacks the markers {begin:?} ... {end:?}");
+        };
+        let from = from + begin.len();
+        if page[from..to] != table {
+            stale.push(name);
+            page.replace_range(from..to, &table);
+        }
+    }
+    if std::env::var_os("UPDATE_SNAPSHOTS").is_some() {
+        std::fs::write(&path, &page).unwrap();
+    } else {
+        assert!(
+            stale.is_empty(),
+            "plugins/README.md's settings tables of {stale:?} are stale: rerun with UPDATE_SNAPSHOTS=1"
+        );
+    }
+}
+
 #[test]
 fn default_domain_xml_passes_libvirts_schema() {
     let Ok(validator) = which("virt-xml-validate") else {

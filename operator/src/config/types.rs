@@ -425,7 +425,9 @@ pub enum Firmware {
     /// Legacy BIOS (SeaBIOS).
     #[default]
     Bios,
-    /// UEFI (OVMF); the loader and NVRAM template come from the domain plugin's settings.
+    /// UEFI (OVMF): the domain plugin writes a `<loader>` and `<nvram template>` from the
+    /// firmware lists of the plugin rules page (templates-sdk/src/rules.md#firmware), or
+    /// `<os firmware="efi">` and libvirt picks the firmware.
     Efi,
 }
 

@@ -316,7 +316,7 @@ fn engine(args: &RunArgs) -> Result<TemplateEngine, RunError> {
     .map_err(|e| RunError::Templates(e.to_string()))
 }
 
-fn read_ca_file(path: &std::path::Path) -> std::io::Result<Vec<u8>> {
+pub(crate) fn read_ca_file(path: &std::path::Path) -> std::io::Result<Vec<u8>> {
     use std::io::Read as _;
     let mut bytes = Vec::new();
     std::fs::File::open(path)?

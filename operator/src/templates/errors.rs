@@ -135,7 +135,10 @@ pub enum TemplateErrorKind {
     /// The plugin's exported settings schema breaks a limit the host puts on schemas (size,
     /// nesting, references, patterns, compile or evaluation time), so it is never compiled
     /// or never used.
-    #[error("its settings-schema is refused by rule {rule:?}: {detail}")]
+    #[error(
+        "its settings-schema is refused by rule {rule:?} (see {}): {detail}",
+        super::check::rules::link(rule)
+    )]
     SchemaRefused {
         /// Short name of the rule (`schema-size`, `schema-depth`, `schema-ref`, ...).
         rule: &'static str,
@@ -188,7 +191,10 @@ pub enum TemplateErrorKind {
         max: usize,
     },
     /// The output broke a rule.
-    #[error("output refused by rule {rule:?}: {detail}")]
+    #[error(
+        "output refused by rule {rule:?} (see {}): {detail}",
+        super::check::rules::link(rule)
+    )]
     InvalidOutput {
         /// Short name of the rule (`one-domain`, `metadata-mark`, `no-hostdev`, ...).
         rule: &'static str,

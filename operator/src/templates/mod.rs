@@ -28,6 +28,7 @@ mod errors;
 pub mod sandbox;
 pub mod schema;
 mod set;
+pub mod settings_doc;
 pub mod source;
 #[cfg(test)]
 mod tests_limits;

@@ -117,6 +117,9 @@ pub(crate) fn too_large(len: usize) -> TemplateErrorKind {
 pub struct Compiled {
     validator: jsonschema::Validator,
     expanded: u64,
+    /// The schema document, kept to name the keys an object takes when settings carry
+    /// an unknown one.
+    document: Value,
 }
 
 impl Compiled {
@@ -152,6 +155,7 @@ pub(crate) fn compile(text: &str) -> Result<Compiled, TemplateErrorKind> {
     Ok(Compiled {
         validator,
         expanded,
+        document: value,
     })
 }
 
@@ -555,16 +559,14 @@ pub(crate) fn evaluate(
             };
             (vec![issue], 1)
         } else {
-            let mut errors = schema.validator.iter_errors(settings);
-            let kept: Vec<SettingsIssue> = errors
-                .by_ref()
-                .take(keep)
-                .map(|e| SettingsIssue {
-                    pointer: e.instance_path().to_string(),
-                    message: e.to_string(),
-                })
-                .collect();
-            let total = kept.len() + errors.count();
+            let mut kept = Vec::new();
+            let mut total = 0;
+            for e in schema.validator.iter_errors(settings) {
+                let issues = issues_of(&schema.document, &e);
+                total += issues.len();
+                let room = keep.saturating_sub(kept.len());
+                kept.extend(issues.into_iter().take(room));
+            }
             (kept, total)
         }
     };
@@ -577,6 +579,65 @@ pub(crate) fn evaluate(
         );
     }
     (kept, total, took)
+}
+
+/// The issues one validation error stands for. An object with keys its schema does not
+/// take (`additionalProperties: false`, what `deny_unknown_fields` generates) is one error
+/// at the object; it becomes one issue per key, at the key, with the nearest key the
+/// object does take when one is close (a typo), so `validate-config` and a Proxy's
+/// refused override point at what to fix.
+fn issues_of(document: &Value, e: &jsonschema::ValidationError<'_>) -> Vec<SettingsIssue> {
+    let at = e.instance_path().to_string();
+    match e.kind() {
+        jsonschema::error::ValidationErrorKind::AdditionalProperties { unexpected } => {
+            let known = known_keys(document, &e.schema_path().to_string());
+            unexpected
+                .iter()
+                .map(|key| {
+                    let mut message = format!("unknown key {}", show(key));
+                    if let Some(near) = nearest(key, &known) {
+                        message.push_str(&format!("; did you mean `{near}`?"));
+                    }
+                    SettingsIssue {
+                        pointer: child_path(&at, key),
+                        message,
+                    }
+                })
+                .collect()
+        }
+        _ => vec![SettingsIssue {
+            pointer: at,
+            message: e.to_string(),
+        }],
+    }
+}
+
+/// The keys declared by the schema object that holds the keyword at `keyword` (a JSON
+/// pointer into the document, ending at `additionalProperties`); none when it cannot be
+/// resolved.
+fn known_keys(document: &Value, keyword: &str) -> Vec<String> {
+    let parent = keyword.rsplit_once('/').map_or("", |(p, _)| p);
+    document
+        .pointer(parent)
+        .and_then(|o| o.get("properties"))
+        .and_then(Value::as_object)
+        .map(|props| props.keys().cloned().collect())
+        .unwrap_or_default()
+}
+
+/// The known key nearest to `key` when it is near enough to be a likely typo (the same
+/// rule as the SDK's `settings::parse`).
+fn nearest<'k>(key: &str, known: &'k [String]) -> Option<&'k str> {
+    // A typo is short; a long key is compared with nothing (the work is length squared).
+    if key.len() > 64 {
+        return None;
+    }
+    known
+        .iter()
+        .map(|k| (strsim::jaro_winkler(key, k), k))
+        .filter(|(score, _)| *score >= 0.8)
+        .max_by(|a, b| a.0.total_cmp(&b.0))
+        .map(|(_, k)| k.as_str())
 }
 
 /// The refusal of a schema whose evaluation at load took `took`, over the budget.
@@ -717,6 +778,43 @@ mod tests {
         assert_eq!(kept[0].pointer, "/0");
         let (kept, total, _) = evaluate(&schema, &json!(["a", "b"]), 5);
         assert_eq!((kept.len(), total), (0, 0));
+    }
+
+    /// An unknown key is an issue at the key, not at the object holding it, with the
+    /// nearest key that object takes (here inside a `$defs` type, as schemars writes a
+    /// nested settings struct), and none when nothing is near.
+    #[test]
+    fn an_unknown_key_is_reported_at_the_key_with_the_nearest_known_one() {
+        let schema = compile(
+            &json!({
+                "type": "object",
+                "additionalProperties": false,
+                "properties": {"listenPort": {"type": "integer"}, "nics": {"type": "array", "items": {"$ref": "#/$defs/Nic"}}},
+                "$defs": {"Nic": {"type": "object", "additionalProperties": false, "properties": {"bridge": {"type": "string"}}}}
+            })
+            .to_string(),
+        )
+        .unwrap();
+        let settings = json!({"listenPrt": 1, "zzz": 2, "nics": [{"brige": "br0"}]});
+        let (kept, total, _) = evaluate(&schema, &settings, 10);
+        let shown: Vec<String> = kept.iter().map(ToString::to_string).collect();
+        assert_eq!(total, 3, "{shown:?}");
+        assert!(
+            shown.contains(
+                &"/listenPrt: unknown key \"listenPrt\"; did you mean `listenPort`?".to_string()
+            ),
+            "{shown:?}"
+        );
+        assert!(
+            shown.contains(&"/zzz: unknown key \"zzz\"".to_string()),
+            "{shown:?}"
+        );
+        assert!(
+            shown.contains(
+                &"/nics/0/brige: unknown key \"brige\"; did you mean `bridge`?".to_string()
+            ),
+            "{shown:?}"
+        );
     }
 
     /// The widest schema the caps allow (every node applied to every array element)

@@ -11,7 +11,7 @@
 //! checked against it by `domain.rs`.
 //!
 //! Widening the list is a reviewed change: the table below, its rendering for plugin
-//! authors (`templates-sdk/src/allow_list.md`, checked by a test), and a test that the new
+//! authors (`templates-sdk/src/rules.md`, see `rules.rs`, checked by a test), and a test that the new
 //! entry is accepted and its host-reaching neighbours are still refused.
 
 use std::collections::BTreeMap;
@@ -77,7 +77,21 @@ pub enum Value {
     /// Free text for people (title, description): no control characters but line feeds.
     Prose,
     /// Checked against the input by `domain.rs`; here only bounded and printable.
-    Tied,
+    Tied(Tie),
+}
+
+/// What a [`Value::Tied`] value must equal, and the rule that checks it (for the rules
+/// page, which lists every tie from this table).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Tie {
+    /// What the value is tied to, in the plugin author's terms.
+    pub to: &'static str,
+    /// The rule that refuses anything else.
+    pub rule: &'static str,
+}
+
+const fn tied(to: &'static str, rule: &'static str) -> Value {
+    Value::Tied(Tie { to, rule })
 }
 
 /// The rule of one element path.
@@ -153,7 +167,7 @@ const fn libvirt(rule: Rule) -> Rule {
 }
 
 /// Paths (without the leading `/`) and their rules.
-const RULES: &[(&str, Rule)] = &[
+pub(super) const RULES: &[(&str, Rule)] = &[
     (
         "domain",
         one(
@@ -161,8 +175,20 @@ const RULES: &[(&str, Rule)] = &[
             Content::Elements,
         ),
     ),
-    ("domain/name", one(&[], Content::Text(Value::Tied))),
-    ("domain/uuid", one(&[], Content::Text(Value::Tied))),
+    (
+        "domain/name",
+        one(
+            &[],
+            Content::Text(tied("the input's `name`, unchanged", "name-unchanged")),
+        ),
+    ),
+    (
+        "domain/uuid",
+        one(
+            &[],
+            Content::Text(tied("the input's `uuid`, unchanged", "uuid-unchanged")),
+        ),
+    ),
     ("domain/title", one(&[], Content::Text(Value::Prose))),
     ("domain/description", one(&[], Content::Text(Value::Prose))),
     ("domain/metadata", one(&[], Content::Metadata)),
@@ -229,7 +255,10 @@ const RULES: &[(&str, Rule)] = &[
     (
         "domain/os/type",
         one(
-            &[("arch", Value::Tied), ("machine", Value::Machine)],
+            &[
+                ("arch", tied("the input's `host.arch`", "arch-matches")),
+                ("machine", Value::Machine),
+            ],
             Content::Text(Value::Enum(&["hvm"])),
         ),
     ),
@@ -253,12 +282,27 @@ const RULES: &[(&str, Rule)] = &[
                 ("secure", YES_NO),
                 ("type", Value::Enum(&["pflash"])),
             ],
-            Content::Text(Value::Tied),
+            Content::Text(tied(
+                "a UEFI code file of the [Firmware](#firmware) list",
+                "firmware-paths",
+            )),
         ),
     ),
     (
         "domain/os/nvram",
-        one(&[("template", Value::Tied)], Content::Text(Value::Tied)),
+        one(
+            &[(
+                "template",
+                tied(
+                    "a variable-store template of the [Firmware](#firmware) list, of the loader's family",
+                    "firmware-kind",
+                ),
+            )],
+            Content::Text(tied(
+                "nothing: leave it empty and libvirt makes the VM's own store",
+                "firmware-paths",
+            )),
+        ),
     ),
     (
         "domain/os/boot",
@@ -429,7 +473,10 @@ const RULES: &[(&str, Rule)] = &[
         one(
             &[
                 ("name", Value::Enum(&["qemu"])),
-                ("type", Value::Tied),
+                (
+                    "type",
+                    tied("the `format` of the disk it attaches", "disk-format"),
+                ),
                 (
                     "cache",
                     Value::Enum(&["none", "writeback", "writethrough", "directsync"]),
@@ -447,7 +494,16 @@ const RULES: &[(&str, Rule)] = &[
     (
         "domain/devices/disk/source",
         one(
-            &[("pool", Value::Tied), ("volume", Value::Tied)],
+            &[
+                (
+                    "pool",
+                    tied("a `pool` of the input's `disks`", "disk-not-prepared"),
+                ),
+                (
+                    "volume",
+                    tied("the `volume` of that disk", "disk-not-prepared"),
+                ),
+            ],
             Content::Empty,
         ),
     ),
@@ -482,7 +538,13 @@ const RULES: &[(&str, Rule)] = &[
     ),
     (
         "domain/devices/interface/source",
-        one(&[("bridge", Value::Tied)], Content::Empty),
+        one(
+            &[(
+                "bridge",
+                tied("the input's `bridge`", "interface-bridge-only"),
+            )],
+            Content::Empty,
+        ),
     ),
     (
         "domain/devices/interface/mac",
@@ -868,7 +930,7 @@ pub fn value_ok(v: Value, value: &str) -> bool {
         Value::Prose => {
             value.len() <= VALUE_MAX && !value.chars().any(|c| c.is_control() && c != '\n')
         }
-        Value::Tied => !value.chars().any(char::is_control),
+        Value::Tied(_) => !value.chars().any(char::is_control),
     }
 }
 
@@ -913,137 +975,7 @@ fn is_emulator(s: &str) -> bool {
         })
 }
 
-/// Renders the list for plugin authors (the SDK's `allow_list.md`): one line per path.
-pub fn render_markdown() -> String {
-    let mut out = String::from(
-        "<!-- Generated from operator/src/templates/check/allow.rs; a test keeps it in step. -->\n\
-         | element | at most | attributes | content |\n|---|---|---|---|\n",
-    );
-    for (path, rule) in RULES {
-        if rule.libvirt_only {
-            continue;
-        }
-        let count = match rule.count {
-            Count::Single => "1".to_string(),
-            Count::Many(n) => n.to_string(),
-        };
-        let attrs: Vec<String> = rule
-            .attrs
-            .iter()
-            .map(|(n, v)| format!("`{n}` ({})", describe(*v)))
-            .collect();
-        let content = match rule.content {
-            Content::Empty => "empty".to_string(),
-            Content::Text(v) => format!("text: {}", describe(v)),
-            Content::Elements => "elements".to_string(),
-            Content::Metadata => {
-                "your elements, in your namespace, and the operator's mark".to_string()
-            }
-        };
-        out.push_str(&format!(
-            "| `/{path}` | {count} | {} | {content} |\n",
-            if attrs.is_empty() {
-                "none".to_string()
-            } else {
-                attrs.join(", ")
-            }
-        ));
-    }
-    out.push_str(
-        "\n### Bounds tied to the machine type\n\n\
-         What a plugin may cost the host. A value outside its bound is refused by the rule \
-         `resource-bound` (`cpu-placement` for placement, `rng-rate` for the rng).\n\n\
-         | where | bound |\n|---|---|\n",
-    );
-    for (at, bound) in super::host::BOUNDS {
-        out.push_str(&format!("| {at} | {bound} |\n"));
-    }
-    out.push_str(
-        "\n### Device models\n\n\
-         Values marked `model:` above are the list of safe models (rule `device-model`). \
-         virtio comes first; every other model is there for this reason:\n\n\
-         | where | model | why |\n|---|---|---|\n",
-    );
-    for (at, model, why) in super::devices::JUSTIFIED {
-        out.push_str(&format!("| `{at}` | `{model}` | {why} |\n"));
-    }
-    out.push_str(
-        "\nWhat a plugin leaves out counts too (rule `model-implied`): libvirt would fill in \
-         a legacy model for a NIC without `<model>` (rtl8139), a disk `sdX` without a bus or \
-         a SCSI controller without a model (lsilogic), and `<graphics>` or `<video>` \
-         without a video model (Cirrus). The operator runs the same rules again on \
-         libvirt's reading of the defined domain, where those defaults are written out.\n",
-    );
-    out.push_str("\n### Firmware\n\nUEFI code (only `readonly=\"yes\" type=\"pflash\"`; `secure=\"yes\"` exactly for Secure Boot builds):\n\n| file | family | Secure Boot build |\n|---|---|---|\n");
-    for c in super::domain::FIRMWARE_CODE {
-        out.push_str(&format!(
-            "| `{}` | {} | {} |\n",
-            c.path,
-            c.family,
-            if c.secure_boot { "yes" } else { "no" }
-        ));
-    }
-    out.push_str("\nVariable-store templates (`<nvram template>`, same family as the code; Secure Boot needs enrolled keys; test keys such as Debian's snakeoil are not on the list, and a host may allow its own in `nvramTemplates`):\n\n| file | family | keys enrolled |\n|---|---|---|\n");
-    for v in super::domain::FIRMWARE_VARS {
-        out.push_str(&format!(
-            "| `{}` | {} | {} |\n",
-            v.path,
-            v.family,
-            if v.enrolled { "yes" } else { "no" }
-        ));
-    }
-    out.push_str("\n### Rules beyond the table\n\n| rule | what it asks |\n|---|---|\n");
-    for (rule, what) in TIED_RULES {
-        out.push_str(&format!("| `{rule}` | {what} |\n"));
-    }
-    out
-}
-
-/// The rules that tie the document to its input and host, for the rules page.
-pub const TIED_RULES: &[(&str, &str)] = &[
-    (
-        "domain-type",
-        "`/domain/@type` is `kvm` where the host has KVM, `qemu` only where it has not or the host sets `disableKvm`",
-    ),
-    (
-        "boot-root-only",
-        "only the prepared root disk boots: `<os><boot dev=\"hd\"/>` only, `<boot order=\"1\">` on the root disk only, no boot entry on NICs or the seed, and the root disk is the first disk (in libvirt's reading too)",
-    ),
-    (
-        "bridge-mtu",
-        "a NIC `<mtu>` only equal to the host's `bridgeMtu`; none when it is not configured",
-    ),
-    (
-        "cpu-placement",
-        "`cpuset`, `vcpupin`, `emulatorpin`, `numatune` only inside the host's `cpuPlacement`",
-    ),
-    (
-        "firmware-readonly",
-        "`<loader>` is `readonly=\"yes\" type=\"pflash\"`",
-    ),
-    (
-        "firmware-kind",
-        "loader, `secure` and NVRAM template of one kind (see Firmware)",
-    ),
-    (
-        "firmware-paths",
-        "loader and NVRAM template from the lists above; the NVRAM file is libvirt's own",
-    ),
-    (
-        "nested-virt",
-        "no `vmx`/`svm` CPU feature asked for: nested virtualisation is a host setting (`kvm_intel nested=0`, `kvm_amd nested=0`)",
-    ),
-    (
-        "vpmu",
-        "`<pmu>` only `state=\"off\"`: the vPMU is a host setting (`kvm enable_pmu=0`)",
-    ),
-    (
-        "rng-rate",
-        "every rng has a `<rate>` within the bound above",
-    ),
-];
-
-fn describe(v: Value) -> String {
+pub(super) fn describe(v: Value) -> String {
     match v {
         Value::Enum(o) => o
             .iter()
@@ -1070,6 +1002,6 @@ fn describe(v: Value) -> String {
         Value::Machine => "`q35`, `pc` or a versioned one".into(),
         Value::Emulator => "QEMU binary".into(),
         Value::Prose => "free text".into(),
-        Value::Tied => "must match the input".into(),
+        Value::Tied(t) => format!("{} (rule [`{}`](#{}))", t.to, t.rule, t.rule),
     }
 }

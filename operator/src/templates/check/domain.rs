@@ -436,7 +436,7 @@ fn tie_os(
                 return Err(refuse(
                     "firmware-paths",
                     format!(
-                        "/domain/os/loader {} is not a known firmware file (see FIRMWARE_CODE)",
+                        "/domain/os/loader {} is not a known UEFI code file (the Firmware section of the rules page lists them)",
                         show(&l.text)
                     ),
                 ));
@@ -781,10 +781,10 @@ mod tests {
                 let mut v: Vec<String> = r
                     .attrs
                     .iter()
-                    .filter(|(_, f)| *f == Value::Tied)
+                    .filter(|(_, f)| matches!(f, Value::Tied(_)))
                     .map(|(n, _)| format!("{p}/@{n}"))
                     .collect();
-                if r.content == Content::Text(Value::Tied) {
+                if matches!(r.content, Content::Text(Value::Tied(_))) {
                     v.push((*p).to_string());
                 }
                 v

@@ -27,16 +27,18 @@ mod devices;
 mod domain;
 mod host;
 mod policy;
+pub mod rules;
 mod tree;
 mod vendor;
 
-pub use allow::{Reading, render_markdown as allow_list_markdown};
+pub use allow::Reading;
 pub use domain::{FIRMWARE_CODE, FIRMWARE_VARS, FirmwareCode, FirmwareVars, NVRAM_DIR};
 pub use host::{
     MAX_CONTROLLER_PORTS, MAX_CONTROLLER_VECTORS, MAX_NIC_RING, MAX_RNG_BYTES_PER_SECOND,
     MAX_VIDEO_KIB, MIN_RNG_PERIOD_MS,
 };
 pub use policy::{CpuPlacement, CpuSet, HostPolicy, MAX_CPU_ID};
+pub use rules::render_markdown as rules_markdown;
 pub use tree::{MAX_DEPTH, MAX_ELEMENTS};
 pub use vendor::{
     MAX_PARTS as VENDOR_DATA_MAX_PARTS, VendorDataForm, VendorDataPart, VendorDataReading,

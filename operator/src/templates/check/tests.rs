@@ -1644,20 +1644,17 @@ fn libvirts_reading_is_accepted(file: &str, firmware: Firmware) {
 }
 
 #[test]
-fn the_sdk_documents_the_list() {
-    let path = concat!(
-        env!("CARGO_MANIFEST_DIR"),
-        "/../templates-sdk/src/allow_list.md"
-    );
-    let table = allow_list_markdown();
+fn the_sdk_documents_the_rules() {
+    let path = concat!(env!("CARGO_MANIFEST_DIR"), "/../templates-sdk/src/rules.md");
+    let page = rules_markdown();
     if std::env::var_os("UPDATE_SNAPSHOTS").is_some() {
-        std::fs::write(path, &table).expect("write allow_list.md");
+        std::fs::write(path, &page).expect("write rules.md");
     }
     let doc = std::fs::read_to_string(path).unwrap_or_default();
     assert!(
-        doc == table,
-        "templates-sdk/src/allow_list.md is stale: run `make generate` \
-         (or `egress-operator allow-list > templates-sdk/src/allow_list.md`)"
+        doc == page,
+        "templates-sdk/src/rules.md is stale: run `make generate` \
+         (or `egress-operator rules > templates-sdk/src/rules.md`)"
     );
 }
 
