@@ -273,6 +273,16 @@ fn plugin_test_names_the_rule_a_hostile_plugin_breaks_and_fails() {
     assert_eq!(row[1], "FAIL", "{row:?}");
     assert_eq!(row[2], "interface-bridge-only", "{row:?}");
     assert_eq!(row[3], "/domain/devices/interface[2]/source", "{row:?}");
+    // The rule's section of the rules page, once (the page is also in every new crate's
+    // SDK copy).
+    assert_eq!(
+        out.stdout
+            .matches("see templates-sdk/src/rules.md#interface-bridge-only\n")
+            .count(),
+        1,
+        "{}",
+        out.stdout
+    );
     assert!(out.stdout.contains("0 passed"), "{}", out.stdout);
 
     // Settings are checked before anything renders; a refusal names its JSON pointer.

@@ -55,6 +55,8 @@ pub enum Verdict {
         path: Option<String>,
         /// The whole reason.
         detail: String,
+        /// The rule's section of the rules page, for a rule of the output checks.
+        see: Option<String>,
     },
 }
 
@@ -187,11 +189,19 @@ pub fn verdict_of(e: &TemplateError) -> Verdict {
         }
         _ => "load".into(),
     };
-    let path = match &e.kind {
-        TemplateErrorKind::InvalidOutput { detail, .. } => path_in(detail),
-        _ => None,
+    let (path, see) = match &e.kind {
+        TemplateErrorKind::InvalidOutput { rule, detail } => (
+            path_in(detail),
+            Some(crate::templates::check::rules::link(rule)),
+        ),
+        _ => (None, None),
     };
-    Verdict::Fail { rule, path, detail }
+    Verdict::Fail {
+        rule,
+        path,
+        detail,
+        see,
+    }
 }
 
 /// The first element path a refusal names (the checks write it as `/domain/...`, with
@@ -358,14 +368,16 @@ mod tests {
                 rule: "interface-bridge-only".into(),
                 path: Some("/domain/devices/interface[1]/source/@bridge".into()),
                 detail: "/domain/devices/interface[1]/source/@bridge is \"other\"".into(),
+                see: Some("templates-sdk/src/rules.md#interface-bridge-only".into()),
             }
         );
-        let Verdict::Fail { rule, path, .. } =
-            verdict_of(&err(TemplateErrorKind::Trap("x".into())))
+        let Verdict::Fail {
+            rule, path, see, ..
+        } = verdict_of(&err(TemplateErrorKind::Trap("x".into())))
         else {
             panic!("a trap fails")
         };
-        assert_eq!((rule.as_str(), path), ("trap", None));
+        assert_eq!((rule.as_str(), path, see), ("trap", None, None));
     }
 
     #[test]

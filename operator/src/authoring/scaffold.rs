@@ -1,6 +1,6 @@
 //! `plugin new`: writes a standalone plugin crate with an example that renders and passes
 //! the operator's checks, a settings type with its schema, unit tests, a README, and a
-//! copy of the SDK as a path dependency.
+//! copy of the SDK as a path dependency (under `sdk/`, see [`sdk`]).
 //!
 //! Everything is written into a fresh directory beside the target and renamed into place
 //! at the end, so a failure leaves nothing behind and a crate is never half written.
@@ -238,12 +238,12 @@ pub fn files(kind: Kind, name: &str) -> Vec<NewFile> {
             text: fill(lib),
         },
         NewFile {
-            path: "templates-sdk/Cargo.toml".into(),
+            path: Path::new(sdk::DIR).join(sdk::PACKAGE).join("Cargo.toml"),
             text: sdk::cargo_toml(),
         },
     ];
     files.extend(sdk::FILES.iter().map(|f| NewFile {
-        path: Path::new("templates-sdk").join(f.path),
+        path: Path::new(sdk::DIR).join(f.path),
         text: f.text.to_string(),
     }));
     files
@@ -347,7 +347,12 @@ mod tests {
         assert!(readme.contains("vendor-data-default.wasm"));
         assert!(!readme.contains("{{"));
         assert!(get("src/lib.rs").contains("export_domain_plugin!(Plugin)"));
-        assert_eq!(get("templates-sdk/wit/templates.wit"), sdk::FILES[5].text);
+        let wit = sdk::FILES
+            .iter()
+            .find(|f| f.path == "templates-sdk/wit/templates.wit")
+            .unwrap();
+        assert_eq!(get("sdk/templates-sdk/wit/templates.wit"), wit.text);
+        assert!(get("sdk/templates-sdk/Cargo.toml").contains("name = \"templates-sdk\""));
 
         let files = super::files(Kind::VendorData, "v");
         let lib = &files
@@ -362,7 +367,7 @@ mod tests {
     fn fixtures_give_every_host_fact_of_the_wit_a_value() {
         let wit = sdk::FILES
             .iter()
-            .find(|f| f.path == "wit/templates.wit")
+            .find(|f| f.path == "templates-sdk/wit/templates.wit")
             .unwrap()
             .text;
         let fields = wit_record_fields(wit, "host-facts");
@@ -428,7 +433,7 @@ mod tests {
         }
         let fresh = tmp.path().join("a/b/fresh");
         create(Kind::Domain, "site-domain", &fresh).unwrap();
-        assert!(fresh.join("templates-sdk/src/lib.rs").is_file());
+        assert!(fresh.join("sdk/templates-sdk/src/lib.rs").is_file());
         // No staging directory is left beside them.
         let names: Vec<String> = std::fs::read_dir(tmp.path())
             .unwrap()

@@ -1,48 +1,62 @@
 //! The plugin SDK as `plugin new` writes it beside a new crate.
 //!
 //! `templates-sdk` is not published on crates.io, so a plugin built outside this repository
-//! gets a copy: its sources and WIT files are embedded in this binary, byte for byte as in
-//! the repository (a test keeps the list complete), and written as a path dependency. The
-//! crate then builds offline anywhere, against exactly the ABI this operator speaks.
+//! gets a copy: its sources and WIT files, and the files they include from elsewhere in the
+//! repository (its crate docs show `plugins/sdk-example` verbatim), are embedded in this
+//! binary byte for byte (a test keeps the list complete) and written under the new crate's
+//! [`DIR`] in the repository's layout, so every relative `include_str!` still resolves. The
+//! crate depends on that copy by path and builds offline anywhere, against exactly the ABI
+//! this operator speaks.
 //!
 //! The SDK's own `Cargo.toml` inherits from our workspace, which a standalone crate does not
 //! have; [`cargo_toml`] writes one with the same dependencies, features and versions (the
 //! versions our `Cargo.lock` resolves, pinned exactly, so the author builds what we test).
 
-/// One embedded file of the SDK: its path inside `templates-sdk/` and its text.
+/// Folder of a new crate that holds the SDK copy, laid out as this repository is.
+pub const DIR: &str = "sdk";
+
+/// Where the SDK's package sits inside [`DIR`] (and in this repository).
+pub const PACKAGE: &str = "templates-sdk";
+
+/// One embedded file of the SDK: its path in this repository and its text.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct SdkFile {
-    /// Path relative to the SDK's root, `/`-separated.
+    /// Path relative to the repository's root, `/`-separated.
     pub path: &'static str,
     /// Contents, as in the repository.
     pub text: &'static str,
 }
 
-/// The SDK's sources and WIT package. Every file under `templates-sdk/src` and
-/// `templates-sdk/wit` must be listed (a test walks the directories).
+/// The SDK's sources and WIT package, and what they include. Every file under
+/// `templates-sdk/src` and `templates-sdk/wit` and every file an `include_str!` in them names
+/// must be listed (a test walks the directories and reads the includes).
 pub const FILES: &[SdkFile] = &[
     SdkFile {
-        path: "src/allow_list.md",
-        text: include_str!("../../../templates-sdk/src/allow_list.md"),
+        path: "templates-sdk/src/rules.md",
+        text: include_str!("../../../templates-sdk/src/rules.md"),
     },
     SdkFile {
-        path: "src/cloud_config.rs",
+        path: "templates-sdk/src/cloud_config.rs",
         text: include_str!("../../../templates-sdk/src/cloud_config.rs"),
     },
     SdkFile {
-        path: "src/lib.rs",
+        path: "templates-sdk/src/lib.rs",
         text: include_str!("../../../templates-sdk/src/lib.rs"),
     },
     SdkFile {
-        path: "src/settings.rs",
+        path: "templates-sdk/src/settings.rs",
         text: include_str!("../../../templates-sdk/src/settings.rs"),
     },
     SdkFile {
-        path: "src/xml.rs",
+        path: "templates-sdk/src/xml.rs",
         text: include_str!("../../../templates-sdk/src/xml.rs"),
     },
     SdkFile {
-        path: "wit/templates.wit",
+        path: "plugins/sdk-example/src/lib.rs",
+        text: include_str!("../../../plugins/sdk-example/src/lib.rs"),
+    },
+    SdkFile {
+        path: "templates-sdk/wit/templates.wit",
         text: include_str!("../../../templates-sdk/wit/templates.wit"),
     },
 ];
@@ -126,7 +140,7 @@ pub fn cargo_toml() -> String {
     }
     format!(
         "# Written by `egress-operator plugin new`: a copy of the operator's templates-sdk\n\
-         # (not published on crates.io). Replace the whole folder to update it.\n\
+         # (not published on crates.io). Replace the whole sdk/ folder to update it.\n\
          [package]\n\
          name = \"templates-sdk\"\n\
          description = \"SDK for egress-operator template plugins (WebAssembly components)\"\n\
@@ -172,23 +186,65 @@ mod tests {
         }
     }
 
+    /// The paths (repository-relative) that `include_str!("...")` calls in `text`, a file at
+    /// `at`, name.
+    fn includes(at: &str, text: &str) -> Vec<String> {
+        let dir = Path::new(at).parent().unwrap().to_path_buf();
+        text.split("include_str!(\"")
+            .skip(1)
+            .filter_map(|rest| rest.split('"').next())
+            .map(|rel| {
+                let mut path = dir.clone();
+                for part in rel.split('/') {
+                    match part {
+                        ".." => {
+                            path.pop();
+                        }
+                        "." => {}
+                        p => path.push(p),
+                    }
+                }
+                path.to_string_lossy().replace('\\', "/")
+            })
+            .collect()
+    }
+
     #[test]
     fn the_embedded_sdk_is_every_file_of_the_repository_copy() {
-        let root = repo().join("templates-sdk");
-        let mut on_disk = Vec::new();
-        walk(&root.join("src"), &root, &mut on_disk);
-        walk(&root.join("wit"), &root, &mut on_disk);
-        on_disk.sort();
+        let root = repo();
+        let mut wanted = Vec::new();
+        walk(&root.join("templates-sdk/src"), &root, &mut wanted);
+        walk(&root.join("templates-sdk/wit"), &root, &mut wanted);
+        // What the SDK's sources include from elsewhere, until nothing new turns up.
+        let mut i = 0;
+        while i < wanted.len() {
+            let text = std::fs::read_to_string(root.join(&wanted[i])).unwrap_or_default();
+            for inc in includes(&wanted[i], &text) {
+                if !wanted.contains(&inc) {
+                    wanted.push(inc);
+                }
+            }
+            i += 1;
+        }
+        wanted.sort();
         let mut embedded: Vec<String> = FILES.iter().map(|f| f.path.to_string()).collect();
         embedded.sort();
         assert_eq!(
-            embedded, on_disk,
-            "authoring/sdk.rs FILES must list every file of templates-sdk/src and wit"
+            embedded, wanted,
+            "authoring/sdk.rs FILES must list every file of templates-sdk/src and wit and \
+             every file they include"
         );
         for f in FILES {
             let text = std::fs::read_to_string(root.join(f.path)).unwrap();
             assert!(text == f.text, "{} differs from the embedded copy", f.path);
         }
+        assert_eq!(
+            includes(
+                "templates-sdk/src/lib.rs",
+                "x include_str!(\"../../a/b.rs\") y"
+            ),
+            ["a/b.rs"]
+        );
     }
 
     /// `name` → versions of every package in `Cargo.lock`, and the dependency strings of

@@ -1,5 +1,5 @@
 //! The report of `plugin test` as a table: one row per case, with the rule and path of
-//! each refusal, then the counts. Columns are as wide as their widest cell; the reason
+//! each refusal, then the rules page's section of each broken rule, then the counts. Columns are as wide as their widest cell; the reason
 //! comes last, whole, so nothing a plugin author needs is cut.
 
 use super::runner::{Report, Verdict};
@@ -19,7 +19,9 @@ pub fn render(report: &Report) -> String {
                 "-".into(),
                 String::new(),
             ],
-            Verdict::Fail { rule, path, detail } => [
+            Verdict::Fail {
+                rule, path, detail, ..
+            } => [
                 o.case.label(),
                 "FAIL".into(),
                 rule.clone(),
@@ -62,6 +64,16 @@ pub fn render(report: &Report) -> String {
     ]));
     for row in &rows {
         out.push_str(&line([&row[0], &row[1], &row[2], &row[3], &row[4]]));
+    }
+    // Each broken rule's section of the rules page, once.
+    let mut seen: Vec<&str> = Vec::new();
+    for o in &report.outcomes {
+        if let Verdict::Fail { see: Some(see), .. } = &o.verdict
+            && !seen.contains(&see.as_str())
+        {
+            seen.push(see);
+            out.push_str(&format!("see {see}\n"));
+        }
     }
     let failed = rows.iter().filter(|r| r[1] == "FAIL").count();
     out.push_str(&format!(
@@ -108,6 +120,7 @@ mod tests {
                         rule: "firmware-matches".into(),
                         path: Some("/domain/os".into()),
                         detail: "the machine type asks for UEFI".into(),
+                        see: Some("rules.md#firmware-matches".into()),
                     },
                 },
             ],
@@ -125,6 +138,7 @@ mod tests {
                 "CASE                     RESULT  RULE              PATH        REASON",
                 "kvm-a bios 1-nic dhcp    pass    -                 -",
                 "kvm-a uefi 1-nic static  FAIL    firmware-matches  /domain/os  the machine type asks for UEFI",
+                "see rules.md#firmware-matches",
                 "2 case(s): 1 passed, 1 failed",
             ]
         );
