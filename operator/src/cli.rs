@@ -228,6 +228,12 @@ pub struct RenderArgs {
     /// Host fact: libvirt version.
     #[arg(long, default_value = "9.0.0")]
     pub libvirt_version: String,
+    /// Host fact: CPUs online.
+    #[arg(long, default_value_t = 2)]
+    pub host_cpus: u32,
+    /// Host fact: NUMA nodes.
+    #[arg(long, default_value_t = 1)]
+    pub numa_nodes: u32,
     /// Creation time written into the metadata mark (RFC 3339); now when left out.
     #[arg(long)]
     pub created_at: Option<String>,
@@ -402,6 +408,8 @@ fn render_inner(args: &RenderArgs) -> Result<(String, String), String> {
         arch: args.arch.clone(),
         kvm: args.kvm,
         libvirt_version: args.libvirt_version.clone(),
+        cpus: args.host_cpus,
+        numa_nodes: args.numa_nodes,
     };
     let created_at = match &args.created_at {
         Some(t) => t.clone(),
@@ -424,7 +432,7 @@ fn render_inner(args: &RenderArgs) -> Result<(String, String), String> {
         .render_on(
             &inputs.domain,
             inputs.overrides.domain.as_ref(),
-            &crate::templates::check::HostPolicy::for_host(&inputs.host),
+            &crate::templates::check::HostPolicy::for_render(&inputs.host, &inputs.domain),
         )
         .map_err(|e| e.to_string())?;
     let vendor_data = vendor

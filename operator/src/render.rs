@@ -23,6 +23,10 @@ pub struct Facts {
     pub kvm: bool,
     /// libvirt version, `major.minor.micro`.
     pub libvirt_version: String,
+    /// Host CPUs online.
+    pub cpus: u32,
+    /// Host NUMA nodes.
+    pub numa_nodes: u32,
 }
 
 impl Default for Facts {
@@ -32,6 +36,8 @@ impl Default for Facts {
             arch: "x86_64".into(),
             kvm: false,
             libvirt_version: "9.0.0".into(),
+            cpus: 2,
+            numa_nodes: 1,
         }
     }
 }
@@ -156,6 +162,8 @@ pub fn inputs_with(
         arch: facts.arch.clone(),
         kvm: facts.kvm,
         libvirt_version: facts.libvirt_version.clone(),
+        cpus: facts.cpus,
+        numa_nodes: facts.numa_nodes,
     };
     let domain = DomainInput {
         name: identity.domain_name.clone(),

@@ -16,7 +16,7 @@
 //!    on this SDK with `default-features = false, features = ["domain"]` (or
 //!    `"vendor-data"`), so only that world's bindings are linked in.
 //!
-//! The interface itself is the WIT package `egress:templates@0.1.0` in this crate's `wit/`
+//! The interface itself is the WIT package `egress:templates@0.2.0` in this crate's `wit/`
 //! folder; the operator refuses components built for another version.
 //!
 //! # What the output may contain
@@ -93,7 +93,7 @@
 #     disks: vec![disk("p-1-seed", DiskRole::Seed), disk("p-1-root", DiskRole::Root)],
 #     bridge: "br0".into(), mac: Some("52:54:00:12:34:56".into()), metadata_mark: "<m/>".into(),
 #     host: HostFacts { name: "h".into(), arch: "x86_64".into(), kvm: false,
-#         libvirt_version: "9.0.0".into() },
+#         libvirt_version: "9.0.0".into(), cpus: 2, numa_nodes: 1 },
 #     settings: "{}".into(),
 # };
 // The operator calls these through the component; here we call them directly.

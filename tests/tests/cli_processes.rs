@@ -89,12 +89,41 @@ fn every_one_shot_command_finishes_with_debug_logging() {
          namespace: default\n  uid: 00000000-0000-4000-8000-000000000077\nspec:\n  provider: kvm2\n",
     );
 
+    // The host's size as libvirt reports it (online CPUs), and a cpuPlacement written
+    // for a bigger host, which `check` refuses naming the rule plugins would meet.
+    let online = std::fs::read_to_string("/sys/devices/system/cpu/online").unwrap();
+    let cpus: u32 = online
+        .trim()
+        .split(',')
+        .map(|r| match r.split_once('-') {
+            Some((a, b)) => b.parse::<u32>().unwrap() - a.parse::<u32>().unwrap() + 1,
+            None => 1,
+        })
+        .sum();
+    let size = format!("cpus / numa nodes    {cpus} / ");
+    let too_big = write(
+        dir.path(),
+        "too-big.yaml",
+        &yaml.replace(
+            "disableKvm: true}",
+            "disableKvm: true, cpuPlacement: {cpus: \"0-4095\"}}",
+        ),
+    );
+    assert_ne!(std::fs::read_to_string(&too_big).unwrap(), yaml);
+
     let cases: Vec<(Vec<&str>, i32, &str)> = vec![
         (vec!["config-schema"], 0, "$schema"),
         (vec!["crd"], 0, "CustomResourceDefinition"),
         (vec!["allow-list"], 0, "/domain"),
+        (vec!["rules"], 0, "### `firmware-paths`"),
         (vec!["validate-config", &healthy], 0, ""),
         (vec!["check", "--config", &healthy], 0, "reachable"),
+        (vec!["check", "--config", &healthy], 0, &size),
+        (
+            vec!["check", "--config", &too_big],
+            1,
+            "FAIL (cpu-placement)",
+        ),
         (vec!["check", "--config", &wrong_key], 1, "host-key"),
         (vec!["check", "--config", &insecure], 1, "libvirt-socket"),
         (

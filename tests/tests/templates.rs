@@ -886,6 +886,8 @@ fn render_command_honours_a_manifests_settings_overrides() {
             kvm: false,
             arch: "x86_64".into(),
             libvirt_version: "9.0.0".into(),
+            host_cpus: 2,
+            numa_nodes: 1,
             created_at: Some(CREATED_AT.into()),
         };
         let (mut out, mut err) = (Vec::new(), Vec::new());

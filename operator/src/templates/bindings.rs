@@ -28,7 +28,7 @@ pub use domain::egress::templates::types;
 /// Name of the WIT package, without version.
 pub const PACKAGE: &str = "egress:templates";
 /// Version of the WIT package this operator was built against.
-pub const PACKAGE_VERSION: &str = "0.1.0";
+pub const PACKAGE_VERSION: &str = "0.2.0";
 
 /// Plugin results lifted with their size checked **before** anything is copied into host
 /// memory.

@@ -208,7 +208,7 @@ mod tests {
             "wasi:cli/environment@0.2.0",
             "wasi:io/streams@0.2.6",
             "wasi:cli/terminal-stderr@0.2.3",
-            "egress:templates/types@0.1.0",
+            "egress:templates/types@0.2.0",
         ] {
             assert_eq!(check_import(ok), Ok(()), "{ok}");
         }

@@ -26,6 +26,8 @@ fn main() {
             arch: "x86_64".into(),
             kvm: false,
             libvirt_version: "9.0.0".into(),
+            cpus: 2,
+            numa_nodes: 1,
         },
         machine_type: MachineType {
             name: "small".into(),

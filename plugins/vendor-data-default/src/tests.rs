@@ -19,6 +19,8 @@ fn input(settings: &Value) -> VendorDataInput {
             arch: "x86_64".into(),
             kvm: false,
             libvirt_version: "9.0.0".into(),
+            cpus: 2,
+            numa_nodes: 1,
         },
         machine_type: MachineType {
             name: "small".into(),

@@ -235,16 +235,16 @@ fn placement(root: &Node, policy: &HostPolicy) -> Result<(), TemplateErrorKind> 
             ));
         }
     }
+    let size = policy.host_size;
     for (at, set) in sets {
         within(&at, set, cpus, "cpuPlacement.cpus")?;
+        on_host(&at, set, size.map(|s| s.cpus), "CPUs")?;
     }
     if let Some(mem) = root.child("numatune").and_then(|n| n.child("memory")) {
-        within(
-            "/domain/numatune/memory/@nodeset",
-            mem.attr("nodeset").unwrap_or_default(),
-            nodes,
-            "cpuPlacement.nodes",
-        )?;
+        let at = "/domain/numatune/memory/@nodeset";
+        let set = mem.attr("nodeset").unwrap_or_default();
+        within(at, set, nodes, "cpuPlacement.nodes")?;
+        on_host(at, set, size.map(|s| s.numa_nodes), "NUMA nodes")?;
     } else if root.child("numatune").is_some() && nodes.is_none() {
         return Err(refuse(
             "cpu-placement",
@@ -252,6 +252,23 @@ fn placement(root: &Node, policy: &HostPolicy) -> Result<(), TemplateErrorKind> 
         ));
     }
     Ok(())
+}
+
+/// A set inside the operator's placement can still name a CPU (or node) the host does
+/// not have, when `cpuPlacement` was written for bigger hosts: refused here rather than
+/// at start, where libvirt fails the whole Create.
+fn on_host(at: &str, set: &str, count: Option<u32>, what: &str) -> Result<(), TemplateErrorKind> {
+    match (CpuSet::parse(set), count) {
+        (Some(s), Some(n)) if s.max() >= n => Err(refuse(
+            "cpu-placement",
+            format!(
+                "{at} is {}, but the host has {n} {what} (numbered 0 to {})",
+                show(set),
+                n.saturating_sub(1)
+            ),
+        )),
+        _ => Ok(()),
+    }
 }
 
 fn within(

@@ -37,7 +37,7 @@ pub use host::{
     MAX_CONTROLLER_PORTS, MAX_CONTROLLER_VECTORS, MAX_NIC_RING, MAX_RNG_BYTES_PER_SECOND,
     MAX_VIDEO_KIB, MIN_RNG_PERIOD_MS,
 };
-pub use policy::{CpuPlacement, CpuSet, HostPolicy, MAX_CPU_ID};
+pub use policy::{CpuPlacement, CpuSet, HostPolicy, HostSize, MAX_CPU_ID};
 pub use rules::render_markdown as rules_markdown;
 pub use tree::{MAX_DEPTH, MAX_ELEMENTS};
 pub use vendor::{

@@ -25,6 +25,19 @@ pub struct HostPolicy {
     /// UEFI variable-store templates allowed beyond the stock list (`nvramTemplates`: a
     /// site's own keys).
     pub nvram_templates: Vec<String>,
+    /// CPUs the host has online and its NUMA nodes, as libvirt reports them (see
+    /// [`HostPolicy::on_host`]); `None` where unknown. A `cpuset` or `nodeset` naming one
+    /// past them is refused here, before define, instead of failing at start.
+    pub host_size: Option<HostSize>,
+}
+
+/// How many CPUs and NUMA nodes a host has (libvirt's node info and capabilities).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct HostSize {
+    /// CPUs online; valid CPU numbers are `0..cpus`.
+    pub cpus: u32,
+    /// NUMA nodes; valid node numbers are `0..numa_nodes`.
+    pub numa_nodes: u32,
 }
 
 /// The host CPUs (and NUMA nodes) the operator owns for proxy VMs: every `cpuset` and
@@ -54,7 +67,29 @@ impl HostPolicy {
             bridge_mtu: host.bridge_mtu,
             cpu_placement,
             nvram_templates: host.nvram_templates.clone(),
+            host_size: None,
         }
+    }
+
+    /// The policy of a configured host with the size its libvirt reported (what a Create
+    /// renders with, and what the plugin saw in `host.cpus` and `host.numa-nodes`).
+    pub fn on_host(host: &HostConfig, size: HostSize) -> Self {
+        Self {
+            host_size: Some(size),
+            ..Self::for_host(host)
+        }
+    }
+
+    /// The policy a render with `input` is checked against: its host's, with the size
+    /// the input told the plugin.
+    pub fn for_render(host: &HostConfig, input: &crate::templates::DomainInput) -> Self {
+        Self::on_host(
+            host,
+            HostSize {
+                cpus: input.host.cpus,
+                numa_nodes: input.host.numa_nodes,
+            },
+        )
     }
 }
 
@@ -99,6 +134,11 @@ impl CpuSet {
     /// Whether every member is also in `other`.
     pub fn is_subset(&self, other: &CpuSet) -> bool {
         self.0.is_subset(&other.0)
+    }
+
+    /// The highest member (a set is never empty).
+    pub fn max(&self) -> u32 {
+        self.0.last().copied().unwrap_or(0)
     }
 }
 

@@ -55,6 +55,8 @@ fn input_with(firmware: Firmware) -> DomainInput {
             arch: "x86_64".into(),
             kvm: false,
             libvirt_version: "9.0.0".into(),
+            cpus: 2,
+            numa_nodes: 1,
         },
         settings: "{}".into(),
     }

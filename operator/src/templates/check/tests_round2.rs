@@ -27,6 +27,7 @@ fn policy(mtu: Option<u32>, cpus: Option<&str>, nodes: Option<&str>) -> HostPoli
             nodes: nodes.map(|n| CpuSet::parse(n).unwrap()),
         }),
         nvram_templates: Vec::new(),
+        host_size: None,
     }
 }
 
@@ -341,6 +342,47 @@ fn cpu_and_numa_placement_only_inside_the_hosts_cpuset() {
         )],
         &input(),
         &policy(None, Some("4-7"), None),
+    );
+    // A placement written for bigger hosts, on a host with 6 CPUs and one NUMA node: a
+    // CPU or node the host does not have is refused before define, not at start.
+    let small = HostPolicy {
+        host_size: Some(HostSize {
+            cpus: 6,
+            numa_nodes: 1,
+        }),
+        ..owned.clone()
+    };
+    refused_on(
+        &[
+            ("cpu-placement", "/domain/vcpu/@cpuset", cpuset("4-7")),
+            (
+                "cpu-placement",
+                "/domain/cputune/vcpupin[2]/@cpuset",
+                pins("4", "6"),
+            ),
+            (
+                "cpu-placement",
+                "/domain/cputune/emulatorpin/@cpuset",
+                emu("7"),
+            ),
+            (
+                "cpu-placement",
+                "/domain/numatune/memory/@nodeset",
+                numa("1"),
+            ),
+        ],
+        &input(),
+        &small,
+    );
+    for ok in [cpuset("4-5"), pins("4", "5"), emu("5")] {
+        accepted_on(&ok, &input(), &small);
+    }
+    let detail = verdict_on(&cpuset("4-7"), &input(), &small, Reading::Plugin)
+        .unwrap_err()
+        .1;
+    assert!(
+        detail.contains("the host has 6 CPUs (numbered 0 to 5)"),
+        "{detail}"
     );
 }
 

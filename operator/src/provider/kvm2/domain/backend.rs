@@ -764,7 +764,7 @@ impl Kvm2Provider {
         let policy = self
             .config
             .host(host)
-            .map(HostPolicy::for_host)
+            .map(|h| HostPolicy::for_render(h, &input))
             .unwrap_or_default();
         let verdict =
             tokio::task::spawn_blocking(move || check_defined_domain_xml_on(&xml, &input, &policy))
@@ -968,7 +968,7 @@ impl Kvm2Provider {
         .to_xml();
         let domain_input = stamped.clone();
         let domain_overrides = inputs.overrides.domain.clone();
-        let policy = HostPolicy::for_host(&inputs.host);
+        let policy = HostPolicy::for_render(&inputs.host, &stamped);
         let xml = self
             .render_blocking(move |t| {
                 Ok(t.domain()?

@@ -348,7 +348,14 @@ impl HostOps for FakeOps {
     }
 
     fn facts<'a>(&'a self, host: &'a str) -> BoxFuture<'a, Result<Facts, OpsError>> {
-        Box::pin(async move { self.with(host, "host-facts", |_| Facts::default()) })
+        // A big host, so the fakes' tests of CPU placement meet only the config's limits.
+        Box::pin(async move {
+            self.with(host, "host-facts", |_| Facts {
+                cpus: 64,
+                numa_nodes: 4,
+                ..Facts::default()
+            })
+        })
     }
 
     fn pool_space<'a>(

@@ -548,11 +548,16 @@ impl HostOps for LibvirtOps {
                 .call(host, "host-facts", |c| {
                     let v = c.get_lib_version()?;
                     let caps = c.get_capabilities()?;
-                    Ok((v, caps))
+                    let node = c.get_node_info()?;
+                    Ok((v, caps, node))
                 })
                 .await?;
-            let (version, caps) = facts;
+            let (version, caps, node) = facts;
             Ok(Facts {
+                cpus: node.cpus,
+                // Node info says 1 for "unusual" topologies; the capabilities' cell count
+                // is the real one when libvirt reports it.
+                numa_nodes: capabilities_cells(&caps).unwrap_or(node.nodes).max(1),
                 arch: capabilities_arch(&caps).unwrap_or_else(|| "x86_64".into()),
                 kvm: caps.contains("domain type='kvm'") || caps.contains("domain type=\"kvm\""),
                 libvirt_version: format!(
@@ -1177,6 +1182,13 @@ fn is_transport(e: &virt::error::Error) -> bool {
     crate::provider::kvm2::virt_error::is_link_failure(e)
 }
 
+/// The host's NUMA cell count from the capabilities XML (`<cells num='N'>`).
+pub(crate) fn capabilities_cells(caps: &str) -> Option<u32> {
+    let at = caps.find("<cells num=")? + "<cells num=".len();
+    let rest = caps.get(at + 1..)?;
+    rest.split(['\'', '"']).next()?.parse().ok()
+}
+
 /// The default guest architecture from capabilities XML (`<host><cpu><arch>`).
 fn capabilities_arch(caps: &str) -> Option<String> {
     let start = caps.find("<arch>")? + "<arch>".len();
@@ -1222,5 +1234,14 @@ mod tests {
         assert_eq!(capabilities_arch(caps).as_deref(), Some("x86_64"));
         assert_eq!(capabilities_arch("<arch>x<y</arch>"), None);
         assert_eq!(capabilities_arch("nothing"), None);
+    }
+
+    #[test]
+    fn numa_cells_from_capabilities() {
+        let caps = "<host><topology><cells num='2'><cell id='0'/></cells></topology></host>";
+        assert_eq!(capabilities_cells(caps), Some(2));
+        assert_eq!(capabilities_cells("<cells num=\"4\">"), Some(4));
+        assert_eq!(capabilities_cells("<cells num='x'>"), None);
+        assert_eq!(capabilities_cells("<host/>"), None);
     }
 }

@@ -34,7 +34,8 @@ pub struct HostReport {
     pub ok: bool,
     /// Reason code of the first failure (`config`, `dns`, `connect`, `timeout`, `auth`,
     /// `host-key`, `key-file`, `libvirt-socket`, `forwarding-disabled`, `disconnected`,
-    /// `tunnel`, `busy`, `libvirt`, `pool-missing`, `pool-inactive`, `bridge-missing`).
+    /// `tunnel`, `busy`, `libvirt`, `pool-missing`, `pool-inactive`, `bridge-missing`,
+    /// `cpu-placement`).
     pub reason: Option<String>,
     /// The dial stage the first failure happened at (`key-files`, `dns`, `tcp-connect`,
     /// `ssh-handshake`, `ssh-auth`, `channel`, `libvirt-open`), when it was the dial's.
@@ -51,6 +52,10 @@ pub struct HostReport {
     pub hypervisor_version: Option<String>,
     /// Whether the host offers KVM domains.
     pub kvm: Option<bool>,
+    /// CPUs online (what plugins see as `host.cpus`).
+    pub cpus: Option<u32>,
+    /// NUMA nodes (what plugins see as `host.numa-nodes`).
+    pub numa_nodes: Option<u32>,
     /// The storage pool.
     pub pool: Option<PoolReport>,
     /// Whether the bridge exists on the host.
@@ -106,6 +111,8 @@ impl HostReport {
             libvirt_version: None,
             hypervisor_version: None,
             kvm: None,
+            cpus: None,
+            numa_nodes: None,
             pool: None,
             bridge_present: None,
             images: Vec::new(),
@@ -189,12 +196,13 @@ async fn facts(
         host: host.name.clone(),
         source,
     };
-    let (lib, hyp, caps) = conn
+    let (lib, hyp, caps, node) = conn
         .call("host-facts", CHECK_CALL_DEADLINE, |c| {
             Ok((
                 c.get_lib_version()?,
                 c.get_hyp_version()?,
                 c.get_capabilities()?,
+                c.get_node_info()?,
             ))
         })
         .await
@@ -202,6 +210,14 @@ async fn facts(
     report.libvirt_version = Some(version_string(lib));
     report.hypervisor_version = Some(version_string(hyp));
     report.kvm = Some(caps.contains("domain type='kvm'") || caps.contains("domain type=\"kvm\""));
+    let numa_nodes = crate::provider::kvm2::ops::capabilities_cells(&caps)
+        .unwrap_or(node.nodes)
+        .max(1);
+    report.cpus = Some(node.cpus);
+    report.numa_nodes = Some(numa_nodes);
+    if let Some(problem) = placement_beyond(host, node.cpus, numa_nodes) {
+        report.fail("cpu-placement", problem);
+    }
 
     let pool_name = host.storage_pool.clone();
     let volumes: Vec<(String, String, String)> = images
@@ -290,6 +306,26 @@ async fn facts(
     Ok(())
 }
 
+/// Why the host's `cpuPlacement` names a CPU or NUMA node the host does not have (every
+/// render that pins there would be refused by the rule `cpu-placement`), if it does.
+fn placement_beyond(host: &HostConfig, cpus: u32, numa_nodes: u32) -> Option<String> {
+    let p = host.cpu_placement.as_ref()?;
+    let beyond = |set: &str, count: u32, what: &str, field: &str| {
+        let max = crate::templates::check::CpuSet::parse(set)?.max();
+        (max >= count).then(|| {
+            format!(
+                "cpuPlacement.{field} {set:?} names {what} {max}; the host has {count} (numbered 0 to {})",
+                count.saturating_sub(1)
+            )
+        })
+    };
+    beyond(&p.cpus, cpus, "CPU", "cpus").or_else(|| {
+        p.nodes
+            .as_deref()
+            .and_then(|n| beyond(n, numa_nodes, "NUMA node", "nodes"))
+    })
+}
+
 /// Renders reports as a table for people.
 pub fn table(reports: &[HostReport]) -> String {
     let mut out = String::new();
@@ -321,6 +357,12 @@ pub fn table(reports: &[HostReport]) -> String {
         out.push_str(&format!(
             "  kvm                  {}\n",
             r.kvm.map_or("-", yn)
+        ));
+        let count = |v: Option<u32>| v.map_or_else(|| "-".to_string(), |n| n.to_string());
+        out.push_str(&format!(
+            "  cpus / numa nodes    {} / {}\n",
+            count(r.cpus),
+            count(r.numa_nodes)
         ));
         match &r.pool {
             Some(p) => out.push_str(&format!(
