@@ -107,6 +107,12 @@ pub struct PluginTestArgs {
     /// Host fact: KVM is available.
     #[arg(long)]
     pub kvm: bool,
+    /// Host fact: CPUs online (a `cpuset` past them is refused).
+    #[arg(long, default_value_t = 2)]
+    pub host_cpus: u32,
+    /// Host fact: NUMA nodes.
+    #[arg(long, default_value_t = 1)]
+    pub numa_nodes: u32,
 }
 
 /// Arguments of `validate-config`.
@@ -327,7 +333,12 @@ fn plugin_test(
         config: args.config.clone(),
         snapshot: args.snapshot.clone(),
         cache_dir: args.cache_dir.clone(),
-        kvm: args.kvm,
+        facts: crate::render::Facts {
+            kvm: args.kvm,
+            cpus: args.host_cpus,
+            numa_nodes: args.numa_nodes,
+            ..crate::render::Facts::default()
+        },
     };
     match crate::authoring::runner::run(&opts) {
         Ok(report) => {

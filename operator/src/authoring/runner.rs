@@ -38,8 +38,9 @@ pub struct TestOptions {
     pub snapshot: Option<PathBuf>,
     /// Cache compiled plugins here.
     pub cache_dir: Option<PathBuf>,
-    /// Host fact: KVM is available (a host with `disableKvm` still renders for emulation).
-    pub kvm: bool,
+    /// What every host is taken to have (KVM, CPUs, NUMA nodes); a host with `disableKvm`
+    /// still renders for emulation.
+    pub facts: Facts,
 }
 
 /// The verdict on one case.
@@ -229,10 +230,7 @@ pub fn run(opts: &TestOptions) -> Result<Report, AuthoringError> {
     let engine = TemplateEngine::new(opts.cache_dir.as_deref())?;
     let t = template_config(&opts.plugin, settings)?;
     let loaded = load(&engine, &t, opts.kind)?;
-    let facts = Facts {
-        kvm: opts.kvm,
-        ..Facts::default()
-    };
+    let facts = &opts.facts;
     let (kind, plugin, sha256, schema) = match &loaded {
         Loaded::Domain(d) => (
             TemplateKind::Domain,
@@ -261,7 +259,7 @@ pub fn run(opts: &TestOptions) -> Result<Report, AuthoringError> {
     }
     let mut outcomes = Vec::new();
     for case in matrix::cases(kind, &config, &types, nics) {
-        let inputs = matrix::inputs(&config, &case, &facts)?;
+        let inputs = matrix::inputs(&config, &case, facts)?;
         let rendered = match &loaded {
             Loaded::Domain(d) => {
                 let overrides = case.nics.filter(|_| nics).map(|n| {
