@@ -46,20 +46,47 @@ fn operator(args: &[&str]) -> Finished {
     .unwrap()
 }
 
-/// A temporary directory outside the repository (the system's temp dir), so the new crate
-/// cannot borrow anything from this workspace.
-fn outside_dir() -> tempfile::TempDir {
-    let dir = tempfile::Builder::new()
-        .prefix("plugin-authoring-")
-        .tempdir()
-        .unwrap();
+/// A directory outside the repository (in the system's temp dir), so a new crate cannot
+/// borrow anything from this workspace; removed when dropped.
+///
+/// Its path is the same on every run (per target directory and test): cargo keys a path
+/// crate's artifacts by its path, so the shared target directory then rebuilds the new
+/// crates in place instead of piling up one set per run.
+#[derive(Debug)]
+struct OutsideDir(PathBuf);
+
+impl OutsideDir {
+    fn path(&self) -> &Path {
+        &self.0
+    }
+}
+
+impl Drop for OutsideDir {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_dir_all(&self.0);
+        // The shared parent goes with the last test that used it (not empty before).
+        if let Some(parent) = self.0.parent() {
+            let _ = std::fs::remove_dir(parent);
+        }
+    }
+}
+
+fn outside_dir(test: &str) -> OutsideDir {
+    let key =
+        &integration_tests::sha256_hex(shared_target().display().to_string().as_bytes())[..12];
+    let dir = std::env::temp_dir()
+        .join(format!("egress-plugin-authoring-{key}"))
+        .join(test);
+    // What a killed earlier run left.
+    let _ = std::fs::remove_dir_all(&dir);
+    std::fs::create_dir_all(&dir).unwrap();
     let root = workspace_root().canonicalize().unwrap();
     assert!(
-        !dir.path().canonicalize().unwrap().starts_with(&root),
+        !dir.canonicalize().unwrap().starts_with(&root),
         "{} is inside the repository",
-        dir.path().display()
+        dir.display()
     );
-    dir
+    OutsideDir(dir)
 }
 
 /// Runs cargo with `args` in `dir`: offline first (`CARGO_NET_OFFLINE`, which every
@@ -87,7 +114,7 @@ fn cargo_in(dir: &Path, args: &[&str]) {
 
 #[test]
 fn a_new_crate_of_each_kind_builds_outside_the_repository_and_passes_plugin_test() {
-    let dir = outside_dir();
+    let dir = outside_dir("new-crates");
     for (kind, name, file, cases) in [
         ("domain", "site-domain", "site_domain.wasm", 8),
         (
@@ -142,7 +169,7 @@ fn a_new_crate_of_each_kind_builds_outside_the_repository_and_passes_plugin_test
 
 #[test]
 fn plugin_new_refuses_a_bad_name_and_a_taken_directory() {
-    let dir = outside_dir();
+    let dir = outside_dir("refusals");
     let bad = operator(&["plugin", "new", "--kind", "domain", "My.Plugin"]);
     assert_eq!(bad.code, 1);
     assert!(
@@ -367,7 +394,7 @@ fn your_first_plugin_walkthrough_runs_as_written() {
     let langs: Vec<&str> = blocks.iter().map(|b| b.lang.as_str()).collect();
     assert_eq!(langs, ["sh", "sh", "rust", "sh", "sh", "sh", "yaml"]);
 
-    let work = outside_dir();
+    let work = outside_dir("walkthrough");
     let bin = work.path().join("bin");
     std::fs::create_dir(&bin).unwrap();
     std::os::unix::fs::symlink(binary(), bin.join("egress-operator")).unwrap();
