@@ -270,7 +270,7 @@ pub fn run(opts: &TestOptions) -> Result<Report, AuthoringError> {
                 d.render_on(
                     &inputs.domain,
                     overrides.as_ref(),
-                    &HostPolicy::for_host(&inputs.host),
+                    &HostPolicy::for_render(&inputs.host, &inputs.domain),
                 )
             }
             Loaded::VendorData(v) => v.render_with(&inputs.vendor_data, None),
