@@ -355,11 +355,63 @@ impl std::fmt::Debug for Kvm2Provider {
 }
 
 /// Creates made for one request, so a failure removes exactly those.
+///
+/// Also the record of a Create that never finished: a Create whose future is dropped
+/// (the leader fence cancels it after the lease was lost, and no libvirt call may follow)
+/// cannot clean up, so on drop before [`Made::settle`] it logs what it made, and what the
+/// step in flight may have made, by name. Those carry our mark and the Proxy's UID: the
+/// new leader's Create adopts or replaces them and the collector takes leftover volumes
+/// after its grace period; the log line names them for whoever looks sooner.
 #[derive(Default)]
 struct Made {
     root: bool,
     seed: bool,
     domain: bool,
+    /// Host, domain, root and seed volume names: set when the Create starts making things.
+    names: Option<(String, String, String, String)>,
+    settled: bool,
+}
+
+impl Made {
+    fn for_create(host: &str, identity: &InstanceIdentity) -> Self {
+        Self {
+            names: Some((
+                host.to_string(),
+                identity.domain_name.clone(),
+                identity.root_volume.clone(),
+                identity.seed_volume.clone(),
+            )),
+            ..Self::default()
+        }
+    }
+
+    /// The Create ended (made its instance, or cleaned up after a failure).
+    fn settle(&mut self) {
+        self.settled = true;
+    }
+}
+
+impl Drop for Made {
+    fn drop(&mut self) {
+        if self.settled {
+            return;
+        }
+        let Some((host, domain, root, seed)) = &self.names else {
+            return;
+        };
+        let made: Vec<&str> = [
+            (self.root, root.as_str()),
+            (self.seed, seed.as_str()),
+            (self.domain, domain.as_str()),
+        ]
+        .iter()
+        .filter(|(m, _)| *m)
+        .map(|(_, n)| *n)
+        .collect();
+        tracing::warn!(host = %host, domain = %domain, made = ?made,
+            may_exist = ?[root.as_str(), seed.as_str(), domain.as_str()],
+            "create cancelled before it ended; what it made is left for the next Create or the collector");
+    }
 }
 
 impl Kvm2Provider {
@@ -674,13 +726,17 @@ impl Kvm2Provider {
         };
         let _slot = self.reserve(&host).await?;
 
-        let mut made = Made::default();
+        let mut made = Made::for_create(h, &identity);
         match self.build(req, &host, &identity, &mut made).await {
-            Ok(instance) => Ok(instance),
+            Ok(instance) => {
+                made.settle();
+                Ok(instance)
+            }
             Err(e) => {
                 tracing::warn!(host = h, domain = %identity.domain_name, class = %e.class(), error = %e,
                     "create failed; removing what it made");
                 self.cleanup(h, pool, &identity, &made).await;
+                made.settle();
                 Err(e)
             }
         }
@@ -1411,6 +1467,14 @@ impl Provider for Kvm2Provider {
 
     fn health(&self) -> Option<&dyn HealthCheck> {
         Some(self)
+    }
+
+    fn sever(&self, bound: Duration) -> BoxFuture<'_, crate::provider::Severed> {
+        self.ops.sever(bound)
+    }
+
+    fn reconnect(&self) {
+        self.ops.reconnect();
     }
 }
 

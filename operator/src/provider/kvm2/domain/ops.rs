@@ -305,6 +305,15 @@ pub trait HostOps: Send + Sync {
         pool: &'a str,
     ) -> BoxFuture<'a, Result<Vec<VolumeEntry>, OpsError>>;
 
+    /// Cuts this process off every host (see [`crate::provider::Provider::sever`]).
+    /// Default, for test doubles that hold no connection: nothing to cut.
+    fn sever(&self, _bound: Duration) -> BoxFuture<'_, crate::provider::Severed> {
+        Box::pin(std::future::ready(crate::provider::Severed::default()))
+    }
+
+    /// Lifts [`HostOps::sever`].
+    fn reconnect(&self) {}
+
     /// The health monitor's check of a host, within `deadline`: libvirt answers and the
     /// pool's space. Real hosts check on a connection of their own, never the shared link
     /// (a check must neither disturb calls in flight nor wait behind a full pool, and it
@@ -539,6 +548,14 @@ impl LibvirtOps {
 impl HostOps for LibvirtOps {
     fn hosts(&self) -> Vec<String> {
         self.hosts.names().map(str::to_string).collect()
+    }
+
+    fn sever(&self, bound: Duration) -> BoxFuture<'_, crate::provider::Severed> {
+        Box::pin(self.hosts.sever(bound))
+    }
+
+    fn reconnect(&self) {
+        self.hosts.reconnect();
     }
 
     fn facts<'a>(&'a self, host: &'a str) -> BoxFuture<'a, Result<Facts, OpsError>> {
