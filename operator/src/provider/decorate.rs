@@ -725,7 +725,9 @@ mod tests {
 
     impl Wire {
         fn lock(&self) -> std::sync::MutexGuard<'_, WireState> {
-            self.state.lock().unwrap()
+            self.state
+                .lock()
+                .unwrap_or_else(std::sync::PoisonError::into_inner)
         }
 
         /// Blocks the calling thread until the request lands or the link is cut.
@@ -733,7 +735,10 @@ mod tests {
             let mut st = self.lock();
             st.waiting += 1;
             while !st.answering && !st.cut {
-                st = self.changed.wait(st).unwrap();
+                st = self
+                    .changed
+                    .wait(st)
+                    .unwrap_or_else(std::sync::PoisonError::into_inner);
             }
             st.waiting -= 1;
             if st.cut {
@@ -811,6 +816,15 @@ mod tests {
     #[tokio::test]
     async fn a_call_blocked_on_a_thread_lands_nowhere_once_the_replica_is_fenced() {
         let wire = Arc::new(Wire::default());
+        // A failed assertion must not leave the thread blocked: the runtime would wait for
+        // it forever at the end of the test.
+        struct Release(Arc<Wire>);
+        impl Drop for Release {
+            fn drop(&mut self) {
+                self.0.set(|st| st.answering = true);
+            }
+        }
+        let _release = Release(wire.clone());
         let (tx, rx) = tokio::sync::watch::channel(true);
         let grace = Duration::from_millis(100);
         let metrics = FenceMetrics::default();
@@ -851,6 +865,20 @@ mod tests {
         .await;
         let err = in_flight.await.unwrap().unwrap_err();
         assert!(err.is_lease_lost(), "{err}");
+
+        // The target gets round to answering: nothing of the deposed replica lands.
+        wire.set(|st| st.answering = true);
+        for _ in 0..20 {
+            if wire.lock().waiting == 0 {
+                break;
+            }
+            tokio::time::sleep(Duration::from_millis(5)).await;
+        }
+        assert!(
+            wire.lock().landed.is_empty(),
+            "landed after fencing: {:?}",
+            wire.lock().landed
+        );
         assert_eq!(
             found,
             vec![(
@@ -864,15 +892,6 @@ mod tests {
         assert_eq!(metrics.cancelled("kvm2", "delete"), 1);
         assert_eq!(metrics.cut("kvm2"), 1);
         assert_eq!(metrics.still_running("kvm2"), 0);
-
-        // The target gets round to answering: nothing of the deposed replica is there.
-        wire.set(|st| st.answering = true);
-        tokio::time::sleep(Duration::from_millis(50)).await;
-        assert!(
-            wire.lock().landed.is_empty(),
-            "landed after fencing: {:?}",
-            wire.lock().landed
-        );
     }
 
     #[tokio::test(start_paused = true)]
