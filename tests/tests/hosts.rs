@@ -273,6 +273,30 @@ fn a_cut_releases_a_thread_blocked_in_libvirt_and_refuses_links_until_reconnect(
     });
 }
 
+/// The network a DHCP-mode host's bridge serves, read from libvirt's own network
+/// definitions over the tunnel (issue 19, finding 8): the test driver's `default` network
+/// owns `virbr0` (192.168.122.1, netmask 255.255.255.0); a bridge no network owns has none.
+#[test]
+fn a_bridges_network_is_read_from_the_libvirt_network_that_owns_it() {
+    use egress_operator::provider::kvm2::ops::{HostOps as _, LibvirtOps};
+    let Some((sshd, libvirtd)) = daemons() else {
+        return;
+    };
+    let config = config_for(&sshd, &libvirtd, LibvirtDriver::Test, &sshd.address());
+    let (hosts, _) = hosts_for(&config);
+    let hosts = Arc::new(hosts);
+    let ops = LibvirtOps::new(hosts.clone());
+    run(async {
+        let net = guard(ops.bridge_network("h1", "virbr0")).await.unwrap();
+        assert_eq!(net, Some("192.168.122.0/24".parse().unwrap()));
+        let none = guard(ops.bridge_network("h1", "eo-no-such-br"))
+            .await
+            .unwrap();
+        assert_eq!(none, None);
+        hosts.close().await;
+    });
+}
+
 #[test]
 fn a_silent_server_hits_the_deadline_and_does_not_hang() {
     let Some((sshd, libvirtd)) = daemons() else {

@@ -326,6 +326,8 @@ pub struct Kvm2Provider {
     /// Image upload heartbeats the garbage collector saw, by host and volume name: the
     /// record and since when it has not changed (see [`Kvm2Provider::upload_alive`]).
     beats: std::sync::Mutex<BTreeMap<(String, String), HeartbeatSeen>>,
+    /// The networks of DHCP-mode hosts' bridges, as libvirt declares them.
+    bridge_nets: super::bridgenet::BridgeNets,
 }
 
 /// A slot on a host held by a Create in flight; released on drop.
@@ -443,6 +445,7 @@ impl Kvm2Provider {
             book: AddressBook::new(),
             options,
             beats: Default::default(),
+            bridge_nets: Default::default(),
         }
     }
 
@@ -1169,7 +1172,10 @@ impl Kvm2Provider {
             inst.address_source = Some(AddressOrigin::Static);
         } else {
             let mac = mark.mac_or_legacy();
-            let net = address_pool(host).ok().flatten().map(|p| p.net);
+            let net = match address_pool(host).ok().flatten() {
+                Some(p) => Some(p.net),
+                None => self.bridge_net(host).await,
+            };
             let (found, source, agent) = self.detect(h, &name, &mac, net.as_ref()).await;
             agent_answered = agent;
             if !found.is_empty() && self.mac_shared(h, &mac, &name).await {
@@ -1182,6 +1188,26 @@ impl Kvm2Provider {
         }
         if agent_answered {
             inst.seed_applied = self.seed_applied(h, &name, &mark.name).await;
+        }
+    }
+
+    /// The network a DHCP-mode host's bridge serves ([`super::bridgenet`]), read at most
+    /// once per [`super::bridgenet::BRIDGE_NET_TTL`]; `None` when libvirt declares none or
+    /// the lookup failed (then every address is kept, as when nothing is known).
+    async fn bridge_net(&self, host: &HostConfig) -> Option<ipnet::Ipv4Net> {
+        if let Some(net) = self.bridge_nets.fresh(&host.name) {
+            return net;
+        }
+        match self.ops.bridge_network(&host.name, &host.bridge).await {
+            Ok(net) => {
+                self.bridge_nets.note(&host.name, net);
+                net
+            }
+            Err(e) => {
+                tracing::debug!(host = %host.name, bridge = %host.bridge, error = %e,
+                    "the bridge's network could not be read; addresses are not checked against it");
+                None
+            }
         }
     }
 

@@ -305,6 +305,15 @@ pub trait HostOps: Send + Sync {
         pool: &'a str,
     ) -> BoxFuture<'a, Result<Vec<VolumeEntry>, OpsError>>;
 
+    /// The IPv4 network `bridge` serves on `host`, as libvirt knows it: the `<ip>` of the
+    /// libvirt network whose bridge it is ([`super::bridgenet`]); `None` when no libvirt
+    /// network owns the bridge (one managed outside libvirt).
+    fn bridge_network<'a>(
+        &'a self,
+        host: &'a str,
+        bridge: &'a str,
+    ) -> BoxFuture<'a, Result<Option<ipnet::Ipv4Net>, OpsError>>;
+
     /// Cuts this process off every host (see [`crate::provider::Provider::sever`]).
     /// Default, for test doubles that hold no connection: nothing to cut.
     fn sever(&self, _bound: Duration) -> BoxFuture<'_, crate::provider::Severed> {
@@ -556,6 +565,31 @@ impl HostOps for LibvirtOps {
 
     fn reconnect(&self) {
         self.hosts.reconnect();
+    }
+
+    fn bridge_network<'a>(
+        &'a self,
+        host: &'a str,
+        bridge: &'a str,
+    ) -> BoxFuture<'a, Result<Option<ipnet::Ipv4Net>, OpsError>> {
+        let bridge = bridge.to_string();
+        Box::pin(async move {
+            let xmls = self
+                .hosts
+                .call(host, "network-list", move |c| {
+                    let mut out = Vec::new();
+                    for n in c.list_all_networks(0)? {
+                        // A network without a bridge (macvtap, hostdev) answers with an
+                        // error: not ours.
+                        if n.get_bridge_name().ok().as_deref() == Some(bridge.as_str()) {
+                            out.push(n.get_xml_desc(0)?);
+                        }
+                    }
+                    Ok(out)
+                })
+                .await?;
+            Ok(xmls.iter().find_map(|x| super::bridgenet::network_ipv4(x)))
+        })
     }
 
     fn facts<'a>(&'a self, host: &'a str) -> BoxFuture<'a, Result<Facts, OpsError>> {
