@@ -328,6 +328,9 @@ pub struct Kvm2Provider {
     beats: std::sync::Mutex<BTreeMap<(String, String), HeartbeatSeen>>,
     /// The networks of DHCP-mode hosts' bridges, as libvirt declares them.
     bridge_nets: super::bridgenet::BridgeNets,
+    /// This cluster's announcements of the images it uses on shared hosts, and its view
+    /// of the other clusters'.
+    uses: crate::provider::kvm2::image::uses::ImageUses,
 }
 
 /// A slot on a host held by a Create in flight; released on drop.
@@ -434,6 +437,16 @@ impl Kvm2Provider {
                 (h.name.clone(), Arc::new(Semaphore::new(permits)))
             })
             .collect();
+        let uses = crate::provider::kvm2::image::uses::ImageUses::new(
+            &config.cluster_id,
+            config
+                .kvm2
+                .images
+                .iter()
+                .map(|i| crate::instance::image_digest(&i.sha256))
+                .collect(),
+            options.images.stale_after,
+        );
         Self {
             images: ImageCache::new(ops.clone(), options.images.clone(), image_metrics),
             config,
@@ -446,6 +459,7 @@ impl Kvm2Provider {
             options,
             beats: Default::default(),
             bridge_nets: Default::default(),
+            uses,
         }
     }
 
@@ -912,8 +926,13 @@ impl Kvm2Provider {
         )
         .map_err(Kvm2Error::InvalidRequest)?;
 
-        // Base image, then the overlay over it.
+        // Base image, then the overlay over it. Announced once the base is sure, so that
+        // a cluster sharing the host does not collect it under the overlay to come.
         let base = self.images.ensure(host, &inputs.image).await?;
+        self.uses
+            .announce(self.ops.as_ref(), h, pool)
+            .await
+            .map_err(step("image announcement"))?;
         let base_info = self
             .ops
             .volume(h, pool, &base.volume)
@@ -1614,6 +1633,24 @@ impl Kvm2Provider {
             tracing::debug!(host = h, cluster = %other.cluster_id, "host shared with another cluster: its retired images are not collected");
             candidates.retain(|c| c.kind != VolumeKind::UnusedImage);
         }
+        // Nor does it collect what another cluster announced it uses here, while fresh.
+        if candidates.iter().any(|c| c.kind == VolumeKind::UnusedImage) {
+            let held = self
+                .uses
+                .held_by_others(self.ops.as_ref(), h, pool, &volumes)
+                .await
+                .map_err(step("image announcements read"))?;
+            let image_prefix = format!("{}image-", crate::instance::NAME_PREFIX);
+            candidates.retain(|c| {
+                let keep = c.kind == VolumeKind::UnusedImage
+                    && held.keeps(c.key.strip_prefix(&image_prefix).unwrap_or(&c.key));
+                if keep {
+                    tracing::debug!(host = h, image = %c.key,
+                        "another cluster announced it uses this image here; not collected");
+                }
+                !keep
+            });
+        }
         // Start (or go on) watching the heartbeats of staging leftovers.
         for c in candidates.iter().filter(|c| c.kind == VolumeKind::Staging) {
             if let Some(beat) = heartbeat_of(c) {
@@ -1783,7 +1820,8 @@ fn leftover_volumes(
             Some(VolumeName::ImageHeartbeat { digest }) => {
                 images.entry(digest).or_default().heartbeat = Some(&v.name);
             }
-            None => {}
+            // A cluster's image-use announcement: read by the collector, never collected.
+            Some(VolumeName::ImageUse { .. }) | None => {}
         }
     }
     let mut out = Vec::new();
