@@ -314,22 +314,28 @@ impl<P: Provider + ?Sized> Provider for Metered<P> {
     }
 }
 
-/// Labels of the fence's metrics about one provider.
+/// Labels of the fence's count of cancelled calls.
 #[derive(Debug, Clone, Hash, PartialEq, Eq, EncodeLabelSet)]
 pub struct FenceLabels {
     /// Provider name.
     pub provider: String,
-    /// The operation cancelled (`create`, `delete`, `delete volumes`, ...); empty for the
-    /// per-provider gauges.
+    /// The operation cancelled (`create`, `delete`, `delete volumes`, ...).
     pub op: String,
+}
+
+/// Labels of the fence's per-provider metrics.
+#[derive(Debug, Clone, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct FenceProviderLabels {
+    /// Provider name.
+    pub provider: String,
 }
 
 /// What the leader fence did after the lease was lost.
 #[derive(Debug, Clone, Default)]
 pub struct FenceMetrics {
     cancelled: Family<FenceLabels, Counter>,
-    cut: Family<FenceLabels, Counter>,
-    still_running: Family<FenceLabels, Gauge>,
+    cut: Family<FenceProviderLabels, Counter>,
+    still_running: Family<FenceProviderLabels, Gauge>,
 }
 
 impl FenceMetrics {
@@ -361,6 +367,12 @@ impl FenceMetrics {
         }
     }
 
+    fn of(provider: &str) -> FenceProviderLabels {
+        FenceProviderLabels {
+            provider: provider.into(),
+        }
+    }
+
     /// Calls of `op` cancelled by the fence (for tests).
     pub fn cancelled(&self, provider: &str, op: &str) -> u64 {
         self.cancelled
@@ -370,14 +382,12 @@ impl FenceMetrics {
 
     /// Blocking calls found running at cuts (for tests).
     pub fn cut(&self, provider: &str) -> u64 {
-        self.cut.get_or_create(&Self::labels(provider, "")).get()
+        self.cut.get_or_create(&Self::of(provider)).get()
     }
 
     /// Blocking calls still running after the last cut (for tests).
     pub fn still_running(&self, provider: &str) -> i64 {
-        self.still_running
-            .get_or_create(&Self::labels(provider, ""))
-            .get()
+        self.still_running.get_or_create(&Self::of(provider)).get()
     }
 }
 
@@ -472,7 +482,7 @@ pub async fn fence_off(
     });
     let found = futures_util::future::join_all(cuts).await;
     for (provider, severed) in &found {
-        let labels = FenceMetrics::labels(provider, "");
+        let labels = FenceMetrics::of(provider);
         metrics
             .cut
             .get_or_create(&labels)
@@ -506,7 +516,7 @@ pub fn reconnect(providers: &[SharedProvider], metrics: &FenceMetrics) {
         p.reconnect();
         metrics
             .still_running
-            .get_or_create(&FenceMetrics::labels(p.name(), ""))
+            .get_or_create(&FenceMetrics::of(p.name()))
             .set(0);
     }
 }
