@@ -191,6 +191,14 @@ pub fn image_heartbeat_name(sha256: &str) -> String {
     format!("{NAME_PREFIX}imghb-{}", short_digest(sha256))
 }
 
+/// The small volume in which the cluster `cluster_id` announces, on a host it shares,
+/// which images it uses there (see the image cache's `uses`): named by a digest of the
+/// cluster ID, so each cluster has its own and finds the others'.
+pub fn image_use_name(cluster_id: &str) -> String {
+    let d = Sha256::digest(format!("egress-operator/cluster/{cluster_id}").as_bytes());
+    format!("{NAME_PREFIX}imguse-{}", &hex::encode(d)[..48])
+}
+
 /// One of our volume names, read back: the collector touches a volume only when its name
 /// parses here, i.e. it is exactly one of the names this module makes.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -225,6 +233,12 @@ pub enum VolumeName {
         /// The digest in the name.
         digest: String,
     },
+    /// `egress-imguse-<48 hex>`: a cluster's announcement of the images it uses on the
+    /// host ([`image_use_name`]). Never a leftover.
+    ImageUse {
+        /// The digest of the cluster ID in the name.
+        cluster: String,
+    },
 }
 
 impl VolumeName {
@@ -248,6 +262,9 @@ impl VolumeName {
         }
         if let Some(d) = rest.strip_prefix("imghb-") {
             return digest(d).map(|digest| VolumeName::ImageHeartbeat { digest });
+        }
+        if let Some(d) = rest.strip_prefix("imguse-") {
+            return digest(d).map(|cluster| VolumeName::ImageUse { cluster });
         }
         let uid = |u: &str| check_uid(u).is_ok().then(|| u.to_string());
         if let Some(u) = rest.strip_suffix("-root") {
@@ -423,6 +440,14 @@ mod tests {
             VolumeName::parse(&image_heartbeat_name(&sha)),
             Some(VolumeName::ImageHeartbeat { digest })
         );
+        // One announcement per cluster, a DNS-1123 label, distinct per cluster ID.
+        let (a, b) = (image_use_name("prod"), image_use_name("staging"));
+        assert_ne!(a, b);
+        assert!(a.len() <= 63, "{a}");
+        assert!(matches!(
+            VolumeName::parse(&a),
+            Some(VolumeName::ImageUse { .. })
+        ));
         // Not exactly ours: never read as ours.
         for other in [
             "egress-0b7c3c1e-9a43-4f5e-a1d2-3c4b5a697887",

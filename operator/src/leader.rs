@@ -12,8 +12,11 @@
 //!   the lease duration by its own clock (so clock skew between nodes does not matter),
 //!   and a free one (released) at once;
 //! - the holder renews every `lease_duration - renew_before_expiry` and steps down when a
-//!   renewal fails or does not finish within `renew_before_expiry`, so it has stopped before
-//!   any follower can see its lease expire;
+//!   renewal fails or has not succeeded by [`LeaderOptions::fencing_margin`] before its
+//!   lease could expire in any follower's eyes, counted from the *start* of the last
+//!   renewal that succeeded (the record a follower times was written after that start), so
+//!   it has stopped at least the margin before any follower can take over: the margin is
+//!   what the deposed replica has to cut its provider calls off (see `run`);
 //! - a follower re-reads every [`LeaderOptions::retry_period`], so a released lease is
 //!   taken within it;
 //! - release on shutdown (clear the holder, also guarded), bounded by a timeout.
@@ -84,7 +87,8 @@ pub struct LeaderOptions {
     /// counts in seconds), at least 2.
     pub lease_duration: Duration,
     /// The holder renews this long before expiry. Whole seconds, at least 1 and less than
-    /// `lease_duration`; also the clock skew between nodes that is tolerated.
+    /// `lease_duration`. Half of it is the fencing margin (see
+    /// [`LeaderOptions::fencing_margin`]).
     pub renew_before_expiry: Duration,
     /// How often a follower re-reads the lease; bounds takeover after a graceful release.
     pub retry_period: Duration,
@@ -104,6 +108,14 @@ impl LeaderOptions {
             retry_period: DEFAULT_RETRY_PERIOD,
             release_timeout: DEFAULT_RELEASE_TIMEOUT,
         }
+    }
+
+    /// The least time between the holder stepping down and any follower taking the lease
+    /// over: half of `renew_before_expiry` (5 s by default). The holder steps down at the
+    /// latest this long before its lease could expire, so a deposed replica has this long
+    /// to stop what it started; the other half is what a renewal may take.
+    pub fn fencing_margin(&self) -> Duration {
+        self.renew_before_expiry / 2
     }
 
     /// Checks the options: names set, timings that can work.
@@ -552,29 +564,43 @@ impl Runner {
         // binding) that retrying cannot fix, so the elector fails and the process exits
         // naming the Lease, instead of standing by forever.
         let mut reached = false;
+        // Start of the last attempt that took or renewed the lease: the record a follower
+        // times was written after it, so the lease cannot expire in a follower's eyes before
+        // `held_since + lease_duration`.
+        let mut held_since: Option<tokio::time::Instant> = None;
         loop {
             let leading = *tx.borrow();
-            // A renewal that takes longer than the margin before expiry counts as failed:
-            // the holder must have stopped before a follower can see its lease expire.
-            let bound = if leading {
-                self.options.renew_before_expiry
-            } else {
-                self.options.lease_duration
+            let started = tokio::time::Instant::now();
+            // A renewal that has not succeeded by the fencing margin before that expiry
+            // counts as failed: the holder must have stopped, with the margin to spare,
+            // before a follower can take over.
+            let bound = match (leading, held_since) {
+                (true, Some(since)) => (since + self.options.lease_duration
+                    - self.options.fencing_margin())
+                .saturating_duration_since(started)
+                .min(self.options.renew_before_expiry),
+                _ => self.options.lease_duration,
             };
             let attempt = tokio::select! {
                 biased;
                 _ = &mut shutdown => return self.release(&tx).await,
                 r = tokio::time::timeout(bound, self.api.acquire_or_renew(&mut observed)) => r,
             };
+            if !matches!(attempt, Ok(Ok(true))) {
+                held_since = None;
+            }
             let wait = match attempt {
                 Ok(Err(e)) if !reached && is_refusal(&e) => return Err(self.error(e)),
                 Ok(Ok(true)) => {
                     reached = true;
                     backoff = FIRST_ERROR_BACKOFF;
+                    held_since = Some(started);
                     if publish(&tx, true) {
                         info!(%identity, %lease, "acquired leadership");
                     }
-                    self.renew_every
+                    // Counted from the attempt's start, so a slow renewal does not push
+                    // the next one towards the step-down deadline.
+                    self.renew_every.saturating_sub(started.elapsed())
                 }
                 Ok(Ok(false)) => {
                     reached = true;
@@ -714,6 +740,8 @@ mod tests {
         unexpected: Vec<String>,
         /// Answer everything with 503, as an unreachable API server would.
         failing: bool,
+        /// Never answer writes that name this holder (a renewal stuck in a slow API server).
+        stalled_holder: Option<String>,
         /// Writes that no resourceVersion guarded (patches, updates without a version).
         unguarded: Vec<String>,
         resource_version: u64,
@@ -878,10 +906,22 @@ mod tests {
                 .get(http::header::CONTENT_TYPE)
                 .and_then(|v| v.to_str().ok())
                 .unwrap_or("");
+            let stalled = self.state.lock().unwrap().stalled_holder.clone();
+            if let Some(holder) = stalled
+                && parts.method == Method::PUT
+                && String::from_utf8_lossy(&body)
+                    .contains(&format!("\"holderIdentity\":\"{holder}\""))
+            {
+                return std::future::pending().await;
+            }
             self.state
                 .lock()
                 .unwrap()
                 .handle(&parts.method, &parts.uri, content_type, &body)
+        }
+
+        fn stall_writes_of(&self, holder: &str) {
+            self.state.lock().unwrap().stalled_holder = Some(holder.to_string());
         }
 
         fn holder(&self) -> Option<String> {
@@ -1384,6 +1424,50 @@ mod tests {
         a_elector.shutdown().await.unwrap();
         assert_eq!(fake.holder(), None);
         assert!(fake.unexpected().is_empty(), "{:?}", fake.unexpected());
+    }
+
+    /// A renewal that hangs (the API server never answers) is the worst case for fencing:
+    /// the last record a follower times was written right after the holder's last good
+    /// renewal began. The holder must step down at least the fencing margin before that
+    /// follower can take over, so that a deposed replica has the margin to cut its calls
+    /// off. (Bounding each renewal by `renew_before_expiry` from its own start, as before,
+    /// stepped down at about the moment the follower took over.)
+    #[tokio::test]
+    async fn a_hung_renewal_steps_down_the_fencing_margin_before_a_takeover() {
+        let fake = Arc::new(FakeApi::default());
+        let a_options = options("replica-a", 6, 4);
+        let margin = a_options.fencing_margin();
+        assert_eq!(margin, Duration::from_secs(2));
+        let (mut a, a_elector) = LeaderElector::start(client(&fake), a_options)
+            .await
+            .unwrap();
+        within(10, "replica-a to lead", a.acquired()).await.unwrap();
+        let (mut b, b_elector) = LeaderElector::start(client(&fake), options("replica-b", 6, 4))
+            .await
+            .unwrap();
+        // Let A renew once more, then let its renewals hang.
+        within(10, "a renewal", async {
+            while fake.renewals() == 0 {
+                tokio::time::sleep(Duration::from_millis(20)).await;
+            }
+        })
+        .await;
+        fake.stall_writes_of("replica-a");
+        within(20, "replica-a to step down", a.lost()).await;
+        let stepped_down = std::time::Instant::now();
+        within(20, "replica-b to take over", b.acquired())
+            .await
+            .unwrap();
+        let gap = stepped_down.elapsed();
+        // A lower bound on an interval the protocol fixes, not a time limit: before, the gap
+        // was at most a follower's retry period (200 ms here).
+        assert!(
+            gap >= margin / 2,
+            "replica-a stepped down only {gap:?} before replica-b took over (margin {margin:?})"
+        );
+        assert_no_early_takeover(&fake.changes());
+        b_elector.shutdown().await.unwrap();
+        a_elector.abort();
     }
 
     #[tokio::test]

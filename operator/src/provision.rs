@@ -254,7 +254,11 @@ async fn create(
             writeln!(out, "# ---- domain XML ----")?;
             writeln!(out, "{}", xml.trim_end())?;
         }
-        print_instance(out, &instance)?;
+        print_instance(
+            out,
+            &instance,
+            serving.as_ref().map(|(o, _)| o.is_serving()),
+        )?;
         if let Some((outcome, description)) = &serving {
             let verdict = if outcome.is_serving() { "yes" } else { "no" };
             writeln!(out, "serving:   {verdict} ({description})")?;
@@ -313,14 +317,10 @@ async fn wait_serving(
             return Ok(outcome);
         }
         if Instant::now() >= until {
-            // Say why when the guest itself shows it: a seed it never read means the
-            // proxy was never configured, whatever the probe saw.
+            // A hint, as the controller reads it: user-data's hostname also renames a
+            // guest that read its seed, so a host name alone proves nothing.
             if instance.seed_applied == Some(false) {
-                let why = format!(
-                    "{}; the guest never read its cloud-init seed, so the proxy was never \
-                     configured",
-                    outcome.1
-                );
+                let why = format!("{}; {}", outcome.1, RENAMED_HINT);
                 return Ok((outcome.0, why));
             }
             return Ok(outcome);
@@ -368,7 +368,32 @@ async fn existing_on(provider: &dyn Provider, uid: &str) -> Existing {
     }
 }
 
-fn print_instance(out: &mut dyn Write, i: &Instance) -> std::io::Result<()> {
+/// Why a guest whose host name is not its seed's may not serve.
+const RENAMED_HINT: &str = "the guest's host name is not its seed's local-hostname, so it may \
+     never have read its cloud-init seed (or its user-data set another host name)";
+
+/// The `seed:` line, by the controller's rule ([`crate::controller::serving::check`]): the
+/// guest's host name is the seed's only when user-data does not rename it (its
+/// `hostname`, `fqdn` or `preserve_hostname` win over meta-data's `local-hostname`), so a
+/// name that differs is a hint and the proxy answering decides. `serving` is the probe's
+/// verdict when `provision` waited for one.
+fn seed_line(seed_applied: Option<bool>, serving: Option<bool>) -> Option<String> {
+    let line = match (seed_applied?, serving) {
+        (true, _) => "applied (the guest's host name is the seed's)".to_string(),
+        (false, Some(true)) => "read (the proxy serves; the guest's host name is not the \
+             seed's local-hostname because user-data set another)"
+            .to_string(),
+        (false, Some(false)) => {
+            format!("maybe not read, since the proxy does not serve: {RENAMED_HINT}")
+        }
+        (false, None) => {
+            format!("unknown: {RENAMED_HINT}; only the proxy answering tells (--wait-serving)")
+        }
+    };
+    Some(format!("seed:      {line}"))
+}
+
+fn print_instance(out: &mut dyn Write, i: &Instance, serving: Option<bool>) -> std::io::Result<()> {
     let addresses = if i.addresses.is_empty() {
         "none yet".to_string()
     } else {
@@ -390,17 +415,8 @@ fn print_instance(out: &mut dyn Write, i: &Instance) -> std::io::Result<()> {
     if let Some(source) = i.address_source {
         writeln!(out, "address source: {source}")?;
     }
-    match i.seed_applied {
-        Some(true) => writeln!(
-            out,
-            "seed:      applied (the guest's host name is the seed's)"
-        )?,
-        Some(false) => writeln!(
-            out,
-            "seed:      NOT applied: the guest agent reports another host name, so cloud-init \
-             never read the seed and the proxy was never configured"
-        )?,
-        None => {}
+    if let Some(line) = seed_line(i.seed_applied, serving) {
+        writeln!(out, "{line}")?;
     }
     writeln!(out, "created:   {}", i.created_at)
 }
@@ -486,4 +502,41 @@ async fn delete(
         }
         writeln!(out, "nothing left")
     })())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A guest whose user-data sets `hostname` read its seed and serves: `provision` must
+    /// not call its seed "NOT applied" (issue 19, finding 1, as `provision` showed it).
+    #[test]
+    fn a_renamed_guest_that_serves_read_its_seed() {
+        let line = seed_line(Some(false), Some(true)).unwrap_or_default();
+        assert!(line.starts_with("seed:      read"), "{line}");
+        let lower = line.to_lowercase();
+        assert!(
+            !lower.contains("not applied") && !lower.contains("not read"),
+            "{line}"
+        );
+    }
+
+    #[test]
+    fn the_seed_line_follows_the_controllers_rule() {
+        assert_eq!(
+            seed_line(Some(true), None).as_deref(),
+            Some("seed:      applied (the guest's host name is the seed's)")
+        );
+        let failing = seed_line(Some(false), Some(false)).unwrap_or_default();
+        assert!(failing.contains("maybe not read"), "{failing}");
+        assert!(failing.contains("user-data"), "{failing}");
+        let unprobed = seed_line(Some(false), None).unwrap_or_default();
+        assert!(unprobed.starts_with("seed:      unknown"), "{unprobed}");
+        assert!(unprobed.contains("--wait-serving"), "{unprobed}");
+        assert_eq!(
+            seed_line(None, Some(true)),
+            None,
+            "no agent: nothing to say"
+        );
+    }
 }

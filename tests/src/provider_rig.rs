@@ -171,11 +171,13 @@ impl Rig {
             .collect()
     }
 
-    /// The cached base image's data and marker volumes.
+    /// The cached base image's data and marker volumes, and this cluster's announcement
+    /// that it uses it (written by the first Create that made sure of the base).
     pub fn base_volumes(&self) -> Vec<String> {
         vec![
             image_volume_name(&self.image_sha),
             image_marker_name(&self.image_sha),
+            egress_operator::instance::image_use_name("test"),
         ]
     }
 }

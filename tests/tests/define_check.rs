@@ -144,8 +144,13 @@ impl FakeWorld {
         fake_rig::provider(&self.config, self.fake.clone())
     }
 
+    /// The cached base image and this cluster's announcement that it uses it.
     fn base(&self) -> BTreeSet<String> {
-        names([image_volume_name(&self.sha), image_marker_name(&self.sha)])
+        names([
+            image_volume_name(&self.sha),
+            image_marker_name(&self.sha),
+            egress_operator::instance::image_use_name("test"),
+        ])
     }
 
     fn with_vm(&self, uid: &str) -> BTreeSet<String> {

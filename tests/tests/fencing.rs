@@ -3,7 +3,8 @@
 //! defines the domain and right before it starts it, fails with a transient "lease lost",
 //! and removes what it made, so it never defines or starts over the new leader's Create
 //! of the same domain. The lease is lost from inside the Create by an [`OpHook`] on the
-//! step before the check.
+//! step before the check. A Create whose step never ends is cancelled by the fence after
+//! its grace and cannot clean up: it records what it left in the log.
 #![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)] // tests fail loudly
 
 use std::sync::{Arc, Mutex};
@@ -204,4 +205,134 @@ fn a_create_whose_lease_holds_runs_through() {
         assert_eq!(w.fake.calls("domain-start"), 1);
         assert_eq!(w.fake.domains("h1").len(), 1, "{:?}", i.id);
     });
+}
+
+/// Holds every call of `op` about `target` forever, after losing the lease: the replica
+/// went while that step was in flight, and the step never ends (a libvirtd that stopped
+/// answering).
+struct StallAfterLoss {
+    op: &'static str,
+    target: String,
+    lease: watch::Sender<bool>,
+}
+
+impl std::fmt::Debug for StallAfterLoss {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("StallAfterLoss")
+            .field("op", &self.op)
+            .finish()
+    }
+}
+
+impl OpHook for StallAfterLoss {
+    fn before<'a>(
+        &'a self,
+        op: &'static str,
+        _host: &'a str,
+        target: Option<&'a str>,
+    ) -> BoxFuture<'a, Result<(), OpsError>> {
+        if op == self.op && target == Some(self.target.as_str()) {
+            self.lease.send_replace(false);
+            return Box::pin(std::future::pending());
+        }
+        Box::pin(std::future::ready(Ok(())))
+    }
+}
+
+/// A log sink for one test.
+#[derive(Clone, Default)]
+struct Captured(Arc<Mutex<Vec<u8>>>);
+
+impl std::io::Write for Captured {
+    fn write(&mut self, buf: &[u8]) -> std::io::Result<usize> {
+        self.0.lock().unwrap().extend_from_slice(buf);
+        Ok(buf.len())
+    }
+    fn flush(&mut self) -> std::io::Result<()> {
+        Ok(())
+    }
+}
+
+/// Issue 19, finding 6: a Create the fence cancels after the grace (its step never ended)
+/// cannot clean up, since no libvirt call may follow the loss. What it made stays (it
+/// carries our mark and the Proxy's UID, for the new leader or the collector), and the
+/// replica's log names it: the host, the domain and the volumes made. Before, the dropped
+/// Create left them without a word.
+#[test]
+fn a_create_cancelled_after_the_grace_records_what_it_left() {
+    use egress_operator::provider::decorate::Fenced;
+    use tracing_subscriber::util::SubscriberInitExt as _;
+    let logs = Captured::default();
+    let writer = logs.clone();
+    let _log = tracing_subscriber::fmt()
+        .with_writer(move || writer.clone())
+        .with_ansi(false)
+        .finish()
+        .set_default();
+    // One thread, so the scoped log sink sees what the dropped Create logs.
+    let rt = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .unwrap();
+    rt.block_on(async {
+        let bytes = fake_rig::test_image(512 << 20, 5500);
+        let http =
+            HttpServer::start(vec![("/img".to_string(), Route::Body(bytes.clone()))]).unwrap();
+        let config = FakeConfig::new(&http.url("/img"), &sha256_hex(&bytes))
+            .name("fencing-cancelled")
+            .build();
+        let fake = Arc::new(FakeOps::new(&["h1"], 1 << 40));
+        let (lease, rx) = watch::channel(true);
+        let id = InstanceIdentity::for_uid(UID).unwrap();
+        let hooked = Arc::new(Hooked::wrap(
+            fake.clone() as Arc<dyn HostOps>,
+            StallAfterLoss {
+                op: "volume-create",
+                target: id.seed_volume.clone(),
+                lease,
+            },
+        ));
+        let mut options = fake_rig::fast_options();
+        options.images.max_wait = Duration::from_secs(20);
+        let provider = Arc::new(fake_rig::provider_with(
+            &config,
+            hooked as Arc<dyn HostOps>,
+            options,
+        ));
+        let fenced = Fenced::new(provider, Fence::new(rx), Duration::from_millis(200));
+        let req = CreateRequest {
+            proxy: ProxyRef {
+                namespace: "default".into(),
+                name: "office".into(),
+                uid: UID.into(),
+            },
+            spec: ProxySpec {
+                provider: "kvm2".into(),
+                ..Default::default()
+            },
+            user_data: None,
+            fence: Fence::unfenced(),
+        };
+        let err = tokio::time::timeout(HANG_GUARD, fenced.create(&req))
+            .await
+            .expect("the fence ends the Create")
+            .unwrap_err();
+        assert!(err.is_lease_lost(), "{err}");
+        assert!(err.to_string().contains("cancelled"), "{err}");
+        // Nothing was cleaned up after the loss: the root volume is still there.
+        assert!(
+            fake.volumes("h1").contains(&id.root_volume),
+            "{:?}",
+            fake.volumes("h1")
+        );
+    });
+    let text = String::from_utf8(logs.0.lock().unwrap().clone()).unwrap();
+    let line = text
+        .lines()
+        .find(|l| l.contains("create cancelled before it ended"))
+        .unwrap_or_else(|| panic!("no record of what the cancelled Create left:\n{text}"));
+    let id = InstanceIdentity::for_uid(UID).unwrap();
+    assert!(line.contains("host=h1"), "{line}");
+    assert!(line.contains(&id.domain_name), "{line}");
+    assert!(line.contains(&id.root_volume), "{line}");
 }

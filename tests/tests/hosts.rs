@@ -198,6 +198,105 @@ fn libvirtd_restarted_the_next_call_redials_and_succeeds() {
     });
 }
 
+/// Sends SIGCONT to a stopped process when dropped, whatever the test's outcome.
+struct Frozen(u32);
+
+impl Frozen {
+    fn stop(pid: u32) -> Self {
+        let ok = std::process::Command::new("kill")
+            .args(["-STOP", &pid.to_string()])
+            .status()
+            .unwrap()
+            .success();
+        assert!(ok, "cannot stop libvirtd {pid}");
+        Frozen(pid)
+    }
+}
+
+impl Drop for Frozen {
+    fn drop(&mut self) {
+        let _ = std::process::Command::new("kill")
+            .args(["-CONT", &self.0.to_string()])
+            .status();
+    }
+}
+
+/// What a replica that lost the leader lease does to its hosts (issue 19, finding 6): a
+/// libvirtd that stopped answering (SIGSTOP) holds a call's thread in libvirt, which no
+/// dropped future releases; the cut closes the tunnel, so the thread returns (well within
+/// the cut's bound, before libvirt's own keepalive would give up after 15 s), the call is
+/// not retried on a fresh link, and no link is handed out until the replica reconnects.
+#[test]
+fn a_cut_releases_a_thread_blocked_in_libvirt_and_refuses_links_until_reconnect() {
+    let Some((sshd, libvirtd)) = daemons() else {
+        return;
+    };
+    let config = config_for(&sshd, &libvirtd, LibvirtDriver::Test, &sshd.address());
+    let (hosts, _) = hosts_for(&config);
+    let hosts = Arc::new(hosts);
+    run(async {
+        guard(hosts.call("h1", "version", |c| c.get_lib_version()))
+            .await
+            .unwrap();
+        let frozen = Frozen::stop(libvirtd.libvirtd_pid().unwrap());
+        let blocked = tokio::spawn({
+            let hosts = hosts.clone();
+            async move {
+                hosts
+                    .call_within("h1", "version", HANG_GUARD, |c| c.get_lib_version())
+                    .await
+            }
+        });
+        guard(async {
+            while hosts.blocking_in_flight() == 0 {
+                tokio::time::sleep(Duration::from_millis(10)).await;
+            }
+        })
+        .await;
+
+        let severed = guard(hosts.sever(Duration::from_secs(10))).await;
+        assert_eq!(severed.at_cut, 1, "{severed:?}");
+        assert_eq!(severed.still_running, 0, "the cut left a thread in libvirt");
+        let err = guard(blocked).await.unwrap().unwrap_err();
+        assert_eq!(err.class(), ErrorClass::Transient, "{err}");
+        let refused = guard(hosts.call("h1", "version", |c| c.get_lib_version()))
+            .await
+            .unwrap_err();
+        assert!(matches!(refused, HostError::Severed(_)), "{refused}");
+        assert_eq!(refused.reason_code(), "severed");
+
+        drop(frozen);
+        hosts.reconnect();
+        let v = guard(hosts.call("h1", "version", |c| c.get_lib_version())).await;
+        assert!(v.is_ok(), "no call after reconnecting: {v:?}");
+        hosts.close().await;
+    });
+}
+
+/// The network a DHCP-mode host's bridge serves, read from libvirt's own network
+/// definitions over the tunnel (issue 19, finding 8): the test driver's `default` network
+/// owns `virbr0` (192.168.122.1, netmask 255.255.255.0); a bridge no network owns has none.
+#[test]
+fn a_bridges_network_is_read_from_the_libvirt_network_that_owns_it() {
+    use egress_operator::provider::kvm2::ops::{HostOps as _, LibvirtOps};
+    let Some((sshd, libvirtd)) = daemons() else {
+        return;
+    };
+    let config = config_for(&sshd, &libvirtd, LibvirtDriver::Test, &sshd.address());
+    let (hosts, _) = hosts_for(&config);
+    let hosts = Arc::new(hosts);
+    let ops = LibvirtOps::new(hosts.clone());
+    run(async {
+        let net = guard(ops.bridge_network("h1", "virbr0")).await.unwrap();
+        assert_eq!(net, Some("192.168.122.0/24".parse().unwrap()));
+        let none = guard(ops.bridge_network("h1", "eo-no-such-br"))
+            .await
+            .unwrap();
+        assert_eq!(none, None);
+        hosts.close().await;
+    });
+}
+
 #[test]
 fn a_silent_server_hits_the_deadline_and_does_not_hang() {
     let Some((sshd, libvirtd)) = daemons() else {

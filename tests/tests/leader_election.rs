@@ -210,6 +210,68 @@ fn replicas_never_lead_together_through_a_crash_and_a_handover() {
     assert_eq!(most, 1, "two replicas led at the same time");
 }
 
+/// Issue 19, finding 6, in the process: a leader whose Lease is taken from it (another
+/// holder written over its hold) stands down, and before it stands by it cuts itself off
+/// its hosts and says so: its log says no call of its still runs, and `/metrics`
+/// exports what the cut found. Once the other hold expires it leads again (reconnected).
+#[test]
+fn a_deposed_leader_cuts_itself_off_its_hosts_and_leads_again_later() {
+    let plane = ControlPlane::start().unwrap();
+    let rt = tokio::runtime::Runtime::new().unwrap();
+    rt.block_on(plane.install_crds()).unwrap();
+    plane.install_rbac().unwrap();
+    let kubeconfig = plane.operator_kubeconfig().unwrap();
+    let dir = tempfile::tempdir().unwrap();
+    let config = write_config(dir.path());
+    let options = OperatorOptions::new(
+        &binary(),
+        &config,
+        &kubeconfig,
+        "replica-0",
+        OPERATOR_NAMESPACE,
+        dir.path(),
+    );
+    let op = OperatorProcess::start(&options).unwrap();
+    wait_for("the replica to lead", || leading(&op));
+
+    // Someone else's fresh hold over ours: our next renewal finds it and stands down.
+    let now = jiff::Timestamp::now()
+        .strftime("%Y-%m-%dT%H:%M:%S.000000Z")
+        .to_string();
+    let patch = format!(r#"{{"spec":{{"holderIdentity":"intruder","renewTime":"{now}"}}}}"#);
+    plane
+        .kubectl_run(&[
+            "patch",
+            "lease",
+            "egress-operator",
+            "-n",
+            OPERATOR_NAMESPACE,
+            "--type",
+            "merge",
+            "-p",
+            &patch,
+        ])
+        .unwrap();
+    wait_for("the replica to stand down", || !leading(&op));
+    wait_for("the cut to be logged", || {
+        op.log()
+            .contains("cut off the provider's targets; no call of ours still runs")
+    });
+    let metrics = op.http_get("/metrics").map(|(_, b)| b).unwrap_or_default();
+    assert!(
+        metrics.contains(r#"egress_fence_calls_still_running{provider="kvm2"} 0"#),
+        "{metrics}"
+    );
+    assert!(
+        metrics.contains(r#"egress_fence_severed_calls_total{provider="kvm2"}"#),
+        "{metrics}"
+    );
+
+    // The intruder never renews: once its hold expires the replica leads again.
+    wait_for("the replica to lead again", || leading(&op));
+    println!("deposed, cut off and leading again; log:\n{}", op.log());
+}
+
 #[test]
 fn a_lease_the_role_does_not_cover_fails_loudly_at_start() {
     let plane = ControlPlane::shared().unwrap();

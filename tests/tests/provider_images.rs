@@ -462,6 +462,7 @@ fn a_crashed_uploaders_leftover_is_taken_over_after_the_stale_window() {
         let mut expected = vec![
             data.clone(),
             marker.clone(),
+            egress_operator::instance::image_use_name("test"),
             id.root_volume.clone(),
             id.seed_volume.clone(),
         ];

@@ -164,8 +164,13 @@ impl Env {
     }
 
     /// Base image data volume and its marker.
+    /// The cached base image and this cluster's announcement that it uses it.
     fn base(&self) -> BTreeSet<String> {
-        names([image_volume_name(&self.sha), image_marker_name(&self.sha)])
+        names([
+            image_volume_name(&self.sha),
+            image_marker_name(&self.sha),
+            egress_operator::instance::image_use_name("test"),
+        ])
     }
 
     /// The base image plus root and seed of each UID.
@@ -697,9 +702,14 @@ fn a_failed_create_cleans_up_what_it_made_then_converges() {
                     "{what}: {:?}",
                     env.domains("h1")
                 );
-                // Nothing of the VM; the base image either committed (data + marker) or gone.
+                // Nothing of the VM; the base image either committed (data + marker, and
+                // the announcement unless writing it was what failed) or gone.
                 let v = env.volumes("h1");
-                assert!(v.is_empty() || v == env.base(), "{what}: left {v:?}");
+                let committed = names([image_volume_name(&env.sha), image_marker_name(&env.sha)]);
+                assert!(
+                    v.is_empty() || v == env.base() || v == committed,
+                    "{what}: left {v:?}"
+                );
                 converges(env, &what, env.hits()).await;
                 cases += 1;
             },
@@ -2582,6 +2592,83 @@ mod lifecycle {
             }
             assert!(env.volumes("h1").contains(&data), "shared: kept");
             assert!(!env.volumes("h2").contains(&data), "ours alone: collected");
+        });
+    }
+
+    /// Issue 19, finding 5: a host shared with another cluster that has no domain there
+    /// yet. What it announced it uses (its Creates write the announcement once the base is
+    /// sure) is kept while the announcement is fresh; once it has not changed for the
+    /// stale window, the retired base goes. The announcement itself is never collected.
+    #[test]
+    fn retired_images_another_cluster_announced_are_kept_while_it_is_fresh() {
+        use egress_operator::provider::kvm2::image::uses::ImageUses;
+        let env = Env::new();
+        run(async {
+            let clock = Clock::default();
+            let p = Arc::new(clocked_provider(&env, env.ops(), &clock));
+            let index = Arc::new(FakeProxyIndex::new());
+            let gc = gc_over(vec![p.clone()], index.clone(), &clock, 0)
+                .with_volumes(vec![p.clone() as Arc<dyn VolumeCollector>]);
+            let sha = sha256_hex(b"their base");
+            let (data, marker, _, _) = retired("their base");
+            for host in ["h1", "h2"] {
+                env.fake.put_volume(host, &data, b"base");
+                env.fake.put_volume(host, &marker, b"");
+            }
+            // The other cluster, on h1 only, as its Create would after making sure of it.
+            let theirs = ImageUses::new(
+                "other-cluster",
+                vec![egress_operator::instance::image_digest(&sha)],
+                STALE_AFTER,
+            );
+            theirs
+                .announce(env.ops().as_ref(), "h1", "default")
+                .await
+                .unwrap();
+            for _ in 0..3 {
+                gc.sweep_once().await;
+                clock.advance(7200);
+            }
+            assert!(env.volumes("h1").contains(&data), "announced: kept");
+            assert!(!env.volumes("h2").contains(&data), "ours alone: collected");
+
+            // Their announcement goes stale: no Create of theirs made sure of it since.
+            tokio::time::sleep(STALE_AFTER * 2).await;
+            for _ in 0..3 {
+                gc.sweep_once().await;
+                clock.advance(7200);
+            }
+            assert!(!env.volumes("h1").contains(&data), "stale: collected");
+            assert!(
+                env.volumes("h1").contains(theirs.name()),
+                "an announcement is never collected"
+            );
+        });
+    }
+
+    /// Our own Create announces the images our config has on the host it made sure of,
+    /// in a record another cluster reads.
+    #[test]
+    fn a_create_announces_the_images_this_cluster_uses_on_its_host() {
+        use egress_operator::provider::kvm2::image::uses::listed;
+        let env = Env::new();
+        run(async {
+            let p = env.provider();
+            let u = uid(0x41);
+            p.create(&request(&u, "web", Some("h1"))).await.unwrap();
+            let name = egress_operator::instance::image_use_name("test");
+            let record = env.fake.volume_data("h1", &name).expect("announced");
+            let digests = listed(&record).expect("a whole record");
+            assert_eq!(
+                digests,
+                [egress_operator::instance::image_digest(&env.sha)]
+                    .into_iter()
+                    .collect::<BTreeSet<_>>()
+            );
+            assert!(
+                env.fake.volume_data("h2", &name).is_none(),
+                "only where it made sure"
+            );
         });
     }
 

@@ -451,6 +451,61 @@ fn detection_drops_stale_entries_and_a_shared_mac_publishes_nothing() {
     });
 }
 
+/// DHCP mode (h2, no pool): when a libvirt network owns the host's bridge, its network
+/// bounds what is published (issue 19, finding 8): an agent address from another segment
+/// is dropped and the next source answers; a bridge no libvirt network owns keeps every
+/// address, as before. The network is read once, not on every refresh.
+#[test]
+fn dhcp_mode_keeps_only_addresses_inside_the_bridges_libvirt_network() {
+    let env = Env::new(4);
+    run(async {
+        env.fake
+            .set_bridge_network("h2", Some("10.1.0.0/24".parse().unwrap()));
+        let p = env.provider();
+        let u = uid(1);
+        let name = dom(&u);
+        p.create(&request(&u, "a", "h2")).await.unwrap();
+        let mac = env.mark("h2", &name).await.mac.unwrap();
+        // The agent reports the bridge's address and one from another segment (a second
+        // address the guest configured on the same NIC).
+        env.fake.set_addresses(
+            "h2",
+            &name,
+            AddressSource::Agent,
+            vec![nic(&mac, &["192.0.2.50", "10.1.0.8"])],
+        );
+        let got = p.get(&id("h2", &u)).await.unwrap();
+        assert_eq!(got.addresses, ips(&["10.1.0.8"]), "{got:?}");
+        assert_eq!(got.address_source, Some(AddressOrigin::Agent));
+
+        // Only another segment's from the agent: the lease (inside) answers instead.
+        env.fake.set_addresses(
+            "h2",
+            &name,
+            AddressSource::Agent,
+            vec![nic(&mac, &["192.0.2.50"])],
+        );
+        env.fake.set_addresses(
+            "h2",
+            &name,
+            AddressSource::Lease,
+            vec![nic(&mac, &["10.1.0.9"])],
+        );
+        let got = p.get(&id("h2", &u)).await.unwrap();
+        assert_eq!(got.addresses, ips(&["10.1.0.9"]), "{got:?}");
+        assert_eq!(got.address_source, Some(AddressOrigin::Lease));
+        assert_eq!(env.fake.calls("network-list"), 1, "read once, then kept");
+
+        // A bridge no libvirt network owns: nothing to check against, all kept.
+        env.fake.set_bridge_network("h2", None);
+        let fresh = env.provider();
+        env.fake
+            .set_addresses("h2", &name, AddressSource::Lease, vec![]);
+        let got = fresh.get(&id("h2", &u)).await.unwrap();
+        assert_eq!(got.addresses, ips(&["192.0.2.50"]), "{got:?}");
+    });
+}
+
 /// `seed_applied` from the agent's host name against the seed's `local-hostname` (the
 /// Proxy's name): true when equal, false when the guest calls itself something else,
 /// unknown without an agent; and not asked at all when the agent already failed to

@@ -727,7 +727,29 @@ async fn create(
         user_data,
         fence: ctx.fence.clone(),
     };
-    let instance = provider.create(&req).await?;
+    let instance = match provider.create(&req).await {
+        Ok(instance) => instance,
+        Err(e) => {
+            if let Some(LeaseLost::Cancelled { grace, .. }) = e.lease_lost() {
+                // The cancelled Create could not clean up (no libvirt call may follow the
+                // loss); say so where the Proxy's owner looks. The log of the replica names
+                // what it left; the new leader adopts it or the collector takes it.
+                let note = format!(
+                    "this replica lost the leader lease while creating the instance and                      cancelled the Create {grace:?} later, before it ended; what it made                      (named after the Proxy's UID, listed in this replica's log) is adopted                      by the new leader's Create or collected after the GC grace period"
+                );
+                event(
+                    ctx,
+                    t.proxy,
+                    EventType::Warning,
+                    "CreateCancelled",
+                    "Create",
+                    note,
+                )
+                .await;
+            }
+            return Err(e.into());
+        }
+    };
     ctx.serving.fetched(
         &t.owner.uid,
         requeue::trigger_of(&t.proxy.metadata),

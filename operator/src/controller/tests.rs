@@ -2313,7 +2313,14 @@ async fn a_create_in_flight_is_cancelled_a_grace_period_after_the_lease_is_lost(
         "cancelled {took:?} after the start, not 1 s + the 5 s grace"
     );
     assert!(w.fake.instances().is_empty());
-    assert!(w.timeline.events().is_empty());
+    // What it could not clean up is announced on the Proxy (issue 19, finding 6).
+    let events = w.timeline.event_summary();
+    assert_eq!(events.len(), 1, "{events:?}");
+    assert_eq!(
+        (events[0].0.as_str(), events[0].1.as_str()),
+        ("Warning", "CreateCancelled")
+    );
+    assert!(events[0].2.contains("lost the leader lease"), "{events:?}");
 }
 
 #[tokio::test]

@@ -13,9 +13,11 @@ use prometheus_client::metrics::histogram::Histogram;
 use prometheus_client::registry::Registry;
 use tracing::Instrument;
 
+use prometheus_client::metrics::gauge::Gauge;
+
 use super::{
     BoxFuture, CreateRequest, Fence, HealthCheck, Instance, InstanceId, LeaseLost, Provider,
-    ProviderError, TargetListing,
+    ProviderError, Severed, SharedProvider, TargetListing,
 };
 use crate::error::Classified;
 
@@ -142,6 +144,12 @@ impl<P: Provider + ?Sized> Provider for Traced<P> {
     }
     fn health(&self) -> Option<&dyn HealthCheck> {
         self.inner.health()
+    }
+    fn sever(&self, bound: Duration) -> BoxFuture<'_, Severed> {
+        self.inner.sever(bound)
+    }
+    fn reconnect(&self) {
+        self.inner.reconnect();
     }
 }
 
@@ -298,6 +306,89 @@ impl<P: Provider + ?Sized> Provider for Metered<P> {
     fn health(&self) -> Option<&dyn HealthCheck> {
         self.inner.health()
     }
+    fn sever(&self, bound: Duration) -> BoxFuture<'_, Severed> {
+        self.inner.sever(bound)
+    }
+    fn reconnect(&self) {
+        self.inner.reconnect();
+    }
+}
+
+/// Labels of the fence's count of cancelled calls.
+#[derive(Debug, Clone, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct FenceLabels {
+    /// Provider name.
+    pub provider: String,
+    /// The operation cancelled (`create`, `delete`, `delete volumes`, ...).
+    pub op: String,
+}
+
+/// Labels of the fence's per-provider metrics.
+#[derive(Debug, Clone, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct FenceProviderLabels {
+    /// Provider name.
+    pub provider: String,
+}
+
+/// What the leader fence did after the lease was lost.
+#[derive(Debug, Clone, Default)]
+pub struct FenceMetrics {
+    cancelled: Family<FenceLabels, Counter>,
+    cut: Family<FenceProviderLabels, Counter>,
+    still_running: Family<FenceProviderLabels, Gauge>,
+}
+
+impl FenceMetrics {
+    /// Registered under `egress_fence_*`.
+    pub fn register(registry: &mut Registry) -> Self {
+        let m = Self::default();
+        registry.register(
+            "egress_fence_cancelled_calls",
+            "provider calls in flight when the leader lease was lost and cancelled after the grace, by operation",
+            m.cancelled.clone(),
+        );
+        registry.register(
+            "egress_fence_severed_calls",
+            "blocking calls still running when the provider was cut off after the lease was lost",
+            m.cut.clone(),
+        );
+        registry.register(
+            "egress_fence_calls_still_running",
+            "blocking calls the cut did not release (still running after its wait); 0 once fenced",
+            m.still_running.clone(),
+        );
+        m
+    }
+
+    fn labels(provider: &str, op: &str) -> FenceLabels {
+        FenceLabels {
+            provider: provider.into(),
+            op: op.into(),
+        }
+    }
+
+    fn of(provider: &str) -> FenceProviderLabels {
+        FenceProviderLabels {
+            provider: provider.into(),
+        }
+    }
+
+    /// Calls of `op` cancelled by the fence (for tests).
+    pub fn cancelled(&self, provider: &str, op: &str) -> u64 {
+        self.cancelled
+            .get_or_create(&Self::labels(provider, op))
+            .get()
+    }
+
+    /// Blocking calls found running at cuts (for tests).
+    pub fn cut(&self, provider: &str) -> u64 {
+        self.cut.get_or_create(&Self::of(provider)).get()
+    }
+
+    /// Blocking calls still running after the last cut (for tests).
+    pub fn still_running(&self, provider: &str) -> i64 {
+        self.still_running.get_or_create(&Self::of(provider)).get()
+    }
 }
 
 /// Stops a replica that lost the leader lease from acting through a provider.
@@ -306,9 +397,12 @@ impl<P: Provider + ?Sized> Provider for Metered<P> {
 ///   and never reaches the inner provider; a listing reports one failed target, so nobody
 ///   reads it as "nothing there".
 /// - A call in flight when the lease is lost may go on for `grace`, then it is dropped and
-///   fails with [`LeaseLost::Cancelled`]. The grace lets a libvirt call finish rather than
-///   be abandoned half-way; it is shorter than the time the new leader must wait for the
-///   old lease to expire, so the two replicas' calls do not overlap.
+///   fails with [`LeaseLost::Cancelled`] (counted in `egress_fence_cancelled_calls`). The
+///   grace lets a libvirt call finish rather than be abandoned half-way. Dropping the
+///   call does not stop a thread blocked in libvirt: [`fence_off`] then cuts the
+///   provider off its targets, which does. Both fit in the elector's fencing margin
+///   ([`crate::leader::LeaderOptions::fencing_margin`]), so the two replicas' calls do not
+///   overlap.
 /// - A Create carries this fence in its request, so the provider checks the lease again
 ///   right before define and before start, and cleans up after itself when it is lost.
 ///
@@ -317,6 +411,7 @@ pub struct Fenced<P: ?Sized> {
     inner: Arc<P>,
     fence: Fence,
     grace: Duration,
+    metrics: FenceMetrics,
 }
 
 impl<P: Provider + ?Sized> std::fmt::Debug for Fenced<P> {
@@ -336,7 +431,14 @@ impl<P: Provider + ?Sized> Fenced<P> {
             inner,
             fence,
             grace,
+            metrics: FenceMetrics::default(),
         }
+    }
+
+    /// Counts cancelled calls in `metrics`.
+    pub fn with_metrics(mut self, metrics: FenceMetrics) -> Self {
+        self.metrics = metrics;
+        self
     }
 
     async fn bounded<T>(
@@ -344,7 +446,78 @@ impl<P: Provider + ?Sized> Fenced<P> {
         op: &'static str,
         fut: impl std::future::Future<Output = Result<T, ProviderError>>,
     ) -> Result<T, ProviderError> {
-        fenced_call(self.inner.name(), &self.fence, self.grace, op, fut).await
+        fenced_call(
+            self.inner.name(),
+            &self.fence,
+            self.grace,
+            &self.metrics,
+            op,
+            fut,
+        )
+        .await
+    }
+}
+
+/// How long after the grace [`fence_off`] cuts the providers off.
+pub const CUT_AFTER_GRACE: Duration = Duration::from_millis(100);
+
+/// The deposed replica's fencing, once the term's loop saw the lease go: waits out
+/// `grace` (the calls in flight finish, or their [`Fenced`] cancels them), then cuts
+/// every provider off its targets ([`Provider::sever`]: a thread blocked in libvirt
+/// returns, nothing queued reaches a host), waiting at most `bound` for their blocking
+/// calls to return. Logs and exports what it found; a call still running after the wait
+/// is a warning naming the provider, and the replica stays cut off until it leads again.
+pub async fn fence_off(
+    providers: &[SharedProvider],
+    grace: Duration,
+    bound: Duration,
+    metrics: &FenceMetrics,
+) -> Vec<(String, Severed)> {
+    // A hair after the grace, so that each call's own cancellation has fired first and a
+    // released thread's error does not reach a caller that still waits.
+    tokio::time::sleep(grace + CUT_AFTER_GRACE).await;
+    let cuts = providers.iter().map(|p| async move {
+        let severed = p.sever(bound).await;
+        (p.name().to_string(), severed)
+    });
+    let found = futures_util::future::join_all(cuts).await;
+    for (provider, severed) in &found {
+        let labels = FenceMetrics::of(provider);
+        metrics
+            .cut
+            .get_or_create(&labels)
+            .inc_by(severed.at_cut as u64);
+        metrics
+            .still_running
+            .get_or_create(&labels)
+            .set(severed.still_running as i64);
+        if severed.still_running > 0 {
+            tracing::warn!(
+                provider,
+                at_cut = severed.at_cut,
+                still_running = severed.still_running,
+                ?bound,
+                "lost the leader lease: blocking calls still run after the provider was cut off"
+            );
+        } else {
+            tracing::info!(
+                provider,
+                at_cut = severed.at_cut,
+                "lost the leader lease: cut off the provider's targets; no call of ours still runs"
+            );
+        }
+    }
+    found
+}
+
+/// Lifts [`fence_off`] at the start of a new term.
+pub fn reconnect(providers: &[SharedProvider], metrics: &FenceMetrics) {
+    for p in providers {
+        p.reconnect();
+        metrics
+            .still_running
+            .get_or_create(&FenceMetrics::of(p.name()))
+            .set(0);
     }
 }
 
@@ -353,6 +526,7 @@ async fn fenced_call<T>(
     provider: &str,
     fence: &Fence,
     grace: Duration,
+    metrics: &FenceMetrics,
     op: &'static str,
     fut: impl std::future::Future<Output = Result<T, ProviderError>>,
 ) -> Result<T, ProviderError> {
@@ -366,6 +540,7 @@ async fn fenced_call<T>(
         () = deposed => {
             tracing::warn!(provider, op, ?grace,
                 "lost the leader lease: cancelled a provider call still in flight");
+            metrics.cancelled.get_or_create(&FenceMetrics::labels(provider, op)).inc();
             Err(ProviderError::new(LeaseLost::Cancelled { op, grace }))
         }
     }
@@ -379,6 +554,7 @@ pub struct FencedVolumes {
     inner: Arc<dyn crate::gc::VolumeCollector>,
     fence: Fence,
     grace: Duration,
+    metrics: FenceMetrics,
 }
 
 impl std::fmt::Debug for FencedVolumes {
@@ -398,7 +574,14 @@ impl FencedVolumes {
             inner,
             fence,
             grace,
+            metrics: FenceMetrics::default(),
         }
+    }
+
+    /// Counts cancelled deletes in `metrics`.
+    pub fn with_metrics(mut self, metrics: FenceMetrics) -> Self {
+        self.metrics = metrics;
+        self
     }
 }
 
@@ -418,6 +601,7 @@ impl crate::gc::VolumeCollector for FencedVolumes {
             self.inner.name(),
             &self.fence,
             self.grace,
+            &self.metrics,
             "delete volumes",
             self.inner.delete_volumes(target, candidate),
         ))
@@ -488,6 +672,12 @@ impl<P: Provider + ?Sized> Provider for Fenced<P> {
     fn health(&self) -> Option<&dyn HealthCheck> {
         self.inner.health()
     }
+    fn sever(&self, bound: Duration) -> BoxFuture<'_, Severed> {
+        self.inner.sever(bound)
+    }
+    fn reconnect(&self) {
+        self.inner.reconnect();
+    }
 }
 
 /// The target a fenced listing names when it lists nothing: every target of the provider.
@@ -524,6 +714,194 @@ mod tests {
                 Ok(crate::gc::VolumeDeleteOutcome::Deleted)
             })
         }
+    }
+
+    /// The link to a target as a thread blocked in libvirt sees it: a request waits there
+    /// until the target answers (it lands) or the link is cut (the thread returns with a
+    /// transport error, and the request never reached the target).
+    #[derive(Default)]
+    struct Wire {
+        state: std::sync::Mutex<WireState>,
+        changed: std::sync::Condvar,
+    }
+
+    #[derive(Default)]
+    struct WireState {
+        answering: bool,
+        cut: bool,
+        waiting: usize,
+        landed: Vec<&'static str>,
+    }
+
+    impl Wire {
+        fn lock(&self) -> std::sync::MutexGuard<'_, WireState> {
+            self.state
+                .lock()
+                .unwrap_or_else(std::sync::PoisonError::into_inner)
+        }
+
+        /// Blocks the calling thread until the request lands or the link is cut.
+        fn carry(&self, op: &'static str) -> Result<(), ProviderError> {
+            let mut st = self.lock();
+            st.waiting += 1;
+            while !st.answering && !st.cut {
+                st = self
+                    .changed
+                    .wait(st)
+                    .unwrap_or_else(std::sync::PoisonError::into_inner);
+            }
+            st.waiting -= 1;
+            if st.cut {
+                return Err(ProviderError::msg(
+                    ErrorClass::Transient,
+                    "transport closed",
+                ));
+            }
+            st.landed.push(op);
+            Ok(())
+        }
+
+        fn set(&self, f: impl FnOnce(&mut WireState)) {
+            f(&mut self.lock());
+            self.changed.notify_all();
+        }
+    }
+
+    /// A provider whose deletes block a real thread on the [`Wire`] (not an async sleep,
+    /// which dropping the future would stop), and whose cut closes the wire, as closing a
+    /// kvm2 host's tunnel does.
+    struct Blocking {
+        wire: Arc<Wire>,
+    }
+
+    impl Provider for Blocking {
+        fn name(&self) -> &str {
+            "kvm2"
+        }
+        fn create<'a>(
+            &'a self,
+            _req: &'a CreateRequest,
+        ) -> BoxFuture<'a, Result<Instance, ProviderError>> {
+            Box::pin(async { Err(ProviderError::msg(ErrorClass::Permanent, "not here")) })
+        }
+        fn get<'a>(
+            &'a self,
+            _id: &'a InstanceId,
+        ) -> BoxFuture<'a, Result<Instance, ProviderError>> {
+            Box::pin(async { Err(ProviderError::msg(ErrorClass::NotFound, "none")) })
+        }
+        fn delete<'a>(&'a self, _id: &'a InstanceId) -> BoxFuture<'a, Result<(), ProviderError>> {
+            let wire = self.wire.clone();
+            Box::pin(async move {
+                tokio::task::spawn_blocking(move || wire.carry("delete"))
+                    .await
+                    .unwrap()
+            })
+        }
+        fn list(&self) -> BoxFuture<'_, Vec<TargetListing>> {
+            Box::pin(async { Vec::new() })
+        }
+        fn sever(&self, bound: Duration) -> BoxFuture<'_, Severed> {
+            Box::pin(async move {
+                let at_cut = self.wire.lock().waiting;
+                self.wire.set(|st| st.cut = true);
+                let started = tokio::time::Instant::now();
+                while self.wire.lock().waiting > 0 && started.elapsed() < bound {
+                    tokio::time::sleep(Duration::from_millis(5)).await;
+                }
+                Severed {
+                    at_cut,
+                    still_running: self.wire.lock().waiting,
+                }
+            })
+        }
+    }
+
+    /// A delete blocked on a real thread when the lease goes: dropping its future after
+    /// the grace leaves the thread running, and on the old contract its request landed
+    /// whenever the target answered, however late (well into the new leader's term). The
+    /// fencing now cuts the provider off after the grace and waits for the thread: it
+    /// returns, the metrics say what was cut and that nothing still runs, and a target that
+    /// answers afterwards receives nothing.
+    #[tokio::test]
+    async fn a_call_blocked_on_a_thread_lands_nowhere_once_the_replica_is_fenced() {
+        let wire = Arc::new(Wire::default());
+        // A failed assertion must not leave the thread blocked: the runtime would wait for
+        // it forever at the end of the test.
+        struct Release(Arc<Wire>);
+        impl Drop for Release {
+            fn drop(&mut self) {
+                self.0.set(|st| st.answering = true);
+            }
+        }
+        let _release = Release(wire.clone());
+        let (tx, rx) = tokio::sync::watch::channel(true);
+        let grace = Duration::from_millis(100);
+        let metrics = FenceMetrics::default();
+        let fenced: SharedProvider = Arc::new(
+            Fenced::new(
+                Arc::new(Blocking { wire: wire.clone() }),
+                Fence::new(rx),
+                grace,
+            )
+            .with_metrics(metrics.clone()),
+        );
+        let in_flight = tokio::spawn({
+            let fenced = fenced.clone();
+            async move {
+                let id = InstanceId {
+                    host: "h1".into(),
+                    name: "egress-u1".into(),
+                };
+                fenced.delete(&id).await
+            }
+        });
+        // Hang guard only: the delete's thread is blocked on the wire.
+        for _ in 0..1000 {
+            if wire.lock().waiting == 1 {
+                break;
+            }
+            tokio::time::sleep(Duration::from_millis(5)).await;
+        }
+        assert_eq!(wire.lock().waiting, 1, "the delete never blocked");
+
+        tx.send(false).unwrap();
+        let found = fence_off(
+            std::slice::from_ref(&fenced),
+            grace,
+            Duration::from_secs(30),
+            &metrics,
+        )
+        .await;
+        let err = in_flight.await.unwrap().unwrap_err();
+        assert!(err.is_lease_lost(), "{err}");
+
+        // The target gets round to answering: nothing of the deposed replica lands.
+        wire.set(|st| st.answering = true);
+        for _ in 0..20 {
+            if wire.lock().waiting == 0 {
+                break;
+            }
+            tokio::time::sleep(Duration::from_millis(5)).await;
+        }
+        assert!(
+            wire.lock().landed.is_empty(),
+            "landed after fencing: {:?}",
+            wire.lock().landed
+        );
+        assert_eq!(
+            found,
+            vec![(
+                "kvm2".to_string(),
+                Severed {
+                    at_cut: 1,
+                    still_running: 0
+                }
+            )]
+        );
+        assert_eq!(metrics.cancelled("kvm2", "delete"), 1);
+        assert_eq!(metrics.cut("kvm2"), 1);
+        assert_eq!(metrics.still_running("kvm2"), 0);
     }
 
     #[tokio::test(start_paused = true)]

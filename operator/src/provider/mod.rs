@@ -342,14 +342,19 @@ impl ProviderError {
     /// itself or anywhere in its source chain), so nothing about the instance was learnt
     /// and nothing should be reported for it.
     pub fn is_lease_lost(&self) -> bool {
+        self.lease_lost().is_some()
+    }
+
+    /// The [`LeaseLost`] this error is or wraps, if any.
+    pub fn lease_lost(&self) -> Option<&LeaseLost> {
         let mut next: Option<&(dyn std::error::Error + 'static)> = Some(self.inner());
         while let Some(e) = next {
-            if e.downcast_ref::<LeaseLost>().is_some() {
-                return true;
+            if let Some(lost) = e.downcast_ref::<LeaseLost>() {
+                return Some(lost);
             }
             next = e.source();
         }
-        false
+        None
     }
 }
 
@@ -469,6 +474,30 @@ pub trait Provider: Send + Sync {
             self.delete(id).await
         })
     }
+
+    /// Cuts this provider off its targets, for a replica that lost the leader lease once
+    /// the calls it had in flight were cancelled: a call blocked on a target's answer
+    /// returns at once, a request still queued in this process never reaches the target,
+    /// and nothing reaches a target again until [`Provider::reconnect`]. Waits at most
+    /// `bound` for the blocking calls to return. A request a target already received
+    /// cannot be recalled (libvirt has no cancellation); it runs there as it would have.
+    /// Default: nothing to cut, for providers that hold no connection.
+    fn sever(&self, _bound: Duration) -> BoxFuture<'_, Severed> {
+        Box::pin(std::future::ready(Severed::default()))
+    }
+
+    /// Lifts [`Provider::sever`]: this replica leads again.
+    fn reconnect(&self) {}
+}
+
+/// What [`Provider::sever`] found: blocking calls (threads waiting on a target) running
+/// when it cut the provider off, and those still running when it stopped waiting.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct Severed {
+    /// Blocking calls running at the cut.
+    pub at_cut: usize,
+    /// Blocking calls still running after the wait: threads the cut did not release.
+    pub still_running: usize,
 }
 
 /// An instance's mark names another Proxy than the one asking for it. Permanent: nothing

@@ -11,8 +11,10 @@
 //! stop and the replica stands by again. The controller and the garbage collector reach
 //! the providers only through a fence on the lease ([`Fenced`]): once it is lost no new
 //! provider call starts, a Create checks it right before define and start, and calls in
-//! flight are cancelled after [`LEASE_LOST_GRACE`], well before the new leader can take
-//! the lease over, so the two replicas never act on one VM at once. SIGTERM stops
+//! flight are cancelled after [`LEASE_LOST_GRACE`]; then the replica cuts itself off the
+//! hosts (which releases threads still blocked in libvirt) and waits for them, all within
+//! the elector's fencing margin, before the new leader can take the lease over, so the two
+//! replicas never act on one VM at once. SIGTERM stops
 //! taking new work, lets reconciles in flight finish (a Create either completes, with its
 //! status written, or cleans up what it made), releases the lease so the other replica
 //! takes over at once, closes every SSH connection, and exits 0.
@@ -51,10 +53,15 @@ const EXIT_BLOCKING_GRACE: Duration = Duration::from_secs(5);
 /// Largest `--plugin-ca-file` read: a CA bundle of a few hundred certificates.
 const MAX_CA_FILE_BYTES: u64 = 1024 * 1024;
 /// How long a provider call in flight may go on after this replica lost the lease. The
-/// elector steps down at the first renewal it cannot make, which is
-/// `renew_before_expiry` (10 s by default) before the lease expires and the other replica
-/// may take it; half of that leaves room for a slow API server.
-pub const LEASE_LOST_GRACE: Duration = Duration::from_secs(5);
+/// elector steps down at least its fencing margin (5 s by default) before the other
+/// replica may take the lease over; the grace, the cut after it and the wait for the
+/// released threads ([`SEVER_BOUND`]) fit in that margin (a test checks the sum).
+pub const LEASE_LOST_GRACE: Duration = Duration::from_secs(2);
+/// After the grace, how long the deposed replica waits for the blocking calls it cut off
+/// to return: closing a tunnel releases a thread blocked in libvirt at once, so this is
+/// only a backstop; a thread still running after it is reported
+/// (`egress_fence_calls_still_running`).
+pub const SEVER_BOUND: Duration = Duration::from_secs(2);
 /// After the lease is lost, how long the components get to stop once their provider calls
 /// were cancelled (status writes and events of the reconciles cut short are skipped, so
 /// this is only the loops winding down); then they are aborted.
@@ -186,6 +193,7 @@ struct Parts {
     boards: BTreeMap<String, crate::provider::health::HealthBoard>,
     controller_metrics: ControllerMetrics,
     gc_metrics: GcMetrics,
+    fence_metrics: crate::provider::decorate::FenceMetrics,
     health_metrics: HealthMetrics,
     fleet_metrics: FleetMetrics,
     lease_metrics: crate::fleet::lease::LeaseMetrics,
@@ -206,7 +214,10 @@ impl Parts {
     fn fenced(&self, fence: &Fence) -> Registry {
         let mut fenced = Registry::new();
         for p in self.provider_list() {
-            fenced.insert(Arc::new(Fenced::new(p, fence.clone(), LEASE_LOST_GRACE)));
+            fenced.insert(Arc::new(
+                Fenced::new(p, fence.clone(), LEASE_LOST_GRACE)
+                    .with_metrics(self.fence_metrics.clone()),
+            ));
         }
         fenced
     }
@@ -242,6 +253,7 @@ async fn serve(args: RunArgs, config: Arc<ValidConfig>) -> Result<(), RunError> 
         boards,
         controller_metrics: ControllerMetrics::register(&mut registry),
         gc_metrics: GcMetrics::register(&mut registry),
+        fence_metrics: crate::provider::decorate::FenceMetrics::register(&mut registry),
         health_metrics: HealthMetrics::register(&mut registry),
         fleet_metrics: FleetMetrics::register(&mut registry),
         lease_metrics: crate::fleet::lease::LeaseMetrics::register(&mut registry),
@@ -520,6 +532,8 @@ async fn run_term(
             let _ = rx.wait_for(|s| *s).await;
         }
     };
+    // A term lost before cut this replica off the hosts; leading again, it reconnects.
+    crate::provider::decorate::reconnect(&parts.provider_list(), &parts.fence_metrics);
     let fence = Fence::new(leading.clone());
     let fenced = Arc::new(parts.fenced(&fence));
     let gc_fence = fence.clone();
@@ -547,11 +561,14 @@ async fn run_term(
             .volumes
             .iter()
             .map(|v| {
-                Arc::new(crate::provider::decorate::FencedVolumes::new(
-                    v.clone(),
-                    gc_fence.clone(),
-                    LEASE_LOST_GRACE,
-                )) as Arc<dyn crate::gc::VolumeCollector>
+                Arc::new(
+                    crate::provider::decorate::FencedVolumes::new(
+                        v.clone(),
+                        gc_fence.clone(),
+                        LEASE_LOST_GRACE,
+                    )
+                    .with_metrics(parts.fence_metrics.clone()),
+                ) as Arc<dyn crate::gc::VolumeCollector>
             })
             .collect(),
     );
@@ -581,8 +598,16 @@ async fn run_term(
     let _ = stop_tx.send(true);
     let wind_down = async { while tasks.join_next().await.is_some() {} };
     if end == TermEnd::LeaseLost {
-        // Provider calls in flight end within the grace; nothing else may hold us longer.
-        if tokio::time::timeout(LEASE_LOST_GRACE + LEASE_LOST_STOP, wind_down)
+        // Provider calls in flight end within the grace, and what still blocks a thread is
+        // cut off after it; nothing else may hold us longer.
+        crate::provider::decorate::fence_off(
+            &parts.provider_list(),
+            LEASE_LOST_GRACE,
+            SEVER_BOUND,
+            &parts.fence_metrics,
+        )
+        .await;
+        if tokio::time::timeout(LEASE_LOST_STOP, wind_down)
             .await
             .is_err()
         {
@@ -594,4 +619,23 @@ async fn run_term(
         wind_down.await;
     }
     end
+}
+
+#[cfg(test)]
+mod fencing_budget {
+    use super::*;
+
+    /// The deposed replica's whole fencing (grace, cut, wait for the released threads)
+    /// must end before the new leader may act, which the elector keeps at least its
+    /// fencing margin after the step-down.
+    #[test]
+    fn fencing_fits_in_the_electors_margin() {
+        let options = LeaderOptions::new("ns", "pod");
+        let fencing = LEASE_LOST_GRACE + crate::provider::decorate::CUT_AFTER_GRACE + SEVER_BOUND;
+        assert!(
+            fencing < options.fencing_margin(),
+            "fencing takes {fencing:?}, the margin is {:?}",
+            options.fencing_margin()
+        );
+    }
 }

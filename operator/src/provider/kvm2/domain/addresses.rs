@@ -25,8 +25,9 @@
 //!    `virDomainInterfaceAddresses`); leases of the previous incarnation that have not
 //!    expired carry its MAC (rule 2).
 //! 5. **Inside the bridge's network.** When the host's bridge network is known (its
-//!    `addressPool.cidr`), an IPv4 address outside it is dropped (an entry from another
-//!    segment, or a guest that configured itself wrongly).
+//!    `addressPool.cidr`, or in DHCP mode the network of the libvirt network whose bridge
+//!    it is: [`super::bridgenet`]), an IPv4 address outside it is dropped (an entry from
+//!    another segment, or a guest that configured itself wrongly).
 //! 6. **Usable, and only while running.** Loopback, link-local, unspecified, multicast and
 //!    broadcast addresses are dropped, and an instance that is not running has none.
 

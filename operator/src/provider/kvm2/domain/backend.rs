@@ -326,6 +326,11 @@ pub struct Kvm2Provider {
     /// Image upload heartbeats the garbage collector saw, by host and volume name: the
     /// record and since when it has not changed (see [`Kvm2Provider::upload_alive`]).
     beats: std::sync::Mutex<BTreeMap<(String, String), HeartbeatSeen>>,
+    /// The networks of DHCP-mode hosts' bridges, as libvirt declares them.
+    bridge_nets: super::bridgenet::BridgeNets,
+    /// This cluster's announcements of the images it uses on shared hosts, and its view
+    /// of the other clusters'.
+    uses: crate::provider::kvm2::image::uses::ImageUses,
 }
 
 /// A slot on a host held by a Create in flight; released on drop.
@@ -355,11 +360,63 @@ impl std::fmt::Debug for Kvm2Provider {
 }
 
 /// Creates made for one request, so a failure removes exactly those.
+///
+/// Also the record of a Create that never finished: a Create whose future is dropped
+/// (the leader fence cancels it after the lease was lost, and no libvirt call may follow)
+/// cannot clean up, so on drop before [`Made::settle`] it logs what it made, and what the
+/// step in flight may have made, by name. Those carry our mark and the Proxy's UID: the
+/// new leader's Create adopts or replaces them and the collector takes leftover volumes
+/// after its grace period; the log line names them for whoever looks sooner.
 #[derive(Default)]
 struct Made {
     root: bool,
     seed: bool,
     domain: bool,
+    /// Host, domain, root and seed volume names: set when the Create starts making things.
+    names: Option<(String, String, String, String)>,
+    settled: bool,
+}
+
+impl Made {
+    fn for_create(host: &str, identity: &InstanceIdentity) -> Self {
+        Self {
+            names: Some((
+                host.to_string(),
+                identity.domain_name.clone(),
+                identity.root_volume.clone(),
+                identity.seed_volume.clone(),
+            )),
+            ..Self::default()
+        }
+    }
+
+    /// The Create ended (made its instance, or cleaned up after a failure).
+    fn settle(&mut self) {
+        self.settled = true;
+    }
+}
+
+impl Drop for Made {
+    fn drop(&mut self) {
+        if self.settled {
+            return;
+        }
+        let Some((host, domain, root, seed)) = &self.names else {
+            return;
+        };
+        let made: Vec<&str> = [
+            (self.root, root.as_str()),
+            (self.seed, seed.as_str()),
+            (self.domain, domain.as_str()),
+        ]
+        .iter()
+        .filter(|(m, _)| *m)
+        .map(|(_, n)| *n)
+        .collect();
+        tracing::warn!(host = %host, domain = %domain, made = ?made,
+            may_exist = ?[root.as_str(), seed.as_str(), domain.as_str()],
+            "create cancelled before it ended; what it made is left for the next Create or the collector");
+    }
 }
 
 impl Kvm2Provider {
@@ -380,6 +437,16 @@ impl Kvm2Provider {
                 (h.name.clone(), Arc::new(Semaphore::new(permits)))
             })
             .collect();
+        let uses = crate::provider::kvm2::image::uses::ImageUses::new(
+            &config.cluster_id,
+            config
+                .kvm2
+                .images
+                .iter()
+                .map(|i| crate::instance::image_digest(&i.sha256))
+                .collect(),
+            options.images.stale_after,
+        );
         Self {
             images: ImageCache::new(ops.clone(), options.images.clone(), image_metrics),
             config,
@@ -391,6 +458,8 @@ impl Kvm2Provider {
             book: AddressBook::new(),
             options,
             beats: Default::default(),
+            bridge_nets: Default::default(),
+            uses,
         }
     }
 
@@ -674,13 +743,17 @@ impl Kvm2Provider {
         };
         let _slot = self.reserve(&host).await?;
 
-        let mut made = Made::default();
+        let mut made = Made::for_create(h, &identity);
         match self.build(req, &host, &identity, &mut made).await {
-            Ok(instance) => Ok(instance),
+            Ok(instance) => {
+                made.settle();
+                Ok(instance)
+            }
             Err(e) => {
                 tracing::warn!(host = h, domain = %identity.domain_name, class = %e.class(), error = %e,
                     "create failed; removing what it made");
                 self.cleanup(h, pool, &identity, &made).await;
+                made.settle();
                 Err(e)
             }
         }
@@ -853,8 +926,13 @@ impl Kvm2Provider {
         )
         .map_err(Kvm2Error::InvalidRequest)?;
 
-        // Base image, then the overlay over it.
+        // Base image, then the overlay over it. Announced once the base is sure, so that
+        // a cluster sharing the host does not collect it under the overlay to come.
         let base = self.images.ensure(host, &inputs.image).await?;
+        self.uses
+            .announce(self.ops.as_ref(), h, pool)
+            .await
+            .map_err(step("image announcement"))?;
         let base_info = self
             .ops
             .volume(h, pool, &base.volume)
@@ -1113,7 +1191,10 @@ impl Kvm2Provider {
             inst.address_source = Some(AddressOrigin::Static);
         } else {
             let mac = mark.mac_or_legacy();
-            let net = address_pool(host).ok().flatten().map(|p| p.net);
+            let net = match address_pool(host).ok().flatten() {
+                Some(p) => Some(p.net),
+                None => self.bridge_net(host).await,
+            };
             let (found, source, agent) = self.detect(h, &name, &mac, net.as_ref()).await;
             agent_answered = agent;
             if !found.is_empty() && self.mac_shared(h, &mac, &name).await {
@@ -1126,6 +1207,26 @@ impl Kvm2Provider {
         }
         if agent_answered {
             inst.seed_applied = self.seed_applied(h, &name, &mark.name).await;
+        }
+    }
+
+    /// The network a DHCP-mode host's bridge serves ([`super::bridgenet`]), read at most
+    /// once per [`super::bridgenet::BRIDGE_NET_TTL`]; `None` when libvirt declares none or
+    /// the lookup failed (then every address is kept, as when nothing is known).
+    async fn bridge_net(&self, host: &HostConfig) -> Option<ipnet::Ipv4Net> {
+        if let Some(net) = self.bridge_nets.fresh(&host.name) {
+            return net;
+        }
+        match self.ops.bridge_network(&host.name, &host.bridge).await {
+            Ok(net) => {
+                self.bridge_nets.note(&host.name, net);
+                net
+            }
+            Err(e) => {
+                tracing::debug!(host = %host.name, bridge = %host.bridge, error = %e,
+                    "the bridge's network could not be read; addresses are not checked against it");
+                None
+            }
         }
     }
 
@@ -1412,6 +1513,14 @@ impl Provider for Kvm2Provider {
     fn health(&self) -> Option<&dyn HealthCheck> {
         Some(self)
     }
+
+    fn sever(&self, bound: Duration) -> BoxFuture<'_, crate::provider::Severed> {
+        self.ops.sever(bound)
+    }
+
+    fn reconnect(&self) {
+        self.ops.reconnect();
+    }
 }
 
 impl HealthCheck for Kvm2Provider {
@@ -1523,6 +1632,24 @@ impl Kvm2Provider {
         {
             tracing::debug!(host = h, cluster = %other.cluster_id, "host shared with another cluster: its retired images are not collected");
             candidates.retain(|c| c.kind != VolumeKind::UnusedImage);
+        }
+        // Nor does it collect what another cluster announced it uses here, while fresh.
+        if candidates.iter().any(|c| c.kind == VolumeKind::UnusedImage) {
+            let held = self
+                .uses
+                .held_by_others(self.ops.as_ref(), h, pool, &volumes)
+                .await
+                .map_err(step("image announcements read"))?;
+            let image_prefix = format!("{}image-", crate::instance::NAME_PREFIX);
+            candidates.retain(|c| {
+                let keep = c.kind == VolumeKind::UnusedImage
+                    && held.keeps(c.key.strip_prefix(&image_prefix).unwrap_or(&c.key));
+                if keep {
+                    tracing::debug!(host = h, image = %c.key,
+                        "another cluster announced it uses this image here; not collected");
+                }
+                !keep
+            });
         }
         // Start (or go on) watching the heartbeats of staging leftovers.
         for c in candidates.iter().filter(|c| c.kind == VolumeKind::Staging) {
@@ -1693,7 +1820,8 @@ fn leftover_volumes(
             Some(VolumeName::ImageHeartbeat { digest }) => {
                 images.entry(digest).or_default().heartbeat = Some(&v.name);
             }
-            None => {}
+            // A cluster's image-use announcement: read by the collector, never collected.
+            Some(VolumeName::ImageUse { .. }) | None => {}
         }
     }
     let mut out = Vec::new();

@@ -56,6 +56,8 @@ struct FakeHost {
     down: bool,
     /// Domains a wake does not change (paused again at once, as on an I/O error).
     stuck: BTreeSet<String>,
+    /// The network of the host's bridge as a libvirt network declares it.
+    bridge_net: Option<ipnet::Ipv4Net>,
 }
 
 /// How the fake "libvirt" reads a domain XML it is asked to define: the document it
@@ -222,6 +224,16 @@ impl FakeOps {
             && let Some(d) = hosts.get_mut(host).and_then(|h| h.domains.get_mut(name))
         {
             d.nics.insert(source, nics);
+        }
+    }
+
+    /// The IPv4 network a libvirt network declares for `host`'s bridge from now on;
+    /// `None`: no libvirt network owns the bridge.
+    pub fn set_bridge_network(&self, host: &str, net: Option<ipnet::Ipv4Net>) {
+        if let Ok(mut hosts) = self.hosts.lock()
+            && let Some(h) = hosts.get_mut(host)
+        {
+            h.bridge_net = net;
         }
     }
 
@@ -638,6 +650,14 @@ impl HostOps for FakeOps {
         })
     }
 
+    fn bridge_network<'a>(
+        &'a self,
+        host: &'a str,
+        _bridge: &'a str,
+    ) -> BoxFuture<'a, Result<Option<ipnet::Ipv4Net>, OpsError>> {
+        Box::pin(async move { self.with(host, "network-list", |h| h.bridge_net) })
+    }
+
     fn guest_hostname<'a>(
         &'a self,
         host: &'a str,
@@ -1016,6 +1036,19 @@ impl<H: OpHook> HostOps for Hooked<H> {
             host,
             Some(name),
             self.inner.addresses(host, name, source)
+        )
+    }
+    fn bridge_network<'a>(
+        &'a self,
+        host: &'a str,
+        bridge: &'a str,
+    ) -> BoxFuture<'a, Result<Option<ipnet::Ipv4Net>, OpsError>> {
+        hooked!(
+            self,
+            "network-list",
+            host,
+            None,
+            self.inner.bridge_network(host, bridge)
         )
     }
     fn guest_hostname<'a>(

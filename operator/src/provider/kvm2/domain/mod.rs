@@ -3,10 +3,12 @@
 //! the ownership mark back, [`state`] maps libvirt's states, [`addresses`] picks the
 //! addresses to publish, [`ippool`] allocates a new instance's MAC and static address,
 //! [`volume`] makes the VM's overlay and seed volumes and [`seed`] builds the NoCloud seed
-//! ISO. [`streamless`] stands in for volume streams on libvirt's test driver.
+//! ISO. [`streamless`] stands in for volume streams on libvirt's test driver;
+//! [`bridgenet`] reads the network a DHCP-mode host's bridge serves.
 
 pub mod addresses;
 pub mod backend;
+pub mod bridgenet;
 pub mod fake;
 pub mod ippool;
 pub mod metadata;

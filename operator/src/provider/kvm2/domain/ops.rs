@@ -305,6 +305,24 @@ pub trait HostOps: Send + Sync {
         pool: &'a str,
     ) -> BoxFuture<'a, Result<Vec<VolumeEntry>, OpsError>>;
 
+    /// The IPv4 network `bridge` serves on `host`, as libvirt knows it: the `<ip>` of the
+    /// libvirt network whose bridge it is ([`super::bridgenet`]); `None` when no libvirt
+    /// network owns the bridge (one managed outside libvirt).
+    fn bridge_network<'a>(
+        &'a self,
+        host: &'a str,
+        bridge: &'a str,
+    ) -> BoxFuture<'a, Result<Option<ipnet::Ipv4Net>, OpsError>>;
+
+    /// Cuts this process off every host (see [`crate::provider::Provider::sever`]).
+    /// Default, for test doubles that hold no connection: nothing to cut.
+    fn sever(&self, _bound: Duration) -> BoxFuture<'_, crate::provider::Severed> {
+        Box::pin(std::future::ready(crate::provider::Severed::default()))
+    }
+
+    /// Lifts [`HostOps::sever`].
+    fn reconnect(&self) {}
+
     /// The health monitor's check of a host, within `deadline`: libvirt answers and the
     /// pool's space. Real hosts check on a connection of their own, never the shared link
     /// (a check must neither disturb calls in flight nor wait behind a full pool, and it
@@ -539,6 +557,39 @@ impl LibvirtOps {
 impl HostOps for LibvirtOps {
     fn hosts(&self) -> Vec<String> {
         self.hosts.names().map(str::to_string).collect()
+    }
+
+    fn sever(&self, bound: Duration) -> BoxFuture<'_, crate::provider::Severed> {
+        Box::pin(self.hosts.sever(bound))
+    }
+
+    fn reconnect(&self) {
+        self.hosts.reconnect();
+    }
+
+    fn bridge_network<'a>(
+        &'a self,
+        host: &'a str,
+        bridge: &'a str,
+    ) -> BoxFuture<'a, Result<Option<ipnet::Ipv4Net>, OpsError>> {
+        let bridge = bridge.to_string();
+        Box::pin(async move {
+            let xmls = self
+                .hosts
+                .call(host, "network-list", move |c| {
+                    let mut out = Vec::new();
+                    for n in c.list_all_networks(0)? {
+                        // A network without a bridge (macvtap, hostdev) answers with an
+                        // error: not ours.
+                        if n.get_bridge_name().ok().as_deref() == Some(bridge.as_str()) {
+                            out.push(n.get_xml_desc(0)?);
+                        }
+                    }
+                    Ok(out)
+                })
+                .await?;
+            Ok(xmls.iter().find_map(|x| super::bridgenet::network_ipv4(x)))
+        })
     }
 
     fn facts<'a>(&'a self, host: &'a str) -> BoxFuture<'a, Result<Facts, OpsError>> {

@@ -64,6 +64,7 @@
 
 pub mod fetch;
 pub mod qcow2;
+pub mod uses;
 
 use std::hash::{BuildHasher, Hasher};
 use std::sync::Arc;

@@ -31,7 +31,9 @@
 //!   evidence is time, which a restart of the operator does not fake.
 //!
 //! [`Hosts::close`] closes every link concurrently, within [`CLOSE_BOUND`]; dropping the
-//! table aborts dials and closes links without waiting.
+//! table aborts dials and closes links without waiting. [`Hosts::sever`] closes them too
+//! and refuses every new link until [`Hosts::reconnect`]: a replica that lost the leader
+//! lease cuts itself off the hosts that way, so no request of its reaches a host after.
 
 use std::collections::BTreeMap;
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -68,6 +70,8 @@ pub const PROBE_DEADLINE: Duration = Duration::from_secs(5);
 /// Bound of [`Hosts::close`]: every link's close runs at once, each bounded by its own
 /// grace periods; this is the backstop.
 pub const CLOSE_BOUND: Duration = Duration::from_secs(10);
+/// How often [`Hosts::sever`] looks whether the threads it released have returned.
+const SEVER_POLL: Duration = Duration::from_millis(20);
 /// libvirt keepalive: probe every 5 s, give up after 3 misses (15 s), well before the
 /// default call deadline, so an idle dead link is noticed by libvirt too.
 pub const LIBVIRT_KEEPALIVE: Keepalive = Keepalive {
@@ -125,6 +129,9 @@ pub enum HostError {
     /// The hosts table was closed while the call waited for a dial.
     #[error("host {0:?}: the hosts table is closed")]
     Closed(String),
+    /// This replica lost the leader lease and cut itself off the hosts ([`Hosts::sever`]).
+    #[error("host {0:?}: cut off: this replica lost the leader lease")]
+    Severed(String),
     /// A dial's failure, shared by every caller that waited on that dial or came during
     /// its backoff window: the same reason and class for all of them.
     #[error(transparent)]
@@ -145,6 +152,7 @@ impl HostError {
             },
             HostError::SocketGone { .. } | HostError::SocketNotYet { .. } => "libvirt-socket",
             HostError::Closed(_) => "closed",
+            HostError::Severed(_) => "severed",
             HostError::Shared(e) => e.reason_code(),
         }
     }
@@ -159,7 +167,7 @@ impl HostError {
             HostError::Libvirt { source, .. } => {
                 (source.op() == Some("open")).then_some("libvirt-open")
             }
-            HostError::Closed(_) => None,
+            HostError::Closed(_) | HostError::Severed(_) => None,
             HostError::Shared(e) => e.stage(),
         }
     }
@@ -188,7 +196,8 @@ impl Classified for HostError {
             HostError::Libvirt { source, .. } => source.class(),
             HostError::SocketGone { .. }
             | HostError::SocketNotYet { .. }
-            | HostError::Closed(_) => ErrorClass::Transient,
+            | HostError::Closed(_)
+            | HostError::Severed(_) => ErrorClass::Transient,
             HostError::Shared(e) => e.class(),
         }
     }
@@ -369,6 +378,8 @@ pub struct Hosts {
     metrics: Arc<CallMetrics>,
     call_deadline: Duration,
     socket_patience: Duration,
+    /// Set by [`Hosts::sever`], cleared by [`Hosts::reconnect`]: no link is handed out.
+    severed: AtomicBool,
 }
 
 impl std::fmt::Debug for Hosts {
@@ -484,6 +495,7 @@ impl Hosts {
             metrics,
             call_deadline: DEFAULT_CALL_DEADLINE,
             socket_patience: SOCKET_PATIENCE,
+            severed: AtomicBool::new(false),
         })
     }
 
@@ -524,7 +536,23 @@ impl Hosts {
     /// The live link to `host`, waiting at most `deadline`: the cached one, or the result
     /// of the one dial in flight (started now if none is and the backoff allows).
     pub async fn link(&self, host: &str, deadline: Duration) -> Result<Arc<HostLink>, HostError> {
+        let link = self.link_unchecked(host, deadline).await?;
+        // Checked after the wait too: a dial that began before a cut must not be used.
+        if self.severed.load(Ordering::SeqCst) {
+            return Err(HostError::Severed(host.to_string()));
+        }
+        Ok(link)
+    }
+
+    async fn link_unchecked(
+        &self,
+        host: &str,
+        deadline: Duration,
+    ) -> Result<Arc<HostLink>, HostError> {
         let entry = self.entry(host)?;
+        if self.severed.load(Ordering::SeqCst) {
+            return Err(HostError::Severed(host.to_string()));
+        }
         let mut done = {
             let mut st = entry.state();
             if let Some(link) = &st.link {
@@ -715,6 +743,42 @@ impl Hosts {
         if tokio::time::timeout(CLOSE_BOUND, closes).await.is_err() {
             tracing::warn!(bound = ?CLOSE_BOUND, "some links did not close in time; they are dropped");
         }
+    }
+
+    /// Cuts this process off every host: no link is handed out any more (a call gets
+    /// [`HostError::Severed`], transient, and is not retried), every link is closed, which
+    /// closes its tunnel at once and so returns every thread blocked in libvirt with a
+    /// transport error and drops what was still queued for the host; then waits at most
+    /// `bound` for those threads to give their slots back. Health checks, on connections
+    /// of their own, are not affected.
+    pub async fn sever(&self, bound: Duration) -> crate::provider::Severed {
+        self.severed.store(true, Ordering::SeqCst);
+        let at_cut = self.blocking_in_flight();
+        // Each close shuts its tunnel first (that is what releases the threads); the SSH
+        // goodbye after it may take its grace periods, which the cut does not wait for.
+        for link in self.take_all() {
+            close_in_background(link);
+        }
+        let started = tokio::time::Instant::now();
+        let mut still_running = self.blocking_in_flight();
+        while still_running > 0 && started.elapsed() < bound {
+            tokio::time::sleep(SEVER_POLL).await;
+            still_running = self.blocking_in_flight();
+        }
+        crate::provider::Severed {
+            at_cut,
+            still_running,
+        }
+    }
+
+    /// Lifts [`Hosts::sever`]: the next call dials again.
+    pub fn reconnect(&self) {
+        self.severed.store(false, Ordering::SeqCst);
+    }
+
+    /// Blocking libvirt calls of every host running now (threads holding a slot).
+    pub fn blocking_in_flight(&self) -> usize {
+        self.entries.values().map(|e| e.pool.in_flight()).sum()
     }
 
     /// Empties the table: aborts dials, returns the links.

@@ -251,6 +251,14 @@ impl BlockingPool {
         self.lane(lane).available_permits()
     }
 
+    /// Calls of both lanes whose threads run now (a call past its deadline included: its
+    /// thread keeps its slot until it returns).
+    pub fn in_flight(&self) -> usize {
+        let used = |lane: Lane, limit: usize| limit.max(1).saturating_sub(self.available_in(lane));
+        used(Lane::Call, self.limits.calls_per_host)
+            + used(Lane::Transfer, self.limits.transfers_per_host)
+    }
+
     /// Free ordinary-call slots right now.
     pub fn available(&self) -> usize {
         self.available_in(Lane::Call)
