@@ -626,7 +626,13 @@ serving: {{{serving}}}
                 .lines()
                 .filter_map(|l| l.split_whitespace().next())
                 .filter(|v| v.starts_with("egress-"))
-                .filter(|v| !v.starts_with("egress-image-") && !v.starts_with("egress-imgok-"))
+                .filter(|v| {
+                    // The image cache's own volumes stay: base data, commit marker, and the
+                    // cluster's announcement of the images it uses.
+                    !["egress-image-", "egress-imgok-", "egress-imguse-"]
+                        .iter()
+                        .any(|p| v.starts_with(p))
+                })
             {
                 left.push(format!("h{i}: volume {v}"));
             }

@@ -271,8 +271,13 @@ async fn the_operator_runs_as_its_service_account_and_is_never_refused() {
     let instance_volumes: Vec<&str> = volumes
         .lines()
         .filter_map(|l| l.split_whitespace().next())
-        // The verified base image (data and commit marker) stays cached.
-        .filter(|v| !v.starts_with("egress-image-") && !v.starts_with("egress-imgok-"))
+        .filter(|v| {
+            // The image cache's own volumes stay: base data, commit marker, and the
+            // cluster's announcement of the images it uses.
+            !["egress-image-", "egress-imgok-", "egress-imguse-"]
+                .iter()
+                .any(|p| v.starts_with(p))
+        })
         .filter(|v| *v != "Name" && !v.starts_with('-'))
         .collect();
     assert!(

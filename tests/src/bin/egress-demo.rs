@@ -380,8 +380,13 @@ fn demo(image: &Path, operator: &Path) -> Result<()> {
         .lines()
         .filter_map(|l| l.split_whitespace().next())
         .filter(|v| *v != "Name" && !v.starts_with('-'))
-        // The verified base image (data and commit marker) stays cached.
-        .filter(|v| !v.starts_with("egress-image-") && !v.starts_with("egress-imgok-"))
+        .filter(|v| {
+            // The image cache's own volumes stay: base data, commit marker, and the
+            // cluster's announcement of the images it uses.
+            !["egress-image-", "egress-imgok-", "egress-imguse-"]
+                .iter()
+                .any(|p| v.starts_with(p))
+        })
         .collect();
     if !domains.trim().is_empty() || !instance_volumes.is_empty() {
         bail!("something of the demo VM was left behind: {domains} {instance_volumes:?}");
