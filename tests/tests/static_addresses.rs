@@ -506,6 +506,37 @@ fn dhcp_mode_keeps_only_addresses_inside_the_bridges_libvirt_network() {
     });
 }
 
+/// DHCP mode with a DHCP server outside libvirt: the host's configured `bridgeNetwork`
+/// bounds what is published, ahead of any libvirt network (which is then not even asked
+/// for).
+#[test]
+fn dhcp_mode_keeps_only_addresses_inside_the_configured_bridge_network() {
+    let mut env = Env::new(4);
+    env.config = FakeConfig::new(&env._http.url("/img"), &env.config.kvm2.images[0].sha256)
+        .host("h1", "")
+        .host("h2", "bridgeNetwork: 10.2.0.0/24")
+        .name("bridge-network-config")
+        .build();
+    run(async {
+        env.fake
+            .set_bridge_network("h2", Some("10.1.0.0/24".parse().unwrap()));
+        let p = env.provider();
+        let u = uid(2);
+        let name = dom(&u);
+        p.create(&request(&u, "b", "h2")).await.unwrap();
+        let mac = env.mark("h2", &name).await.mac.unwrap();
+        env.fake.set_addresses(
+            "h2",
+            &name,
+            AddressSource::Agent,
+            vec![nic(&mac, &["10.1.0.8", "192.0.2.50", "10.2.0.8"])],
+        );
+        let got = p.get(&id("h2", &u)).await.unwrap();
+        assert_eq!(got.addresses, ips(&["10.2.0.8"]), "{got:?}");
+        assert_eq!(env.fake.calls("network-list"), 0, "the config says it all");
+    });
+}
+
 /// `seed_applied` from the agent's host name against the seed's `local-hostname` (the
 /// Proxy's name): true when equal, false when the guest calls itself something else,
 /// unknown without an agent; and not asked at all when the agent already failed to

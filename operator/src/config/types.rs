@@ -198,6 +198,13 @@ pub struct HostConfig {
     /// guest agent, ARP). Hosts whose bridges share one network need disjoint ranges.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub address_pool: Option<AddressPoolConfig>,
+    /// The IPv4 network a DHCP server outside libvirt serves on `bridge` (no
+    /// `addressPool`): only guest addresses inside it are published. Unset, the network
+    /// of the libvirt network that owns the bridge is used, and with none every address
+    /// the guest reports is kept.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[schemars(length(min = 9, max = 18))]
+    pub bridge_network: Option<String>,
     /// MTU of `bridge` as the host has it. A domain plugin's NIC `<mtu>` must equal it;
     /// unset, no NIC may set an MTU (libvirt applies it to the tap before enslaving it,
     /// which would change the bridge's MTU for every VM on it and the host).
@@ -280,6 +287,26 @@ impl AddressPool {
     pub fn size(&self) -> u32 {
         u32::from(self.last) - u32::from(self.first) + 1
     }
+}
+
+/// Parses a host's `bridgeNetwork`: an IPv4 network in CIDR notation without host
+/// bits, neither `/0` nor a point-to-point /31 or /32.
+pub fn bridge_network(text: &str) -> Result<ipnet::Ipv4Net, String> {
+    let net: ipnet::Ipv4Net = text
+        .parse()
+        .map_err(|_| format!("{text:?} is not an IPv4 network in CIDR notation (a.b.c.d/len)"))?;
+    if net.network() != net.addr() {
+        return Err(format!(
+            "{text:?} has host bits set; the network is {}",
+            net.trunc()
+        ));
+    }
+    if !(1..=30).contains(&net.prefix_len()) {
+        return Err(format!(
+            "{text:?} is not a bridge network (prefix /1 to /30)"
+        ));
+    }
+    Ok(net)
 }
 
 impl AddressPoolConfig {

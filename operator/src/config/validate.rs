@@ -293,6 +293,17 @@ fn validate_kvm2(k: &Kvm2Config, p: &mut Problems) {
         if let Some(mtu) = h.bridge_mtu {
             p.check(at("bridgeMtu"), range(mtu, (68, 65535), ""));
         }
+        if let Some(net) = &h.bridge_network {
+            if h.address_pool.is_some() {
+                p.push(
+                    at("bridgeNetwork"),
+                    "is for DHCP hosts; with addressPool the pool's cidr is the bridge's network"
+                        .to_string(),
+                );
+            } else if let Err(why) = super::types::bridge_network(net) {
+                p.push(at("bridgeNetwork"), why);
+            }
+        }
         if let Some(cp) = &h.cpu_placement {
             let sets = std::iter::once(("cpuPlacement.cpus", Some(&cp.cpus)))
                 .chain(std::iter::once(("cpuPlacement.nodes", cp.nodes.as_ref())));
@@ -1044,6 +1055,27 @@ kvm2:
                 |c| c.kvm2.hosts[0].address_pool = Some(pool("10.9.0.1/24", ".10", ".20")),
                 "kvm2.hosts[0].addressPool.cidr",
                 "host bits set",
+            ),
+            (
+                "bridge network with host bits",
+                |c| c.kvm2.hosts[0].bridge_network = Some("10.9.0.1/24".into()),
+                "kvm2.hosts[0].bridgeNetwork",
+                "host bits set",
+            ),
+            (
+                "bridge network too narrow",
+                |c| c.kvm2.hosts[0].bridge_network = Some("10.9.0.0/31".into()),
+                "kvm2.hosts[0].bridgeNetwork",
+                "not a bridge network",
+            ),
+            (
+                "bridge network beside a pool",
+                |c| {
+                    c.kvm2.hosts[0].address_pool = Some(pool("10.9.0.0/24", ".10", ".60"));
+                    c.kvm2.hosts[0].bridge_network = Some("10.9.0.0/24".into());
+                },
+                "kvm2.hosts[0].bridgeNetwork",
+                "is for DHCP hosts",
             ),
             (
                 "pool cidr not v4",

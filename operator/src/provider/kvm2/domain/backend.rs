@@ -1191,9 +1191,14 @@ impl Kvm2Provider {
             inst.address_source = Some(AddressOrigin::Static);
         } else {
             let mac = mark.mac_or_legacy();
-            let net = match address_pool(host).ok().flatten() {
-                Some(p) => Some(p.net),
-                None => self.bridge_net(host).await,
+            let configured = host
+                .bridge_network
+                .as_deref()
+                .and_then(|n| crate::config::types::bridge_network(n).ok());
+            let net = match (address_pool(host).ok().flatten(), configured) {
+                (Some(p), _) => Some(p.net),
+                (None, Some(net)) => Some(net),
+                (None, None) => self.bridge_net(host).await,
             };
             let (found, source, agent) = self.detect(h, &name, &mac, net.as_ref()).await;
             agent_answered = agent;

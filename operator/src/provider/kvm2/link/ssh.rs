@@ -884,6 +884,7 @@ mod tests {
             insecure_ignore_host_key: false,
             disable_kvm: false,
             address_pool: None,
+            bridge_network: None,
             bridge_mtu: None,
             cpu_placement: None,
             nvram_templates: Vec::new(),
