@@ -193,6 +193,17 @@ impl AddressBook {
         incarnation: u64,
     ) -> Result<Allocation, AllocError> {
         let _host_lock = self.locks.lock(host).await;
+        // The claims as they were before the listing: a Create in flight defines its
+        // domain and only then drops its claim, so its identity is in this snapshot or
+        // in the listing that follows. Read only after the listing, a claim dropped in
+        // between (defined after the listing began) would be in neither.
+        let claimed_before: Vec<Claim> = lock(&self.claims)
+            .get(host)
+            .into_iter()
+            .flatten()
+            .filter(|(other, _)| other.as_str() != uid)
+            .map(|(_, c)| c.clone())
+            .collect();
         let domains = ops
             .list_domains(host)
             .await
@@ -206,6 +217,10 @@ impl AddressBook {
         for mark in domains.iter().filter_map(|d| d.mark.as_ref()) {
             used_macs.insert(mark.mac_or_legacy());
             used_addresses.extend(mark.address);
+        }
+        for claim in &claimed_before {
+            used_macs.insert(claim.mac.clone());
+            used_addresses.extend(claim.address);
         }
         let mut claims = lock(&self.claims);
         for (other, claim) in claims.get(host).into_iter().flatten() {
