@@ -314,6 +314,15 @@ pub async fn reconcile(proxy: Arc<Proxy>, ctx: Arc<Context>) -> Result<Action, C
         tracing::trace!(proxy = %proxy.name_any(), retry_in = ?wait, "trigger before the requested delay; deferred");
         return Ok(Action::requeue(wait));
     }
+    let deleting = proxy.metadata.deletion_timestamp.is_some();
+    let uid = proxy.uid();
+    if deleting
+        && let Some(uid) = &uid
+        && ctx.attempts.released(uid)
+    {
+        tracing::trace!(proxy = %proxy.name_any(), "finalizer already removed; the cache is behind");
+        return Ok(Action::await_change());
+    }
     let started = Instant::now();
     let ns = proxy
         .namespace()
@@ -325,7 +334,16 @@ pub async fn reconcile(proxy: Arc<Proxy>, ctx: Arc<Context>) -> Result<Action, C
             Finalizer::Cleanup(p) => cleanup(&p, &ctx).await,
         }
     })
-    .await
+    .await;
+    // A finalizer removal told 404 found the Proxy gone: what the removal was for.
+    let result = match result {
+        Err(kube::runtime::finalizer::Error::RemoveFinalizer(kube::Error::Api(s)))
+            if s.code == 404 =>
+        {
+            Ok(Action::await_change())
+        }
+        other => other,
+    }
     .map_err(|e| match e {
         kube::runtime::finalizer::Error::ApplyFailed(e)
         | kube::runtime::finalizer::Error::CleanupFailed(e) => e,
@@ -338,6 +356,12 @@ pub async fn reconcile(proxy: Arc<Proxy>, ctx: Arc<Context>) -> Result<Action, C
             ControllerError::InvalidSpec(format!("finalizer name {FINALIZER:?} is invalid"))
         }
     });
+    if deleting
+        && result.is_ok()
+        && let Some(uid) = &uid
+    {
+        ctx.attempts.release(uid);
+    }
     let outcome = match &result {
         Ok(_) => "ok",
         Err(e) => e.class().as_str(),
@@ -416,6 +440,12 @@ async fn apply(proxy: &Proxy, ctx: &Context) -> Result<Action, ControllerError> 
             if ctx.serving.needs_write(&target.owner.uid, &current, &new) {
                 write_status(ctx, proxy, &new).await?;
             }
+            // Readiness reached in this reconcile: its own event, unless the instance was
+            // made in this same reconcile, whose event then says so (one event per
+            // reconcile's outcome: at 1000 Proxies that is 1000 fewer writes).
+            let ready = status::is_ready(&new);
+            let became_ready = ready && !status::is_ready(&current);
+            let ready_note = || format!("ready at {}", new.address.as_deref().unwrap_or("-"));
             if let Some(change) = change {
                 let (reason, action, note) = match change {
                     Change::Created => ("Created", "Create", "created"),
@@ -437,15 +467,13 @@ async fn apply(proxy: &Proxy, ctx: &Context) -> Result<Action, ControllerError> 
                     Change::ReplacedFailed => "replaced-failed",
                     Change::ReplacedNotServing => "replaced-not-serving",
                 });
-                event(
-                    ctx,
-                    proxy,
-                    EventType::Normal,
-                    reason,
-                    action,
-                    format!("{note} instance {}", instance.id),
-                )
-                .await;
+                let mut note = format!("{note} instance {}", instance.id);
+                if became_ready {
+                    note = format!("{note}, {}", ready_note());
+                }
+                event(ctx, proxy, EventType::Normal, reason, action, note).await;
+            } else if became_ready {
+                event(ctx, proxy, EventType::Normal, "Ready", "Refresh", ready_note()).await;
             }
             // A proxy that stops serving (or a guest that never read its seed) is news
             // once, when the condition changes, not at every failed probe.
@@ -465,11 +493,6 @@ async fn apply(proxy: &Proxy, ctx: &Context) -> Result<Action, ControllerError> 
                     check.message.clone(),
                 )
                 .await;
-            }
-            let ready = status::is_ready(&new);
-            if ready && !status::is_ready(&current) {
-                let note = format!("ready at {}", new.address.as_deref().unwrap_or("-"));
-                event(ctx, proxy, EventType::Normal, "Ready", "Refresh", note).await;
             }
             let period = Duration::from_secs(u64::from(ctx.config.serving.period_seconds));
             let delay = if ready {

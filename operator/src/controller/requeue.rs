@@ -111,7 +111,18 @@ pub const TRANSIENT_MAX: Duration = Duration::from_secs(900);
 /// In memory only: a restarted or newly elected replica reconciles every Proxy once and
 /// starts counting again, which costs one attempt per Proxy, not a loop.
 #[derive(Debug, Default)]
-pub struct Attempts(Mutex<HashMap<String, Entry>>);
+pub struct Attempts {
+    entries: Mutex<HashMap<String, Entry>>,
+    /// Proxies whose finalizer this replica removed, and when. A reconcile queued behind
+    /// the one that removed it still sees the finalizer in a cache that has not caught up;
+    /// without this it would run the whole cleanup again (a status patch, a listing of
+    /// every host, a second `Deleted` event) only to be told 404 by the API server.
+    released: Mutex<HashMap<String, Instant>>,
+}
+
+/// How long a released Proxy is remembered: far longer than a watch event takes to
+/// arrive, short enough that the memory of a mass deletion drains on its own.
+const RELEASED_MEMORY: Duration = Duration::from_secs(600);
 
 /// One Proxy's memory.
 #[derive(Debug, Default)]
@@ -130,7 +141,7 @@ struct Entry {
 
 impl Attempts {
     fn with<T>(&self, uid: &str, f: impl FnOnce(&mut Entry) -> T) -> T {
-        let mut m = self.0.lock().unwrap_or_else(|p| p.into_inner());
+        let mut m = self.entries.lock().unwrap_or_else(|p| p.into_inner());
         f(m.entry(uid.to_string()).or_default())
     }
 
@@ -190,7 +201,7 @@ impl Attempts {
     /// nothing that justifies an early reconcile changed since the delay was set and it has
     /// not run out. The controller's own status writes are deferred this way.
     pub fn early(&self, uid: &str, trigger: u64) -> Option<Duration> {
-        let m = self.0.lock().unwrap_or_else(|p| p.into_inner());
+        let m = self.entries.lock().unwrap_or_else(|p| p.into_inner());
         let e = m.get(uid)?;
         if e.trigger != Some(trigger) {
             return None;
@@ -201,8 +212,25 @@ impl Attempts {
 
     /// Forgets the Proxy (it is gone).
     pub fn forget(&self, uid: &str) {
-        let mut m = self.0.lock().unwrap_or_else(|p| p.into_inner());
+        let mut m = self.entries.lock().unwrap_or_else(|p| p.into_inner());
         m.remove(uid);
+    }
+
+    /// Records that this Proxy's finalizer is off (its cleanup is done): the API server
+    /// deletes it, and nothing of ours may act on it again.
+    pub fn release(&self, uid: &str) {
+        let now = Instant::now();
+        let mut m = self.released.lock().unwrap_or_else(|p| p.into_inner());
+        m.retain(|_, at| now.duration_since(*at) < RELEASED_MEMORY);
+        m.insert(uid.to_string(), now);
+    }
+
+    /// Whether this Proxy's finalizer was removed by this replica (see [`Self::release`]).
+    /// A finalizer cannot come back on an object being deleted, so a cached copy that
+    /// still shows it is only behind.
+    pub fn released(&self, uid: &str) -> bool {
+        let m = self.released.lock().unwrap_or_else(|p| p.into_inner());
+        m.contains_key(uid)
     }
 
     /// Makes the Proxy's next reconcile due now, as if its requeue delay had passed

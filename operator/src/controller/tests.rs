@@ -865,7 +865,6 @@ async fn create_reads_the_user_data_creates_and_reports_the_instance() {
             "provider:create",
             "status:Running",
             "event:Normal:Created",
-            "event:Normal:Ready",
         ])
     );
     // Serving: probed again every serving.periodSeconds.
@@ -922,21 +921,15 @@ async fn create_reads_the_user_data_creates_and_reports_the_instance() {
     assert_eq!(w.proxies.dials(), 1);
     assert_eq!(w.ctx.metrics.probes.outcomes("Serving"), 1);
 
-    // Events: Created names the instance, Ready the address.
+    // One event for the reconcile: Created names the instance and, since it served at
+    // once, the address (no separate Ready event: one write fewer per Proxy).
     assert_eq!(
         w.timeline.event_summary(),
-        vec![
-            (
-                "Normal".into(),
-                "Created".into(),
-                format!("created instance h1/{name}")
-            ),
-            (
-                "Normal".into(),
-                "Ready".into(),
-                format!("ready at {FAKE_ADDRESS}")
-            ),
-        ]
+        vec![(
+            "Normal".into(),
+            "Created".into(),
+            format!("created instance h1/{name}, ready at {FAKE_ADDRESS}")
+        )]
     );
 
     // The provider got the Secret's bytes, for this Proxy.
@@ -971,7 +964,6 @@ async fn create_without_user_data_reads_no_secret() {
             "provider:create",
             "status:Running",
             "event:Normal:Created",
-            "event:Normal:Ready",
         ])
     );
     assert!(w.fake.create_requests()[0].user_data.is_none());
@@ -1013,7 +1005,6 @@ async fn a_retried_create_does_not_mark_provisioning_again() {
             "provider:create",
             "status:Running",
             "event:Normal:Created",
-            "event:Normal:Ready",
         ])
     );
     // Ready flipped False -> True: its transition time moves.
@@ -1037,8 +1028,8 @@ async fn events_that_cannot_be_published_do_not_fail_the_reconcile() {
 
     assert_eq!(action, requeue(30));
     assert_eq!(w.timeline.last_status()["phase"], "Running");
-    assert_eq!(w.timeline.events().len(), 2, "both were attempted");
-    assert_eq!(w.ctx.metrics.events_failed(), 2, "and counted");
+    assert_eq!(w.timeline.events().len(), 1, "the event was attempted");
+    assert_eq!(w.ctx.metrics.events_failed(), 1, "and counted");
 }
 
 // ---- 3. Refresh --------------------------------------------------------------------------
@@ -1244,7 +1235,6 @@ async fn a_lost_instance_is_replaced() {
             "provider:create",
             "status:Running",
             "event:Normal:Replaced",
-            "event:Normal:Ready",
         ])
     );
     assert_eq!(action, requeue(30));
@@ -1256,7 +1246,7 @@ async fn a_lost_instance_is_replaced() {
     );
     assert_eq!(
         events[1].2,
-        format!("replaced a lost instance with instance h1/{name}")
+        format!("replaced a lost instance with instance h1/{name}, ready at {FAKE_ADDRESS}")
     );
     // While replacing, status shows no address of the lost instance.
     let statuses = w.timeline.statuses();
@@ -1335,7 +1325,6 @@ async fn a_crashed_instance_is_deleted_then_replaced() {
             "provider:create",
             "status:Running",
             "event:Normal:Replaced",
-            "event:Normal:Ready",
         ])
     );
     assert_eq!(action, requeue(30));
@@ -1347,7 +1336,7 @@ async fn a_crashed_instance_is_deleted_then_replaced() {
     );
     assert_eq!(
         events[1].2,
-        format!("replaced a failed instance with instance h1/{name}")
+        format!("replaced a failed instance with instance h1/{name}, ready at {FAKE_ADDRESS}")
     );
     // The crashed domain is gone; the new one runs (the fake places it on h1).
     let left = w.fake.instances();
@@ -1440,6 +1429,51 @@ async fn delete_removes_the_instance_then_the_finalizer() {
     assert_eq!(w.ctx.metrics.instances("deleted"), 1);
     assert_status_applies_are_ssa(&w.timeline);
     assert_events_regard_the_proxy(&w.timeline);
+}
+
+#[tokio::test]
+async fn a_reconcile_behind_the_finalizer_removal_does_nothing() {
+    let running = instance(id("h2", &our_name()), UID, InstanceState::Running, None);
+    let p = deleting(with_status(proxy(), status_seeing(&running)));
+    let w = World::new(&p);
+    w.fake.insert(running);
+    w.reconcile(&p).await.unwrap();
+    assert_eq!(w.timeline.finalizer_patches().len(), 1);
+    w.timeline.clear();
+
+    // Our own Deleting status write queued a second reconcile; the cache has not yet seen
+    // the finalizer go, so it hands over the same object.
+    let action = w.reconcile(&p).await.unwrap();
+
+    assert_eq!(action, Action::await_change());
+    assert_eq!(
+        w.labels(),
+        Vec::<String>::new(),
+        "no status patch, no listing, no second Deleted event, no 404"
+    );
+    assert_eq!(w.fake.calls(), vec!["delete", "list"], "only the first cleanup's");
+}
+
+#[tokio::test]
+async fn a_finalizer_removal_told_404_is_done() {
+    let p = deleting(proxy());
+    let w = World::build(
+        &p,
+        &[],
+        Some(Box::new(|s: &Seen| {
+            s.is_finalizer_patch()
+                .then(|| (404, status_error(404, "NotFound", "proxies \"p\" not found")))
+        })),
+    );
+
+    let action = w.reconcile(&p).await.unwrap();
+
+    assert_eq!(action, Action::await_change());
+    assert_eq!(w.ctx.metrics.reconciles("ok"), 1);
+    // Remembered as released: a stale copy runs nothing more.
+    w.timeline.clear();
+    w.reconcile(&p).await.unwrap();
+    assert!(w.labels().is_empty(), "{:?}", w.labels());
 }
 
 #[tokio::test]
@@ -2120,7 +2154,7 @@ async fn the_backoff_grows_with_failures_whatever_the_error_text_and_warns_once(
         .collect();
     assert_eq!(
         reasons,
-        labels(&["ProviderError", "CapacityExceeded", "Created", "Ready"])
+        labels(&["ProviderError", "CapacityExceeded", "Created"])
     );
 }
 
