@@ -248,9 +248,12 @@ pub struct RenderArgs {
 /// Runs one command, writing to the process's stdout and stderr.
 pub fn run(cli: Cli) -> ExitCode {
     if let Command::Run(args) = &cli.command {
+        // Before the runtime starts its threads (see `allocator`).
+        let arenas = crate::allocator::limit_arenas();
         // The operator logs to stderr from many threads: holding the stderr lock here, as
         // the one-shot commands do, would block every log line.
         crate::telemetry::init_with("info", args.log_format);
+        tracing::debug!(?arenas, "malloc arenas");
         return ExitCode::from(crate::run::run(args, &mut std::io::stderr()).unwrap_or(2));
     }
     crate::telemetry::init("warn");

@@ -3,6 +3,7 @@
 //! The binary (`src/main.rs`) only parses the command line and calls [`cli::run`];
 //! everything testable lives here.
 
+pub mod allocator;
 pub mod api;
 pub mod authoring;
 pub mod cli;

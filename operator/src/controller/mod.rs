@@ -473,7 +473,15 @@ async fn apply(proxy: &Proxy, ctx: &Context) -> Result<Action, ControllerError> 
                 }
                 event(ctx, proxy, EventType::Normal, reason, action, note).await;
             } else if became_ready {
-                event(ctx, proxy, EventType::Normal, "Ready", "Refresh", ready_note()).await;
+                event(
+                    ctx,
+                    proxy,
+                    EventType::Normal,
+                    "Ready",
+                    "Refresh",
+                    ready_note(),
+                )
+                .await;
             }
             // A proxy that stops serving (or a guest that never read its seed) is news
             // once, when the condition changes, not at every failed probe.

@@ -1001,11 +1001,7 @@ async fn a_retried_create_does_not_mark_provisioning_again() {
 
     assert_eq!(
         w.labels(),
-        labels(&[
-            "provider:create",
-            "status:Running",
-            "event:Normal:Created",
-        ])
+        labels(&["provider:create", "status:Running", "event:Normal:Created",])
     );
     // Ready flipped False -> True: its transition time moves.
     let ready = condition(&w.timeline.last_status(), "Ready").clone();
@@ -1451,7 +1447,11 @@ async fn a_reconcile_behind_the_finalizer_removal_does_nothing() {
         Vec::<String>::new(),
         "no status patch, no listing, no second Deleted event, no 404"
     );
-    assert_eq!(w.fake.calls(), vec!["delete", "list"], "only the first cleanup's");
+    assert_eq!(
+        w.fake.calls(),
+        vec!["delete", "list"],
+        "only the first cleanup's"
+    );
 }
 
 #[tokio::test]
@@ -1461,8 +1461,12 @@ async fn a_finalizer_removal_told_404_is_done() {
         &p,
         &[],
         Some(Box::new(|s: &Seen| {
-            s.is_finalizer_patch()
-                .then(|| (404, status_error(404, "NotFound", "proxies \"p\" not found")))
+            s.is_finalizer_patch().then(|| {
+                (
+                    404,
+                    status_error(404, "NotFound", "proxies \"p\" not found"),
+                )
+            })
         })),
     );
 
