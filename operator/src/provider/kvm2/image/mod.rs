@@ -62,6 +62,7 @@
 //! Memory stays flat: chunks go from the HTTP body through a small bounded channel into a
 //! libvirt stream on a blocking thread, never into a buffer of the image's size.
 
+pub mod chunks;
 pub mod fetch;
 pub mod qcow2;
 pub mod uses;
@@ -87,9 +88,10 @@ use crate::instance::{
     image_heartbeat_name, image_marker_name, image_takeover_name, image_volume_name,
 };
 
-/// Chunks buffered between the download and the upload: with ~64 KiB chunks, about
-/// 1 MiB in flight whatever the image size.
-const CHANNEL_CHUNKS: usize = 16;
+/// Pieces buffered between the download and the upload: with [`chunks::STREAM_PIECE`]
+/// (256 KiB) pieces, 2 MiB in flight whatever the image size, enough for the download
+/// to run ahead while the upload waits on the link.
+const CHANNEL_PIECES: usize = 8;
 /// Progress is logged at most this often.
 const LOG_EVERY: Duration = Duration::from_secs(5);
 
@@ -963,7 +965,7 @@ impl ImageCache {
     ) -> Result<Vec<u8>, ImageError> {
         let h = a.h();
         let data_name = a.data();
-        let (tx, rx) = mpsc::channel(CHANNEL_CHUNKS);
+        let (tx, rx) = mpsc::channel(CHANNEL_PIECES);
         // The download has its own deadline; the upload gets that plus its own, so waiting
         // on the HTTP server never uses up the upload's time.
         let deadline = fetch::download_deadline(&self.options.fetch, size)
@@ -978,23 +980,27 @@ impl ImageCache {
             let mut last_beat = Instant::now();
             let mut beats: u64 = 0;
             let mut done: u64 = 0;
+            let mut regroup = chunks::Regroup::new(chunks::STREAM_PIECE);
             loop {
                 match download.next_chunk().await {
                     Ok(Some(chunk)) => {
                         let want = qcow2::HEADER_LEN.saturating_sub(head.len());
                         head.extend_from_slice(&chunk[..want.min(chunk.len())]);
-                        done += chunk.len() as u64;
+                        let len = chunk.len() as u64;
+                        done += len;
                         self.metrics
                             .uploaded_bytes
                             .get_or_create(&a.labels)
-                            .inc_by(chunk.len() as u64);
+                            .inc_by(len);
                         self.metrics
                             .upload_progress
                             .get_or_create(&a.labels)
                             .set(i64::try_from(done).unwrap_or(i64::MAX));
-                        if tx.send(Ok(chunk)).await.is_err() {
-                            // The upload side ended early; its error is what we report.
-                            return Ok(head);
+                        for piece in regroup.push(chunk) {
+                            if tx.send(Ok(piece)).await.is_err() {
+                                // The upload side ended early; its error is what we report.
+                                return Ok(head);
+                            }
                         }
                         let progress = UploadProgress {
                             host: h.into(),
@@ -1029,7 +1035,15 @@ impl ImageCache {
                     }
                     Ok(None) => {
                         return match download.finish() {
-                            Ok(_) => Ok(head),
+                            Ok(_) => {
+                                // Verified: the last piece completes the length, and
+                                // dropping `tx` then lets the upload finish.
+                                if let Some(last) = regroup.finish() {
+                                    // A closed upload reports its own error.
+                                    let _ = tx.send(Ok(last)).await;
+                                }
+                                Ok(head)
+                            }
                             Err(e) => {
                                 let _ = tx.send(Err(e.to_string())).await;
                                 Err(a.fetch_err(e))
