@@ -1123,6 +1123,121 @@ mod tests {
         }
     }
 
+    /// Records the size of every piece an upload hands to libvirt.
+    #[derive(Debug, Default)]
+    struct PieceSizes(Arc<std::sync::Mutex<Vec<usize>>>);
+
+    impl super::super::fake::OpHook for PieceSizes {
+        fn upload_chunks<'a>(
+            &'a self,
+            _host: &'a str,
+            _name: &'a str,
+            mut chunks: super::super::ops::UploadChunks,
+        ) -> crate::provider::BoxFuture<'a, Option<super::super::ops::UploadChunks>> {
+            let sizes = Arc::clone(&self.0);
+            let (tx, rx) = mpsc::channel(1);
+            tokio::spawn(async move {
+                while let Some(piece) = chunks.recv().await {
+                    if let Ok(p) = &piece {
+                        sizes.lock().unwrap().push(p.len());
+                    }
+                    if tx.send(piece).await.is_err() {
+                        break;
+                    }
+                }
+            });
+            Box::pin(std::future::ready(Some(rx)))
+        }
+    }
+
+    /// Serves `body` once over plain HTTP on 127.0.0.1, written in `write`-byte pieces
+    /// (each a separate socket write, so the client sees small chunks).
+    fn serve_once(body: Arc<Vec<u8>>, write: usize) -> std::net::SocketAddr {
+        use std::io::{Read as _, Write as _};
+        let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+        let addr = listener.local_addr().unwrap();
+        std::thread::spawn(move || {
+            let (mut tcp, _) = listener.accept().unwrap();
+            tcp.set_nodelay(true).unwrap();
+            let mut req = [0u8; 4096];
+            let _ = tcp.read(&mut req).unwrap();
+            let head = format!(
+                "HTTP/1.1 200 OK\r\nContent-Length: {}\r\nConnection: close\r\n\r\n",
+                body.len()
+            );
+            tcp.write_all(head.as_bytes()).unwrap();
+            for piece in body.chunks(write) {
+                if tcp.write_all(piece).is_err() {
+                    return;
+                }
+            }
+        });
+        addr
+    }
+
+    /// The upload hands libvirt whole 256 KiB stream messages (the last one short), not
+    /// the HTTP body's small chunks one message each; and the bytes still verify.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn the_upload_sends_whole_stream_pieces() {
+        use sha2::Digest as _;
+        let len = 3 * chunks::STREAM_PIECE + 12_345;
+        let body: Arc<Vec<u8>> = Arc::new((0..len).map(|i| (i % 251) as u8).collect());
+        let addr = serve_once(Arc::clone(&body), 4096);
+        let config = ImageConfig {
+            name: "raw".into(),
+            url: format!("http://{addr}/raw.img"),
+            sha256: hex::encode(sha2::Sha256::digest(body.as_slice())),
+            format: ImageFormat::Raw,
+            max_size_mib: None,
+            allow_http: true,
+            allow_private_addresses: false,
+        };
+        let host = HostConfig {
+            name: "h1".into(),
+            address: "127.0.0.1".into(),
+            libvirt_socket: crate::config::DEFAULT_LIBVIRT_SOCKET.into(),
+            driver: crate::config::LibvirtDriver::Qemu,
+            storage_pool: "default".into(),
+            bridge: "br0".into(),
+            max_domains: 1,
+            max_concurrent_creates: 1,
+            insecure_ignore_host_key: false,
+            disable_kvm: false,
+            address_pool: None,
+            bridge_network: None,
+            bridge_mtu: None,
+            cpu_placement: None,
+            nvram_templates: Vec::new(),
+        };
+        let fake = Arc::new(super::super::fake::FakeOps::new(&["h1"], 1 << 30));
+        let sizes = PieceSizes::default();
+        let seen = Arc::clone(&sizes.0);
+        let ops = Arc::new(super::super::fake::Hooked::wrap(fake.clone(), sizes));
+        let mut options = ImageCacheOptions::default();
+        options.fetch.exempt_addresses = vec![addr.ip()];
+        let cache = ImageCache::new(ops, options, ImageMetrics::default());
+        let base = tokio::time::timeout(Duration::from_secs(60), cache.ensure(&host, &config))
+            .await
+            .expect("hang guard")
+            .unwrap();
+        assert!(base.uploaded);
+        let sizes = seen.lock().unwrap().clone();
+        assert_eq!(
+            sizes,
+            [
+                chunks::STREAM_PIECE,
+                chunks::STREAM_PIECE,
+                chunks::STREAM_PIECE,
+                12_345
+            ]
+        );
+        assert_eq!(
+            fake.volume_data("h1", &image_volume_name(&config.sha256))
+                .as_deref(),
+            Some(body.as_slice())
+        );
+    }
+
     #[test]
     fn overlay_is_never_smaller_than_the_image() {
         const GIB: u64 = 1 << 30;
