@@ -8,8 +8,12 @@
 //!   of random bytes (made with `qemu-img convert`: the cache reads the qcow2 header), cached by `ImageCache::ensure` (HTTP download, sha256, upload through our SSH
 //!   tunnel into a libvirt stream, marker volume) vs `sha256sum` of the same file (hashing
 //!   alone: the floor) vs `virsh vol-create-as` + `vol-upload` over `qemu+ssh://` (libvirt's
-//!   own transport through OpenSSH, one virsh session, no verification). Median of 3 each,
-//!   taking turns; the cached volumes are deleted between repetitions.
+//!   own transport through OpenSSH, one virsh session, no verification), that last once
+//!   with OpenSSH's default cipher order and once with `-c aes256-gcm@openssh.com`, the
+//!   cipher our link prefers on a CPU with AES instructions, so one ratio is the product
+//!   against virsh as shipped and one the transports alone. Median of 3 each, taking
+//!   turns; the cached volumes are deleted between repetitions. `EGRESS_BENCH_PARTS`
+//!   (`throughput,create,rss`) runs only the parts named.
 //! - Peak RSS while caching a 2 GiB qcow2 image, in a child process (this binary again, with
 //!   `EGRESS_BENCH_CHILD=rss`), since the high-water mark is per process: VmRSS once the
 //!   runtime, the template plugins and the SSH link are up (idle), then the high-water
@@ -55,6 +59,8 @@ const GIB: u64 = 1024 * MIB;
 /// quick run).
 const DEFAULT_IMAGE_MIB: (u64, u64) = (512, 16);
 const IMAGE_MIB_ENV: &str = "EGRESS_BENCH_IMAGE_MIB";
+/// Which parts to run (comma-separated: `throughput`, `create`, `rss`); all when unset.
+const PARTS_ENV: &str = "EGRESS_BENCH_PARTS";
 /// Set (to `rss`) in the child process that measures peak RSS.
 const CHILD_ENV: &str = "EGRESS_BENCH_CHILD";
 /// The image of the peak-RSS measurement (full run, quick run).
@@ -77,6 +83,9 @@ const CREATE_RUNS: (usize, usize) = (5, 1);
 /// Name of the throughput image in the config, and where it is served.
 const BENCH_IMAGE: &str = "bench";
 const BENCH_PATH: &str = "/bench.img";
+/// The cipher our link prefers where the CPU has AES and carry-less multiply (see
+/// `link::ssh`), given to the second virsh peer so that it runs the same cipher.
+const GCM: &str = "aes256-gcm@openssh.com";
 /// The volume the virsh peer uploads into.
 const VIRSH_VOLUME: &str = "eobench-virsh-upload";
 /// The script peer's domain (its volumes are `NAME-root`, `NAME-seed`). Outside our
@@ -113,6 +122,7 @@ fn main() {
         return;
     }
     let mib = image_mib();
+    let image_wanted = part("throughput");
     let scratch = tempfile::Builder::new()
         .prefix("eobench-provider-")
         .tempdir()
@@ -121,7 +131,9 @@ fn main() {
     // The throughput image: needs the file, our cached copy and virsh's copy at once (and
     // the raw bytes while they are converted).
     let free = free_bytes(scratch.path());
-    let image = if free >= 3 * mib * MIB + GIB {
+    let image = if !image_wanted {
+        None
+    } else if free >= 3 * mib * MIB + GIB {
         let path = scratch.path().join("bench.qcow2");
         // Hashing it also reads the file into the page cache.
         let sha = bench::random_qcow2(&path, mib, false).unwrap();
@@ -144,15 +156,19 @@ fn main() {
         println!("provider bench SKIPPED: the rig could not start (see above)");
         return;
     };
-    let ssh_command = write_ssh_command(scratch.path(), &rig);
+    let ssh_command = write_ssh_command(scratch.path(), &rig, None);
     let uri = ssh_uri(&rig, &ssh_command);
+    let ssh_gcm = write_ssh_command(scratch.path(), &rig, Some(GCM));
+    let uri_gcm = ssh_uri(&rig, &ssh_gcm);
 
     let rt = runtime();
     rt.block_on(async {
         if let Some((path, _)) = &image {
-            throughput(&rig, &uri, path).await;
+            throughput(&rig, &uri, &uri_gcm, path).await;
         }
-        create_latency(&rig, &uri, scratch.path()).await;
+        if part("create") {
+            create_latency(&rig, &uri, scratch.path()).await;
+        }
         rig.hosts.close().await;
     });
     drop(rt);
@@ -161,8 +177,18 @@ fn main() {
     }
     drop(rig);
 
-    peak_rss(scratch.path());
+    if part("rss") {
+        peak_rss(scratch.path());
+    }
     drop(scratch);
+}
+
+/// Whether `EGRESS_BENCH_PARTS` asks for `name` (unset: every part).
+fn part(name: &str) -> bool {
+    match std::env::var(PARTS_ENV) {
+        Ok(v) => v.split(',').any(|p| p.trim() == name),
+        Err(_) => true,
+    }
 }
 
 /// `EGRESS_BENCH_IMAGE_MIB`, or the default.
@@ -236,14 +262,19 @@ fn free_bytes(dir: &Path) -> u64 {
 }
 
 /// An `ssh` that reads no user config and trusts only the harness's known_hosts (as in
-/// the transport bench).
-fn write_ssh_command(dir: &Path, rig: &Rig) -> PathBuf {
-    let path = dir.join("ssh");
+/// the transport bench); with `cipher`, that cipher instead of OpenSSH's default order.
+fn write_ssh_command(dir: &Path, rig: &Rig, cipher: Option<&str>) -> PathBuf {
+    let path = dir.join(if cipher.is_some() {
+        "ssh-cipher"
+    } else {
+        "ssh"
+    });
+    let cipher = cipher.map(|c| format!("-c {c} ")).unwrap_or_default();
     let script = format!(
         "#!/bin/sh\n\
          exec ssh -F /dev/null -o IdentitiesOnly=yes -o IdentityAgent=none \
          -o StrictHostKeyChecking=yes -o UserKnownHostsFile='{known}' \
-         -o GlobalKnownHostsFile=/dev/null \"$@\"\n",
+         -o GlobalKnownHostsFile=/dev/null {cipher}\"$@\"\n",
         known = rig.sshd.known_hosts().display()
     );
     std::fs::write(&path, script).unwrap();
@@ -310,7 +341,20 @@ async fn delete_cached(rig: &Rig, sha: &str) {
     }
 }
 
-async fn throughput(rig: &Rig, uri: &str, file: &Path) {
+/// Whether this CPU runs AES-GCM in hardware, as our link checks before preferring it.
+fn hardware_aes() -> bool {
+    #[cfg(target_arch = "x86_64")]
+    {
+        std::arch::is_x86_feature_detected!("aes")
+            && std::arch::is_x86_feature_detected!("pclmulqdq")
+    }
+    #[cfg(not(target_arch = "x86_64"))]
+    {
+        false
+    }
+}
+
+async fn throughput(rig: &Rig, uri: &str, uri_gcm: &str, file: &Path) {
     let host: &HostConfig = rig.config.host(HOST).unwrap();
     let image = rig.config.image(BENCH_IMAGE).unwrap();
     let bytes = std::fs::metadata(file).unwrap().len();
@@ -327,6 +371,7 @@ async fn throughput(rig: &Rig, uri: &str, file: &Path) {
         file = file.display()
     );
     let (mut ours, mut floor, mut peer) = (Vec::new(), Vec::new(), Vec::new());
+    let mut peer_gcm = Vec::new();
     for _ in 0..runs {
         let t = Instant::now();
         let base = cache.ensure(host, image).await.unwrap();
@@ -340,8 +385,23 @@ async fn throughput(rig: &Rig, uri: &str, file: &Path) {
             Command::new("virsh").args(["-q", "-c", uri, &upload]),
         ));
         virsh(rig, &["vol-delete", "--pool", POOL, VIRSH_VOLUME]);
+
+        peer_gcm.push(timed(
+            Command::new("virsh").args(["-q", "-c", uri_gcm, &upload]),
+        ));
+        virsh(rig, &["vol-delete", "--pool", POOL, VIRSH_VOLUME]);
     }
     let (ours, floor, peer) = (median(ours), median(floor), median(peer));
+    let peer_gcm = median(peer_gcm);
+    let our_cipher = if hardware_aes() {
+        GCM
+    } else {
+        "chacha20-poly1305@openssh.com"
+    };
+    println!(
+        "throughput ciphers: ours {our_cipher} (AES-GCM first where the CPU has AES+CLMUL), \
+         virsh's OpenSSH its default (chacha20-poly1305 first), and again with -c {GCM}"
+    );
     let rate = |d: Duration| mib / d.as_secs_f64();
     println!(
         "throughput ours: ImageCache::ensure (HTTP + sha256 + upload, our tunnel)  {:>7.1} MiB/s  median {:>6.2} s ({mib:.0} MiB qcow2, {runs} runs)",
@@ -359,6 +419,11 @@ async fn throughput(rig: &Rig, uri: &str, file: &Path) {
         peer.as_secs_f64()
     );
     println!(
+        "throughput virsh vol-create-as + vol-upload, qemu+ssh://, -c {GCM}  {:>7.1} MiB/s  median {:>6.2} s",
+        rate(peer_gcm),
+        peer_gcm.as_secs_f64()
+    );
+    println!(
         "ratio throughput ours / sha256sum                                        {:>7.2}x (1x = as fast as hashing alone)",
         rate(ours) / rate(floor)
     );
@@ -366,6 +431,10 @@ async fn throughput(rig: &Rig, uri: &str, file: &Path) {
     println!(
         "ratio throughput ours / virsh vol-upload over qemu+ssh://                {r:>7.2}x (goal >= {THROUGHPUT_GOAL}x: {})",
         verdict(r >= THROUGHPUT_GOAL)
+    );
+    println!(
+        "ratio throughput ours / virsh vol-upload, qemu+ssh://, same cipher       {:>7.2}x (both {GCM}; the transports alone)",
+        rate(ours) / rate(peer_gcm)
     );
 }
 

@@ -39,6 +39,18 @@ const SOCKET_NAME: &str = "libvirt-sock";
 /// while the condition lasts; short, because a libvirt client is waiting.
 const ACCEPT_ERROR_BACKOFF: Duration = Duration::from_millis(100);
 
+/// Buffer of the libvirt → host direction of each forwarded connection. tokio's default
+/// of 8 KiB cut an image upload into 8 KiB SSH packets, a quarter of what OpenSSH's
+/// sshd accepts (32 KiB), so sshd and libvirtd paid their per-packet cost (a read, a
+/// decrypt, a write) four times per byte. This holds a whole libvirt stream message
+/// (256 KiB of data plus its header) in one read, which then leaves as packets of the
+/// peer's maximum size.
+const UP_BUFFER: usize = 256 * 1024 + 4096;
+
+/// Buffer of the host → libvirt direction: replies and the occasional volume download;
+/// large enough to fill the peer's 32 KiB packets twice.
+const DOWN_BUFFER: usize = 64 * 1024;
+
 /// A local unix socket forwarding every connection to a unix socket on an SSH host.
 pub struct Tunnel {
     socket_path: PathBuf,
@@ -224,7 +236,9 @@ async fn forward(
             return;
         }
     };
-    match tokio::io::copy_bidirectional(&mut local, &mut channel).await {
+    match tokio::io::copy_bidirectional_with_sizes(&mut local, &mut channel, UP_BUFFER, DOWN_BUFFER)
+        .await
+    {
         Ok((up, down)) => {
             tracing::trace!(host = %session.addr(), up, down, "tunnel connection closed");
         }
