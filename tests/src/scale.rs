@@ -3,9 +3,10 @@
 //! real kvm2 provider over real SSH links (the harness's OpenSSH sshd on 127.0.0.1) to N
 //! simulated hosts: N isolated libvirtd daemons, each reached through its test driver
 //! (`test+unix:///default`), where domains, volumes, pools and metadata are libvirt's own
-//! objects. What is not real: the test driver has no volume streams, so the operator keeps
-//! the bytes of uploads in memory for such hosts (the image is still downloaded over HTTP
-//! and its sha256 verified; see `operator/src/provider/kvm2/domain/streamless.rs`), and
+//! objects. What is not real: the test driver has no volume streams, so for such hosts the
+//! operator consumes an upload's bytes and keeps only a 4 KiB header of it in memory (the
+//! image is still downloaded over HTTP and its sha256 verified; see
+//! `operator/src/provider/kvm2/domain/streamless.rs`), and
 //! its domains run no guest, so each proxy is stood in for by a CONNECT responder on the
 //! proxy's static loopback address (`127.78.0.0/16` and up, one /16 per host), which the
 //! operator's real Serving probe reaches.
