@@ -65,7 +65,7 @@
 //! ## Throughput
 //!
 //! Download, hash and upload overlap: this task reads and hashes the body while the
-//! blocking thread sends earlier pieces, [`CHANNEL_PIECES`] apart. Profiled on a 2-core
+//! blocking thread sends earlier pieces, `CHANNEL_PIECES` apart. Profiled on a 2-core
 //! machine (`make bench`), our own process costs little (sha256 runs in SHA-NI at over
 //! 1 GB/s); what limits the rate is the host's side, sshd and libvirtd, per packet and per
 //! message. So the bytes reach them in the largest units each accepts: 256 KiB libvirt
