@@ -23,6 +23,13 @@ use std::net::{IpAddr, SocketAddr};
 use std::sync::Arc;
 use std::time::Duration;
 
+/// The longest both probe guards (the fast probe's all-fail hold in discovery, the Proxy
+/// controller's prober guard) distrust a fleet-wide failure before they believe the probe
+/// again. A cut in the operator's own path is usually mended within minutes; a fleet that
+/// is really dead must still be emptied from the slices, its leases rebound and its VMs
+/// replaced, so the hold is bounded.
+pub const GUARD_MAX_HOLD: Duration = Duration::from_secs(120);
+
 use prometheus_client::encoding::EncodeLabelSet;
 use prometheus_client::metrics::counter::Counter;
 use prometheus_client::metrics::family::Family;

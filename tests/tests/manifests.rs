@@ -1065,6 +1065,22 @@ async fn calls_the_code_makes() -> Vec<Call> {
             format!("{pool_base}/proxies/office-b"),
             old_member("office-b"),
         ),
+        // A slice a scale-in left over: discovery deletes it.
+        (
+            format!("/apis/discovery.k8s.io/v1/namespaces/{NS}/endpointslices/office-ipv4-1"),
+            json!({
+                "apiVersion": "discovery.k8s.io/v1", "kind": "EndpointSlice",
+                "metadata": {"name": "office-ipv4-1", "namespace": NS, "uid": "uid-surplus",
+                             "resourceVersion": "1",
+                             "labels": {"kubernetes.io/service-name": "office",
+                                        "endpointslice.kubernetes.io/managed-by":
+                                            "discovery.egress-operator.dev"},
+                             "ownerReferences": [{"apiVersion": "egress-operator.dev/v1alpha1",
+                                                  "kind": "ProxyPool", "name": "office",
+                                                  "uid": "uid-pool", "controller": true}]},
+                "addressType": "IPv4", "endpoints": [],
+            }),
+        ),
     ])
     .await;
 

@@ -8,9 +8,11 @@
 //!   [`MANAGED_BY`]: one writer per slice, and kube's own EndpointSlice controller leaves
 //!   them alone (the Service has no selector). Both always exist, possibly empty.
 //! - A proxy is listed when it serves now ([`super::Member::serving`]: the fast probe's
-//!   verdict, else `Ready`): `ready=serving=true, terminating=false`. A proxy the pool
-//!   drains is listed `ready=serving=false, terminating=true` for the drain period while it
-//!   still answers. Anything else is not listed.
+//!   verdict, else `Ready`) and no lease holds it (a leased proxy serves its lease alone):
+//!   `ready=serving=true, terminating=false`. A proxy the pool drains is listed
+//!   `ready=false, serving=true, terminating=true` for the drain period while it still
+//!   answers, so kube-proxy falls back on it when nothing ready is left. Only Proxies the
+//!   pool controls count ([`super::membership`]). Anything else is not listed.
 //! - Every object is written whole by server-side apply with force, so a hand edit is
 //!   undone and a deleted object comes back at the next watch event (the controller owns
 //!   them, so their events trigger the pool's reconcile).
@@ -18,7 +20,7 @@
 //!   Event on the pool, and the time from a proxy's first failing fast probe to the write
 //!   that removed it is observed ([`super::FleetMetrics`]).
 
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, HashMap, HashSet};
 use std::net::IpAddr;
 use std::sync::Arc;
 use std::time::Duration;
@@ -27,7 +29,9 @@ use futures_util::StreamExt;
 use k8s_openapi::api::core::v1::{ObjectReference, Service, ServicePort, ServiceSpec};
 use k8s_openapi::api::discovery::v1::{Endpoint, EndpointConditions, EndpointPort, EndpointSlice};
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::{Condition, OwnerReference};
-use kube::api::{ListParams, ObjectMeta, Patch, PatchParams};
+use kube::api::{
+    DeleteParams, ListParams, ObjectMeta, Patch, PatchParams, PostParams, Preconditions,
+};
 use kube::runtime::controller::{Action, Controller};
 use kube::runtime::events::EventType;
 use kube::runtime::reflector::{self, ObjectRef, Store};
@@ -38,7 +42,9 @@ use crate::api::proxy::Proxy;
 use crate::api::proxy_pool::{POOL_LABEL, PoolEndpoint, ProxyPool};
 use crate::controller::status::set_condition;
 
+use super::membership::made_by;
 use super::pool::{FleetContext, board_changes, publish};
+use super::split;
 use super::{FIELD_MANAGER, FleetError, Member, pool_selector};
 
 /// `endpointslice.kubernetes.io/managed-by` of our slices.
@@ -51,6 +57,10 @@ pub const MANAGED_BY_LABEL: &str = "endpointslice.kubernetes.io/managed-by";
 pub const PORT_NAME: &str = "proxy";
 /// The pool condition discovery owns: True while the liveness guard holds the endpoints.
 pub const ENDPOINTS_HELD: &str = "EndpointsHeld";
+/// The pool condition that says whether discovery could write the pool's Service.
+pub const SERVICE_READY: &str = "ServiceReady";
+/// `ServiceReady` reason: a Service (or slice) of the pool's name belongs to someone else.
+pub const SERVICE_CONFLICT: &str = "ServiceConflict";
 /// Field manager of discovery's pool status writes (the pool controller has its own).
 const STATUS_MANAGER: &str = "egress-operator-discovery";
 /// Resync of a pool that nothing triggers.
@@ -96,6 +106,14 @@ pub fn listed(members: &[Member], port: u16) -> Vec<Listed> {
     out
 }
 
+/// What the pool's Service lists: [`listed`] without the leased members. A leased proxy
+/// serves its lease alone (the lease's own Service lists it), so anyone using the pool's
+/// Service must never leave through it.
+pub fn pool_listed(members: &[Member], port: u16) -> Vec<Listed> {
+    let unleased: Vec<Member> = members.iter().filter(|m| !m.leased).cloned().collect();
+    listed(&unleased, port)
+}
+
 /// The owner reference our objects carry.
 pub fn owner_of(pool: &ProxyPool) -> Option<OwnerReference> {
     pool.controller_owner_ref(&())
@@ -127,7 +145,11 @@ pub fn service(pool: &str, namespace: &str, owner: &OwnerReference, port: u16) -
     }
 }
 
-/// The pool's two EndpointSlices (IPv4, IPv6), each listing its family's proxies.
+/// The address families: the slice's `addressType`, its name's suffix, IPv6 or not.
+const FAMILIES: [(&str, &str, bool); 2] = [("IPv4", "ipv4", false), ("IPv6", "ipv6", true)];
+
+/// Two EndpointSlices (IPv4, IPv6), each listing its family's proxies: a lease's (it holds
+/// at most 16). A pool's may need more ([`pool_slices`]).
 pub fn slices(
     pool: &str,
     namespace: &str,
@@ -135,50 +157,116 @@ pub fn slices(
     port: u16,
     listed: &[Listed],
 ) -> Vec<EndpointSlice> {
-    [("IPv4", "ipv4", false), ("IPv6", "ipv6", true)]
+    FAMILIES
         .into_iter()
-        .map(|(family, suffix, v6)| EndpointSlice {
-            metadata: ObjectMeta {
-                name: Some(format!("{pool}-{suffix}")),
-                namespace: Some(namespace.into()),
-                labels: Some(BTreeMap::from([
-                    (SERVICE_NAME_LABEL.to_string(), pool.to_string()),
-                    (MANAGED_BY_LABEL.to_string(), MANAGED_BY.to_string()),
-                    (POOL_LABEL.to_string(), pool.to_string()),
-                ])),
-                owner_references: Some(vec![owner.clone()]),
-                ..Default::default()
-            },
-            address_type: family.into(),
-            ports: Some(vec![EndpointPort {
-                name: Some(PORT_NAME.into()),
-                protocol: Some("TCP".into()),
-                port: Some(i32::from(port)),
-                app_protocol: None,
-            }]),
-            endpoints: listed
-                .iter()
-                .filter(|l| l.ip.is_ipv6() == v6)
-                .map(|l| Endpoint {
-                    addresses: vec![l.ip.to_string()],
-                    conditions: Some(EndpointConditions {
-                        ready: Some(l.endpoint.ready),
-                        serving: Some(l.endpoint.ready),
-                        terminating: Some(l.endpoint.terminating),
-                    }),
-                    target_ref: Some(ObjectReference {
-                        api_version: Some(Proxy::api_version(&()).into()),
-                        kind: Some(Proxy::kind(&()).into()),
-                        name: Some(l.endpoint.proxy.clone()),
-                        namespace: Some(namespace.into()),
-                        uid: Some(l.uid.clone()),
-                        ..Default::default()
-                    }),
-                    ..Default::default()
-                })
-                .collect(),
+        .map(|(family, suffix, v6)| {
+            let of_family: Vec<&Listed> = listed.iter().filter(|l| l.ip.is_ipv6() == v6).collect();
+            let name = split::slice_name(pool, suffix, 0);
+            slice(pool, namespace, owner, port, (family, &name), &of_family)
         })
         .collect()
+}
+
+/// The pool's EndpointSlices: per family at most [`split::MAX_ENDPOINTS_PER_SLICE`]
+/// endpoints a slice, placed as [`split::place`] says given the slices `seen` now. The
+/// family's first slice is always there; a seen slice that is not returned is surplus.
+pub fn pool_slices(
+    pool: &str,
+    namespace: &str,
+    owner: &OwnerReference,
+    port: u16,
+    listed: &[Listed],
+    seen: &[Arc<EndpointSlice>],
+) -> Vec<EndpointSlice> {
+    let mut out = Vec::new();
+    for (family, suffix, v6) in FAMILIES {
+        let of_family: Vec<&Listed> = listed.iter().filter(|l| l.ip.is_ipv6() == v6).collect();
+        let keys: Vec<String> = of_family.iter().map(|l| l.uid.clone()).collect();
+        let by_uid: HashMap<&str, &Listed> =
+            of_family.iter().map(|l| (l.uid.as_str(), *l)).collect();
+        let now: BTreeMap<usize, Vec<String>> = seen
+            .iter()
+            .filter(|s| s.address_type == family)
+            .filter_map(|s| {
+                let i = split::slice_index(pool, suffix, s.metadata.name.as_deref()?)?;
+                let uids = s
+                    .endpoints
+                    .iter()
+                    .filter_map(|e| e.target_ref.as_ref()?.uid.clone())
+                    .collect();
+                Some((i, uids))
+            })
+            .collect();
+        for (i, uids) in split::place(&keys, &now, split::MAX_ENDPOINTS_PER_SLICE) {
+            let members: Vec<&Listed> = uids
+                .iter()
+                .filter_map(|u| by_uid.get(u.as_str()).copied())
+                .collect();
+            let name = split::slice_name(pool, suffix, i);
+            out.push(slice(
+                pool,
+                namespace,
+                owner,
+                port,
+                (family, &name),
+                &members,
+            ));
+        }
+    }
+    out
+}
+
+/// One slice of `family` named `name`, listing `listed`.
+fn slice(
+    pool: &str,
+    namespace: &str,
+    owner: &OwnerReference,
+    port: u16,
+    (family, name): (&str, &str),
+    listed: &[&Listed],
+) -> EndpointSlice {
+    EndpointSlice {
+        metadata: ObjectMeta {
+            name: Some(name.to_string()),
+            namespace: Some(namespace.into()),
+            labels: Some(BTreeMap::from([
+                (SERVICE_NAME_LABEL.to_string(), pool.to_string()),
+                (MANAGED_BY_LABEL.to_string(), MANAGED_BY.to_string()),
+                (POOL_LABEL.to_string(), pool.to_string()),
+            ])),
+            owner_references: Some(vec![owner.clone()]),
+            ..Default::default()
+        },
+        address_type: family.into(),
+        ports: Some(vec![EndpointPort {
+            name: Some(PORT_NAME.into()),
+            protocol: Some("TCP".into()),
+            port: Some(i32::from(port)),
+            app_protocol: None,
+        }]),
+        endpoints: listed
+            .iter()
+            .map(|l| Endpoint {
+                addresses: vec![l.ip.to_string()],
+                conditions: Some(EndpointConditions {
+                    ready: Some(l.endpoint.ready),
+                    // Only proxies that answer are listed: a draining one still
+                    // serves (kube-proxy's serving-but-terminating fallback).
+                    serving: Some(true),
+                    terminating: Some(l.endpoint.terminating),
+                }),
+                target_ref: Some(ObjectReference {
+                    api_version: Some(Proxy::api_version(&()).into()),
+                    kind: Some(Proxy::kind(&()).into()),
+                    name: Some(l.endpoint.proxy.clone()),
+                    namespace: Some(namespace.into()),
+                    uid: Some(l.uid.clone()),
+                    ..Default::default()
+                }),
+                ..Default::default()
+            })
+            .collect(),
+    }
 }
 
 /// Checks that the pool's name can name its Service (a DNS-1035 label) and slices.
@@ -252,6 +340,33 @@ pub struct Discovery {
     slices: Store<EndpointSlice>,
 }
 
+impl Discovery {
+    /// The pool's slices as last seen: ours (the pool's controller reference) in `ns`,
+    /// for the pool's Service.
+    fn our_slices(&self, ns: &str, pool: &str, pool_uid: &str) -> Vec<Arc<EndpointSlice>> {
+        self.slices
+            .state()
+            .into_iter()
+            .filter(|s| s.metadata.namespace.as_deref() == Some(ns))
+            .filter(|s| s.labels().get(SERVICE_NAME_LABEL).map(String::as_str) == Some(pool))
+            .filter(|s| {
+                s.owner_references()
+                    .iter()
+                    .any(|o| o.controller == Some(true) && o.uid == pool_uid)
+            })
+            .collect()
+    }
+
+    /// The Proxy UIDs the pool's slices list now (what the operator accepted before).
+    fn listed_uids(&self, ns: &str, pool: &str, pool_uid: &str) -> HashSet<String> {
+        self.our_slices(ns, pool, pool_uid)
+            .iter()
+            .flat_map(|s| s.endpoints.iter())
+            .filter_map(|e| e.target_ref.as_ref()?.uid.clone())
+            .collect()
+    }
+}
+
 /// Whether the Service seen says what `want` says in the fields we own: our labels and
 /// owner, no selector, our port. Fields the API server fills in (cluster IP, families,
 /// policies) are not ours and not compared.
@@ -319,6 +434,62 @@ fn meta_current(seen: &ObjectMeta, want: &ObjectMeta) -> bool {
     labels_ok && owner_ok
 }
 
+/// Whether `meta` names the pool (`pool_uid`) as its controller.
+fn controlled(meta: &ObjectMeta, pool_uid: &str) -> bool {
+    meta.owner_references
+        .iter()
+        .flatten()
+        .any(|o| o.controller == Some(true) && o.uid == pool_uid)
+}
+
+/// Why the pool's Service or slices cannot be written: an object of their name that the
+/// pool does not control. The stores hold only objects with our labels, so a name they do
+/// not know is read from the API server (a user's Service, a lease's Service). Also says
+/// whether the Service exists.
+async fn find_conflict(
+    services: &Api<Service>,
+    slices: &Api<EndpointSlice>,
+    discovery: &Discovery,
+    (ns, pool, pool_uid): (&str, &str, &str),
+    want: &[EndpointSlice],
+) -> Result<(Option<String>, bool), kube::Error> {
+    let seen = match discovery.services.get(&ObjectRef::new(pool).within(ns)) {
+        Some(s) => Some(s.metadata.clone()),
+        None => services.get_metadata_opt(pool).await?.map(|m| m.metadata),
+    };
+    let exists = seen.is_some();
+    if let Some(meta) = seen
+        && !controlled(&meta, pool_uid)
+    {
+        return Ok((
+            Some(format!(
+                "Service {pool} exists and does not belong to this pool (a user's or a lease's \
+             Service of that name?); rename or remove it, or rename the pool"
+            )),
+            exists,
+        ));
+    }
+    for s in want {
+        let sname = s.metadata.name.clone().unwrap_or_default();
+        let seen = match discovery.slices.get(&ObjectRef::new(&sname).within(ns)) {
+            Some(s) => Some(s.metadata.clone()),
+            None => slices.get_metadata_opt(&sname).await?.map(|m| m.metadata),
+        };
+        if let Some(meta) = seen
+            && !controlled(&meta, pool_uid)
+        {
+            return Ok((
+                Some(format!(
+                    "EndpointSlice {sname} exists and does not belong to this pool; rename or \
+                 remove it, or rename the pool"
+                )),
+                exists,
+            ));
+        }
+    }
+    Ok((None, exists))
+}
+
 /// One reconcile of one pool's discovery objects.
 async fn reconcile(pool: Arc<ProxyPool>, discovery: Arc<Discovery>) -> Result<Action, FleetError> {
     let ctx = &discovery.fleet;
@@ -338,13 +509,19 @@ async fn reconcile(pool: Arc<ProxyPool>, discovery: Arc<Discovery>) -> Result<Ac
     let proxies = Api::<Proxy>::namespaced(ctx.client.clone(), &ns)
         .list(&ListParams::default().labels(&pool_selector(&name)))
         .await?;
+    // Only Proxies the operator made for this pool: anyone allowed to create Proxies can
+    // copy the label and the owner reference.
+    let listed_now = discovery.listed_uids(&ns, &name, &owner.uid);
     let members: Vec<Member> = proxies
         .items
         .iter()
+        .filter(|p| made_by(&pool, p, &listed_now))
         .map(|p| Member::of(p, &ctx.board))
         .collect();
     let port = ctx.port;
-    let list = listed(&members, port);
+    let list = pool_listed(&members, port);
+    // Forced only over objects this pool controls (a hand edit is undone); an object of
+    // the same name that someone else owns is never written.
     let params = PatchParams::apply(FIELD_MANAGER)
         .force()
         .validation_strict();
@@ -352,18 +529,75 @@ async fn reconcile(pool: Arc<ProxyPool>, discovery: Arc<Discovery>) -> Result<Ac
     // Written only when what was last seen differs: at rest, a reconcile writes nothing.
     // A deleted or hand-edited object is seen so by the watch, and put back.
     let svc = service(&name, &ns, &owner, port);
-    let seen = discovery.services.get(&ObjectRef::new(&name).within(&ns));
-    if !service_current(seen.as_deref(), &svc) {
-        Api::<Service>::namespaced(ctx.client.clone(), &ns)
-            .patch(&name, &params, &Patch::Apply(&svc))
-            .await?;
-    }
+    let svc_api = Api::<Service>::namespaced(ctx.client.clone(), &ns);
     let slice_api = Api::<EndpointSlice>::namespaced(ctx.client.clone(), &ns);
-    for s in slices(&name, &ns, &owner, port, &list) {
+    let ours = discovery.our_slices(&ns, &name, &owner.uid);
+    let want_slices = pool_slices(&name, &ns, &owner, port, &list, &ours);
+    let (conflict, exists) = find_conflict(
+        &svc_api,
+        &slice_api,
+        &discovery,
+        (&ns, &name, &owner.uid),
+        &want_slices,
+    )
+    .await?;
+    if conflict.is_none() {
+        let seen = discovery.services.get(&ObjectRef::new(&name).within(&ns));
+        if !exists {
+            // A create, not a forced apply: a Service someone made in the meantime is not
+            // taken over (409, retried, and then seen as theirs).
+            let create = PostParams {
+                field_manager: Some(FIELD_MANAGER.into()),
+                ..Default::default()
+            };
+            svc_api.create(&create, &svc).await?;
+        } else if !service_current(seen.as_deref(), &svc) {
+            svc_api.patch(&name, &params, &Patch::Apply(&svc)).await?;
+        }
+    }
+    // Under a conflict, our own slices (from before it) are emptied: kube-proxy would
+    // feed them to the other Service of the pool's name.
+    let write_slices = match conflict {
+        None => want_slices,
+        Some(_) => pool_slices(&name, &ns, &owner, port, &[], &ours)
+            .into_iter()
+            .filter(|s| {
+                let sname = s.metadata.name.clone().unwrap_or_default();
+                discovery
+                    .slices
+                    .get(&ObjectRef::new(&sname).within(&ns))
+                    .is_some_and(|seen| controlled(&seen.metadata, &owner.uid))
+            })
+            .collect(),
+    };
+    for s in &write_slices {
         let sname = s.metadata.name.clone().unwrap_or_default();
         let seen = discovery.slices.get(&ObjectRef::new(&sname).within(&ns));
-        if !slice_current(seen.as_deref(), &s) {
-            slice_api.patch(&sname, &params, &Patch::Apply(&s)).await?;
+        if !slice_current(seen.as_deref(), s) {
+            slice_api.patch(&sname, &params, &Patch::Apply(s)).await?;
+        }
+    }
+    // Our slices no longer needed (a scale-in packed the rest, or a conflict): deleted,
+    // each only as the object we saw (its UID).
+    for s in &ours {
+        let sname = s.metadata.name.clone().unwrap_or_default();
+        if write_slices
+            .iter()
+            .any(|w| w.metadata.name.as_deref() == Some(sname.as_str()))
+        {
+            continue;
+        }
+        let params = DeleteParams {
+            preconditions: Some(Preconditions {
+                uid: s.metadata.uid.clone(),
+                resource_version: None,
+            }),
+            ..DeleteParams::default()
+        };
+        match slice_api.delete(&sname, &params).await {
+            Ok(_) => {}
+            Err(kube::Error::Api(e)) if e.code == 404 || e.code == 409 => {}
+            Err(e) => return Err(e.into()),
         }
     }
 
@@ -390,11 +624,42 @@ async fn reconcile(pool: Arc<ProxyPool>, discovery: Arc<Discovery>) -> Result<Ac
         .map(|s| {
             s.conditions
                 .iter()
-                .filter(|c| c.type_ == ENDPOINTS_HELD)
+                .filter(|c| c.type_ == ENDPOINTS_HELD || c.type_ == SERVICE_READY)
                 .cloned()
                 .collect()
         })
         .unwrap_or_default();
+    let was_conflict = conditions
+        .iter()
+        .any(|c| c.type_ == SERVICE_READY && c.reason == SERVICE_CONFLICT);
+    set_condition(
+        &mut conditions,
+        SERVICE_READY,
+        conflict.is_none(),
+        if conflict.is_some() {
+            SERVICE_CONFLICT
+        } else {
+            "Written"
+        },
+        conflict
+            .as_deref()
+            .unwrap_or("the Service and its EndpointSlices are the pool's"),
+        pool.metadata.generation,
+        ctx.now(),
+    );
+    if let Some(why) = &conflict
+        && !was_conflict
+    {
+        publish(
+            ctx,
+            &pool,
+            EventType::Warning,
+            SERVICE_CONFLICT,
+            "Discovery",
+            why.clone(),
+        )
+        .await;
+    }
     let (reason, message) = if held {
         (
             "AllProbesFailed",
@@ -413,14 +678,21 @@ async fn reconcile(pool: Arc<ProxyPool>, discovery: Arc<Discovery>) -> Result<Ac
         pool.metadata.generation,
         ctx.now(),
     );
-    let status_changed = before != after
-        || pool
-            .status
+    let shown = |type_: &str| {
+        pool.status
             .as_ref()
-            .map(|s| s.conditions.iter().find(|c| c.type_ == ENDPOINTS_HELD))
-            .unwrap_or_default()
-            .map(|c| c.status.as_str())
-            != Some(if held { "True" } else { "False" });
+            .and_then(|s| s.conditions.iter().find(|c| c.type_ == type_))
+            .map(|c| (c.status.clone(), c.reason.clone()))
+    };
+    let now_is = |type_: &str| {
+        conditions
+            .iter()
+            .find(|c| c.type_ == type_)
+            .map(|c| (c.status.clone(), c.reason.clone()))
+    };
+    let status_changed = before != after
+        || shown(ENDPOINTS_HELD).map(|(s, _)| s) != now_is(ENDPOINTS_HELD).map(|(s, _)| s)
+        || shown(SERVICE_READY) != now_is(SERVICE_READY);
     if status_changed {
         let body = serde_json::json!({
             "apiVersion": ProxyPool::api_version(&()),
@@ -588,7 +860,7 @@ mod tests {
         assert_eq!(v4.endpoints[0].addresses, ["192.0.2.2"]);
         assert_eq!(conds(&v4.endpoints[0]), (true, true, false));
         assert_eq!(v4.endpoints[1].addresses, ["192.0.2.3"]);
-        assert_eq!(conds(&v4.endpoints[1]), (false, false, true));
+        assert_eq!(conds(&v4.endpoints[1]), (false, true, true));
         assert_eq!(
             v4.endpoints[1].target_ref.as_ref().unwrap().uid.as_deref(),
             Some("uid-c")
@@ -597,6 +869,21 @@ mod tests {
         assert_eq!(v6.endpoints[0].addresses, ["2001:db8::1"]);
         assert_eq!(v4.ports.as_ref().unwrap()[0].port, Some(3128));
         assert_eq!(v4.metadata.owner_references.as_ref().unwrap()[0], owner());
+    }
+
+    #[test]
+    fn the_pools_service_never_lists_a_leased_proxy() {
+        let mut leased = member("b", "192.0.2.2", true);
+        leased.leased = true;
+        let mut leased_draining = member("c", "192.0.2.3", true);
+        leased_draining.leased = true;
+        leased_draining.draining_since = Some(jiff::Timestamp::UNIX_EPOCH);
+        let members = [member("a", "192.0.2.1", true), leased, leased_draining];
+        let names: Vec<String> = pool_listed(&members, 3128)
+            .into_iter()
+            .map(|l| l.endpoint.proxy)
+            .collect();
+        assert_eq!(names, ["a"]);
     }
 
     #[test]

@@ -22,6 +22,15 @@
 //! operator network, a full conntrack table, an exhausted fd limit look exactly like
 //! that). The last verdicts stay, [`LivenessBoard::held`] is set, and discovery raises
 //! `EndpointsHeld` on every pool. The first round where anything passes applies again.
+//!
+//! - "Up" before this process probed a proxy is what its `Ready` says (what the slices
+//!   list when there is no verdict yet). So a new leader's first rounds start from the
+//!   slices as they are: a leader that reaches no proxy holds them instead of emptying
+//!   them, and a proxy needs `failure_threshold` failures to go down, as any other.
+//! - The hold is bounded ([`crate::serving::GUARD_MAX_HOLD`], the Proxy controller's
+//!   prober guard uses the same bound): after that long of rounds that all fail, the probe
+//!   is believed again (a whole fleet can die), and no new hold begins until a round
+//!   passes somewhere.
 
 use std::collections::{HashMap, HashSet};
 use std::net::{IpAddr, SocketAddr};
@@ -91,6 +100,8 @@ pub struct Target {
     pub pool: PoolKey,
     /// Its address.
     pub ip: IpAddr,
+    /// Whether its `Ready` is True: the verdict before its first probe here.
+    pub ready: bool,
 }
 
 #[derive(Debug)]
@@ -108,6 +119,8 @@ struct Entry {
 struct Inner {
     entries: HashMap<String, Entry>,
     held: bool,
+    /// The first round of the current streak of all-fail rounds (the hold's start).
+    all_failing_since: Option<Instant>,
 }
 
 /// The verdicts of the fast probe, shared by the liveness loop (writer), discovery and the
@@ -116,14 +129,12 @@ struct Inner {
 pub struct LivenessBoard {
     inner: Mutex<Inner>,
     changed: broadcast::Sender<()>,
+    max_hold: Duration,
 }
 
 impl Default for LivenessBoard {
     fn default() -> Self {
-        Self {
-            inner: Mutex::new(Inner::default()),
-            changed: broadcast::channel(16).0,
-        }
+        Self::with_max_hold(crate::serving::GUARD_MAX_HOLD)
     }
 }
 
@@ -139,6 +150,15 @@ pub struct RoundReport {
 }
 
 impl LivenessBoard {
+    /// A board whose all-fail hold lasts at most `max_hold` (tests shorten it).
+    pub fn with_max_hold(max_hold: Duration) -> Self {
+        Self {
+            inner: Mutex::new(Inner::default()),
+            changed: broadcast::channel(16).0,
+            max_hold,
+        }
+    }
+
     fn lock(&self) -> std::sync::MutexGuard<'_, Inner> {
         self.inner.lock().unwrap_or_else(|p| p.into_inner())
     }
@@ -176,11 +196,26 @@ impl LivenessBoard {
         let mut g = self.lock();
         let probed: HashSet<&str> = results.iter().map(|(t, _)| t.uid.as_str()).collect();
         g.entries.retain(|uid, _| probed.contains(uid.as_str()));
-        let all_failed = !results.is_empty() && results.iter().all(|(_, ok)| !ok);
-        let some_up = results
-            .iter()
-            .any(|(t, _)| g.entries.get(&t.uid).is_some_and(|e| e.up && e.ip == t.ip));
-        let hold = all_failed && results.len() >= GUARD_MIN_PROXIES && some_up;
+        let all_failed = results.len() >= GUARD_MIN_PROXIES && results.iter().all(|(_, ok)| !ok);
+        // Up as last judged here, else as `Ready` says (a new term starts from that).
+        let some_up = results.iter().any(|(t, _)| match g.entries.get(&t.uid) {
+            Some(e) if e.ip == t.ip => e.up,
+            _ => t.ready,
+        });
+        if !all_failed {
+            g.all_failing_since = None;
+        }
+        let hold = all_failed && some_up && {
+            let since = *g.all_failing_since.get_or_insert(now);
+            let within = now.duration_since(since) < self.max_hold;
+            if !within && g.held {
+                tracing::warn!(
+                    held_for = ?self.max_hold,
+                    "every pool proxy kept failing the fast probe: believing it again"
+                );
+            }
+            within
+        };
         if hold != g.held {
             g.held = hold;
             report.held = hold;
@@ -201,25 +236,18 @@ impl LivenessBoard {
             return report;
         }
         for (t, ok) in results {
-            let e = g.entries.entry(t.uid.clone()).or_insert_with(|| Entry {
+            // A proxy new here (or at a new address: a replaced VM) starts from `Ready`,
+            // the verdict discovery used until now.
+            let fresh = || Entry {
                 ip: t.ip,
                 pool: t.pool.clone(),
-                up: *ok,
+                up: t.ready,
                 failures: 0,
                 failing_since: None,
-            });
+            };
+            let e = g.entries.entry(t.uid.clone()).or_insert_with(fresh);
             if e.ip != t.ip {
-                // A new address (a replaced VM): start over.
-                *e = Entry {
-                    ip: t.ip,
-                    pool: t.pool.clone(),
-                    up: *ok,
-                    failures: 0,
-                    failing_since: None,
-                };
-                if *ok {
-                    report.came_up.push(t.uid.clone());
-                }
+                *e = fresh();
             }
             if *ok {
                 e.failures = 0;
@@ -350,8 +378,10 @@ pub fn targets(store: &Store<Proxy>) -> Vec<Target> {
         .filter(|p| p.metadata.deletion_timestamp.is_none())
         .filter_map(|p| {
             let pool = p.labels().get(POOL_LABEL)?.clone();
-            let ip = p.status.as_ref()?.address.as_deref()?.parse().ok()?;
+            let status = p.status.as_ref()?;
+            let ip = status.address.as_deref()?.parse().ok()?;
             Some(Target {
+                ready: crate::controller::status::is_ready(status),
                 uid: p.uid()?,
                 pool: PoolKey {
                     namespace: p.namespace()?,
@@ -375,6 +405,7 @@ mod tests {
                 name: "p".into(),
             },
             ip: ip.parse().unwrap(),
+            ready: true,
         }
     }
 
@@ -432,6 +463,64 @@ mod tests {
         assert!(!r.held && !b.held());
         let r = round(&b, &mixed);
         assert_eq!(r.went_down, ["b", "c"]);
+    }
+
+    /// Issue 33 item 2: a new term's board knows no verdict; the proxies `Ready` says are
+    /// up count as up, so a first round in which everything fails is held, not believed.
+    #[test]
+    fn a_fresh_board_holds_a_first_round_that_fails_whole() {
+        let b = LivenessBoard::default();
+        let downs = [
+            ("a", "192.0.2.1", false),
+            ("b", "192.0.2.2", false),
+            ("c", "192.0.2.3", false),
+        ];
+        for _ in 0..3 {
+            let r = round(&b, &downs);
+            assert!(r.held && r.went_down.is_empty());
+        }
+        assert_eq!(b.verdict("a", "192.0.2.1".parse().unwrap()), None);
+    }
+
+    #[test]
+    fn a_proxy_first_seen_failing_needs_the_threshold_to_go_down() {
+        let b = LivenessBoard::default();
+        let ok = ("x", "192.0.2.9", true);
+        let r = round(&b, &[("a", "192.0.2.1", false), ok]);
+        assert!(r.went_down.is_empty());
+        assert_eq!(b.verdict("a", "192.0.2.1".parse().unwrap()), Some(true));
+        let r = round(&b, &[("a", "192.0.2.1", false), ok]);
+        assert_eq!(r.went_down, ["a"]);
+    }
+
+    #[test]
+    fn the_hold_lasts_at_most_its_bound_then_the_probe_is_believed() {
+        let b = LivenessBoard::with_max_hold(Duration::from_secs(10));
+        let ups = [
+            ("a", "192.0.2.1", true),
+            ("b", "192.0.2.2", true),
+            ("c", "192.0.2.3", true),
+        ];
+        let t0 = Instant::now();
+        let at = |s: u64| t0 + Duration::from_secs(s);
+        let results = |r: &[(&str, &str, bool)]| -> Vec<(Target, bool)> {
+            r.iter().map(|(u, ip, ok)| (t(u, ip), *ok)).collect()
+        };
+        b.apply(&results(&ups), 2, at(0));
+        let downs = results(&ups.map(|(u, ip, _)| (u, ip, false)));
+        for s in 1..10 {
+            assert!(b.apply(&downs, 2, at(s)).held, "held at {s} s");
+        }
+        let r = b.apply(&downs, 2, at(11));
+        assert!(!r.held && !b.held(), "the bound ran out");
+        let r = b.apply(&downs, 2, at(12));
+        assert!(!r.held);
+        assert_eq!(r.went_down.len(), 3, "believed: {r:?}");
+        // Still failing, nothing up: no new hold.
+        assert!(!b.apply(&downs, 2, at(13)).held);
+        // A pass ends the streak: a later all-fail round is held again.
+        b.apply(&results(&ups), 2, at(14));
+        assert!(b.apply(&downs, 2, at(15)).held);
     }
 
     #[test]

@@ -24,9 +24,11 @@
 pub mod discovery;
 pub mod lease;
 pub mod liveness;
+pub mod membership;
 pub mod metrics;
 pub mod plan;
 pub mod pool;
+pub mod split;
 
 #[cfg(test)]
 mod sim;
@@ -158,9 +160,128 @@ impl Member {
     pub fn leaving(&self) -> bool {
         self.draining_since.is_some() || self.deleting
     }
+
+    /// Whether the pool's Service sends new connections to it (its slices list it
+    /// `ready`): it serves, has an address, is not leaving, and no lease holds it (a leased
+    /// proxy serves its lease alone).
+    pub fn serves_pool(&self) -> bool {
+        self.serving && self.address.is_some() && !self.leaving() && !self.leased
+    }
+}
+
+/// What the rollout floor (F2) holds at `replicas - maxUnavailable`, among the `active`
+/// (not leaving) members: those the pool's Service lists ready
+/// ([`Member::serves_pool`]), plus the leased members beyond `maxUnavailable`.
+///
+/// A leased member is out of the Service for as long as its lease holds and the pool never
+/// replaces it, so leases first use up the `maxUnavailable` allowance; past it they lower
+/// the floor, as the Service can never list more than the unleased members (a floor above
+/// that would stall every rollout while a lease holds a proxy).
+pub fn floor_count(active: &[&Member], max_unavailable: usize) -> usize {
+    let serving = active.iter().filter(|m| m.serves_pool()).count();
+    let leased = active.iter().filter(|m| m.leased).count();
+    serving + leased.saturating_sub(max_unavailable)
 }
 
 /// The label selector of a pool's Proxies.
 pub fn pool_selector(pool: &str) -> String {
     format!("{POOL_LABEL}={pool}")
+}
+
+#[cfg(test)]
+mod tests {
+    use std::time::Duration;
+
+    use super::plan::{HostSlot, PoolShape, plan};
+    use super::*;
+
+    fn member(name: &str, hash: &str, serving: bool, leased: bool) -> Member {
+        Member {
+            name: name.into(),
+            uid: format!("uid-{name}"),
+            address: Some("192.0.2.1".parse().unwrap()),
+            host: Some("h1".into()),
+            created: jiff::Timestamp::UNIX_EPOCH,
+            template_hash: Some(hash.into()),
+            draining_since: None,
+            leased,
+            deleting: false,
+            ready: serving,
+            serving,
+            failed: false,
+            not_serving_since: None,
+        }
+    }
+
+    fn shape(replicas: usize, max_unavailable: usize) -> PoolShape {
+        PoolShape {
+            replicas,
+            max_surge: 1,
+            max_unavailable,
+            drain: Duration::from_secs(10),
+            template_hash: "new".into(),
+            replace_after: Duration::ZERO,
+        }
+    }
+
+    fn hosts() -> Vec<HostSlot> {
+        vec![HostSlot {
+            name: "h1".into(),
+            healthy: true,
+            room: 10,
+        }]
+    }
+
+    #[test]
+    fn a_leased_member_does_not_serve_the_pool() {
+        let free = member("a", "new", true, false);
+        assert!(free.serves_pool());
+        assert!(!member("b", "new", true, true).serves_pool());
+        assert!(!member("c", "new", false, false).serves_pool());
+        let mut draining = free.clone();
+        draining.draining_since = Some(jiff::Timestamp::UNIX_EPOCH);
+        assert!(!draining.serves_pool());
+    }
+
+    /// Before F2 counted what the Service serves, the leased member (serving its lease)
+    /// made the floor look met, and the Service's only proxy was drained at once.
+    #[test]
+    fn the_rollout_floor_counts_what_the_pools_service_serves() {
+        let now = jiff::Timestamp::UNIX_EPOCH;
+        // replicas 2, maxUnavailable 1: one proxy is leased, the other (old template)
+        // is the only one the pool's Service lists.
+        let members = [
+            member("leased", "new", true, true),
+            member("old", "old", true, false),
+        ];
+        let p = plan(&shape(2, 1), &members, &hosts(), now);
+        assert!(
+            p.drain.is_empty() && p.delete.is_empty(),
+            "the Service's only proxy goes before its replacement serves: {p:?}"
+        );
+        assert_eq!(p.create.len(), 1, "{p:?}");
+        // Once the replacement serves, the old one is drained.
+        let mut members = members.to_vec();
+        members.push(member("fresh", "new", true, false));
+        let p = plan(&shape(2, 1), &members, &hosts(), now);
+        assert_eq!(p.drain, ["old"]);
+    }
+
+    #[test]
+    fn leases_beyond_max_unavailable_lower_the_floor_so_a_rollout_never_stalls() {
+        let now = jiff::Timestamp::UNIX_EPOCH;
+        // replicas 3, maxUnavailable 0, two leased (one of them not serving): the Service
+        // can list at most one unleased member, so a serving replacement lets the old go.
+        let members = [
+            member("l1", "new", true, true),
+            member("l2", "new", false, true),
+            member("old", "old", true, false),
+            member("fresh", "new", true, false),
+        ];
+        let active: Vec<&Member> = members.iter().collect();
+        assert_eq!(floor_count(&active, 0), 4);
+        assert_eq!(floor_count(&active, 1), 3);
+        let p = plan(&shape(3, 0), &members, &hosts(), now);
+        assert_eq!(p.drain, ["old"], "{p:?}");
+    }
 }

@@ -192,7 +192,7 @@ pub fn plan(
     new_up.sort_by(|a, b| by(a, b, true));
 
     let mut active_left = active.len();
-    let mut serving_left = active.iter().filter(|m| m.serving).count();
+    let mut serving_left = super::floor_count(&active, shape.max_unavailable);
     let mut new_surplus_left = surplus;
     let mut removed_new = 0usize;
     let mut consider = |m: &Member, is_new: bool, out: &mut Plan| {

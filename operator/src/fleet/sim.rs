@@ -330,6 +330,7 @@ fn proxy(name: &str, ip: &str) -> Proxy {
 
 fn target(p: &Proxy) -> Target {
     Target {
+        ready: true,
         uid: p.metadata.uid.clone().unwrap(),
         pool: PoolKey {
             namespace: "ns".into(),
