@@ -23,9 +23,8 @@ use std::net::{IpAddr, SocketAddr};
 use std::sync::Arc;
 use std::time::Duration;
 
-/// The longest both probe guards (the fast probe's all-fail hold in discovery, the Proxy
-/// controller's prober guard) distrust a fleet-wide failure before they believe the probe
-/// again. A cut in the operator's own path is usually mended within minutes; a fleet that
+/// The longest the fast probe's all-fail hold in discovery distrusts a fleet-wide failure
+/// before it believes the probe again. A cut in the operator's own path is usually mended within minutes; a fleet that
 /// is really dead must still be emptied from the slices, its leases rebound and its VMs
 /// replaced, so the hold is bounded.
 pub const GUARD_MAX_HOLD: Duration = Duration::from_secs(120);

@@ -22,11 +22,7 @@
 //! the proxies recently probed on the instance's host, or in the whole fleet, failed on
 //! the path (a timeout or no route) at once, the prober is suspected, not the proxies:
 //! nothing is replaced, and the `Serving` condition says [`PROBER_SUSPECTED`]
-//! ([`Memory::prober_suspected`]). Like the fast probe's all-fail hold in discovery, it
-//! judges from what it sees now (no earlier verdict of this process is needed, so a new
-//! leader is as careful as an old one), and it holds at most
-//! [`crate::serving::GUARD_MAX_HOLD`] per scope (a host, the fleet): then the probe is
-//! believed and overdue proxies are replaced.
+//! ([`Memory::prober_suspected`]).
 
 use std::collections::HashMap;
 use std::sync::Mutex;
@@ -187,10 +183,7 @@ pub fn overdue(
 /// memory only: after a restart the first reconcile asks the provider and probes, and
 /// the replacement grace comes from status, not from here.
 #[derive(Debug, Default)]
-pub struct Memory(
-    Mutex<HashMap<String, Entry>>,
-    Mutex<HashMap<String, Instant>>,
-);
+pub struct Memory(Mutex<HashMap<String, Entry>>);
 
 #[derive(Debug, Default)]
 struct Entry {
@@ -316,30 +309,7 @@ impl Memory {
             })
         };
         let on_host: Vec<&Seen> = recent.iter().copied().filter(|s| s.host == host).collect();
-        let verdicts = [
-            (
-                format!("host {host}"),
-                judge(format!("on host {host}"), &on_host),
-            ),
-            ("fleet".to_string(), judge("in the fleet".into(), &recent)),
-        ];
-        drop(m);
-        // Bounded as the fast probe's hold is: after GUARD_MAX_HOLD of suspicion in one
-        // scope, the probe is believed again there (a whole fleet can die too).
-        let mut since = self.1.lock().unwrap_or_else(|p| p.into_inner());
-        let now = Instant::now();
-        let mut out = None;
-        for (scope, why) in verdicts {
-            let Some(why) = why else {
-                since.remove(&scope);
-                continue;
-            };
-            let start = *since.entry(scope).or_insert(now);
-            if out.is_none() && now.duration_since(start) < crate::serving::GUARD_MAX_HOLD {
-                out = Some(why);
-            }
-        }
-        out
+        judge(format!("on host {host}"), &on_host).or_else(|| judge("in the fleet".into(), &recent))
     }
 
     /// Forgets the Proxy (it is gone).
@@ -584,39 +554,6 @@ mod tests {
         m.checked("d", "h4", &passing());
         let why = m.prober_suspected("h4", window).expect("suspected");
         assert!(why.contains("in the fleet"), "{why}");
-    }
-
-    /// Issue 33 item 2: before the bound, a fleet whose every proxy kept timing out was
-    /// never replaced (the guard held for ever).
-    #[tokio::test(start_paused = true)]
-    async fn the_prober_guard_holds_at_most_its_bound() {
-        let window = Duration::from_secs(60);
-        let m = Memory::default();
-        let fail_all = || {
-            for uid in ["a", "b", "c"] {
-                m.checked(uid, "h1", &timed_out());
-            }
-        };
-        fail_all();
-        assert!(m.prober_suspected("h1", window).is_some());
-        let step = Duration::from_secs(10);
-        let mut held = Duration::ZERO;
-        while held + step < crate::serving::GUARD_MAX_HOLD {
-            tokio::time::advance(step).await;
-            held += step;
-            fail_all();
-            assert!(m.prober_suspected("h1", window).is_some(), "at {held:?}");
-        }
-        tokio::time::advance(2 * step).await;
-        fail_all();
-        assert_eq!(m.prober_suspected("h1", window), None, "believed again");
-        // Once the path works again, a new streak is suspected afresh.
-        for uid in ["a", "b", "c"] {
-            m.checked(uid, "h1", &failing());
-        }
-        assert_eq!(m.prober_suspected("h1", window), None);
-        fail_all();
-        assert!(m.prober_suspected("h1", window).is_some());
     }
 
     #[tokio::test(start_paused = true)]

@@ -27,8 +27,7 @@
 //!   list when there is no verdict yet). So a new leader's first rounds start from the
 //!   slices as they are: a leader that reaches no proxy holds them instead of emptying
 //!   them, and a proxy needs `failure_threshold` failures to go down, as any other.
-//! - The hold is bounded ([`crate::serving::GUARD_MAX_HOLD`], the Proxy controller's
-//!   prober guard uses the same bound): after that long of rounds that all fail, the probe
+//! - The hold is bounded ([`crate::serving::GUARD_MAX_HOLD`]): after that long of rounds that all fail, the probe
 //!   is believed again (a whole fleet can die), and no new hold begins until a round
 //!   passes somewhere.
 
