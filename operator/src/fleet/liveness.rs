@@ -174,6 +174,13 @@ impl LivenessBoard {
         self.lock().held
     }
 
+    /// Whether a "down" verdict may be acted on now: false while the guard holds (the
+    /// operator's own network path is suspect). The lease controller gives up no bound
+    /// proxy for not serving while this is false.
+    pub fn trusted(&self) -> bool {
+        !self.held()
+    }
+
     /// Takes the start of the failure streak of a proxy whose endpoint was just removed.
     pub fn take_failing_since(&self, uid: &str) -> Option<Instant> {
         let mut g = self.lock();

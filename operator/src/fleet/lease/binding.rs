@@ -16,6 +16,14 @@
 //!
 //! A proxy released by a lease (lost, expired, deleted) is first dropped from the lease's
 //! status, and only then recycled, so no reader sees one proxy bound to two leases.
+//!
+//! The lease's status is the record of what it holds; a proxy's lease label only mirrors
+//! it. Anyone allowed to patch Proxies can write that label, so a label is believed only
+//! where a status agrees with it: a lease binds a proxy that names it only if its own
+//! `status.claims` lists it (claims are written before the take, so a take whose status
+//! write was lost is still found), a lease keeps a bound proxy whose label was changed
+//! behind its back and writes the label back, and a proxy that another lease's status
+//! lists is never free, never adopted and never released by anyone else.
 
 use std::hash::{DefaultHasher, Hash, Hasher};
 use std::time::Duration;
@@ -43,13 +51,16 @@ pub struct Seen {
     pub holder: Option<String>,
     /// Whether the pool controls it (a copied pool label does not make a proxy the pool's).
     pub in_pool: bool,
+    /// Whether another lease's status lists it (bound or claimed): then it is that lease's,
+    /// whatever its label says.
+    pub listed_elsewhere: bool,
 }
 
 impl Seen {
     /// Whether a lease may take it: the pool's, serving, not leaving or failed, with an
-    /// address, and unleased.
+    /// address, unleased, and listed by no other lease.
     pub fn free(&self) -> bool {
-        self.in_pool && self.holder.is_none() && self.usable()
+        self.in_pool && self.holder.is_none() && !self.listed_elsewhere && self.usable()
     }
 
     /// Whether it serves and stays (a lease may keep or adopt it).
@@ -75,6 +86,9 @@ pub struct Step {
     pub release: Vec<String>,
     /// Proxies given up this step, with the reason (for events and metrics).
     pub lost: Vec<(String, String)>,
+    /// Bound proxies whose label someone else changed: the lease writes its label back
+    /// (a guarded take) after the status write.
+    pub restore: Vec<ProxyClaim>,
     /// When to look again at the latest (a loss timer running out).
     pub requeue: Option<Duration>,
 }
@@ -82,6 +96,12 @@ pub struct Step {
 /// When the lease expires, and the renewal that was counted. A renewal is counted from
 /// `spec.renewTime`, or from when the controller first saw it if that is earlier (a time
 /// in the future buys nothing). Without a renewal the lease runs from its creation.
+///
+/// An expiry never moves earlier: a renewal older than the one counted (a holder replica
+/// whose clock is behind), a `renewTime` removed, or a shorter `durationSeconds` leaves the
+/// recorded expiry as it is; only a later one extends it. Expiry is final, so a lease that
+/// could be shortened behind its holder's back could be ended by a slow clock. A lease is
+/// ended early by deleting it.
 pub fn expiry(
     spec: &ProxyLeaseSpec,
     status: &ProxyLeaseStatus,
@@ -94,16 +114,15 @@ pub fn expiry(
     // seconds, or every reconcile would see a change and write again.
     let now = whole_seconds(now);
     let renew = spec.renew_time.as_ref().map(|r| Time(whole_seconds(r.0)));
+    let recorded = status.expiry_time.as_ref().map(|t| t.0);
+    let at_least = |t: jiff::Timestamp| recorded.map_or(t, |r| r.max(t));
     match &renew {
         Some(r) if status.observed_renew_time.as_ref() == Some(r) => (
-            status
-                .expiry_time
-                .as_ref()
-                .map_or_else(|| from(r.0.min(now)), |t| t.0),
+            recorded.unwrap_or_else(|| from(r.0.min(now))),
             Some(r.clone()),
         ),
-        Some(r) => (from(r.0.min(now)), Some(r.clone())),
-        None => (from(whole_seconds(created)), None),
+        Some(r) => (at_least(from(r.0.min(now))), Some(r.clone())),
+        None => (at_least(from(whole_seconds(created))), None),
     }
 }
 
@@ -130,7 +149,9 @@ fn bound_of(s: &Seen, port: i32) -> BoundProxy {
 }
 
 /// Plans one reconcile of a lease that has not expired. `seen` is a fresh read of the
-/// pool's Proxies.
+/// pool's Proxies. `trusted` is the liveness board's verdict on itself: while it is false
+/// (every probe fails at once, the operator's own path is suspect) a bound proxy is not
+/// given up for not serving; its loss timer waits for a trusted look.
 #[allow(clippy::too_many_arguments)]
 pub fn plan(
     lease_uid: &str,
@@ -141,6 +162,7 @@ pub fn plan(
     port: i32,
     generation: Option<i64>,
     now: jiff::Timestamp,
+    trusted: bool,
 ) -> Step {
     let count = usize::try_from(spec.count).unwrap_or(1).max(1);
     let rebind_after = jiff::SignedDuration::from_secs(i64::from(spec.rebind_after_seconds));
@@ -150,6 +172,7 @@ pub fn plan(
     let mut take = Vec::new();
     let mut release = Vec::new();
     let mut lost = Vec::new();
+    let mut restore = Vec::new();
     let mut requeue: Option<Duration> = None;
     let mut wake = |left: jiff::SignedDuration| {
         let left = Duration::try_from(left).unwrap_or_default();
@@ -164,14 +187,36 @@ pub fn plan(
             continue;
         };
         if !s.held_by(lease_uid) {
-            lost.push((
-                b.name.clone(),
-                format!("proxy {} no longer names this lease", b.name),
-            ));
-            continue;
+            if s.listed_elsewhere {
+                lost.push((
+                    b.name.clone(),
+                    format!("proxy {} is bound to another lease", b.name),
+                ));
+                continue;
+            }
+            // No lease's status agrees with the label: the operator did not write it.
+            restore.push(ProxyClaim {
+                name: b.name.clone(),
+                uid: b.uid.clone(),
+            });
         }
         if s.usable() {
             proxies.push(bound_of(s, port));
+            continue;
+        }
+        // Only the probe says it is down (it stays, has not failed, has its address), and
+        // the probe is not trusted now: keep it as it was.
+        let probe_only = !s.member.serving
+            && !s.member.leaving()
+            && !s.member.failed
+            && s.member.address.is_some();
+        if probe_only && !trusted {
+            let mut kept = bound_of(s, port);
+            kept.not_serving_since = b.not_serving_since.clone();
+            proxies.push(kept);
+            // Look again at the pace the timer would have had, whether or not the end of
+            // the hold is announced.
+            wake(rebind_after.max(jiff::SignedDuration::from_secs(1)));
             continue;
         }
         let since = b
@@ -217,20 +262,21 @@ pub fn plan(
         }
     }
 
-    // 3. Proxies that name the lease but that it does not list (a take whose status write
-    // was lost, a claim dropped above): adopted when needed and serving, else released.
+    // 3. Proxies that name the lease but that it does not list: never adopted (only a
+    // claim is taken, so a label set by hand gains nothing). One another lease lists is
+    // that lease's, and left alone; the rest (a release cut short, a claim dropped above)
+    // are given back.
     let listed = |uid: &str, proxies: &[BoundProxy], claims: &[ProxyClaim]| {
         proxies.iter().any(|p| p.uid == uid) || claims.iter().any(|c| c.uid == uid)
     };
     for s in seen.iter().filter(|s| s.held_by(lease_uid)) {
-        if listed(&s.member.uid, &proxies, &claims) || release.contains(&s.member.name) {
+        if listed(&s.member.uid, &proxies, &claims)
+            || release.contains(&s.member.name)
+            || s.listed_elsewhere
+        {
             continue;
         }
-        if s.usable() && s.in_pool && proxies.len() + claims.len() < count {
-            proxies.push(bound_of(s, port));
-        } else {
-            release.push(s.member.name.clone());
-        }
+        release.push(s.member.name.clone());
     }
 
     // 4. What is missing: free proxies, in the lease's own order.
@@ -258,11 +304,13 @@ pub fn plan(
         ..status.clone()
     };
     settle(&mut next, status, count, pool, &lost_now, generation, now);
+    restore.retain(|r| next.proxies.iter().any(|p| p.uid == r.uid));
     Step {
         status: next,
         take,
         release,
         lost,
+        restore,
         requeue,
     }
 }
@@ -366,6 +414,35 @@ fn settle(
     next.observed_generation = generation;
 }
 
+/// Whether planning needs to know which proxies other leases list (a read of the
+/// namespace's leases): only when a label and this lease's status disagree, or when the
+/// lease may take a proxy (`may_take`: it has not ended). A settled lease needs nothing
+/// more than its pool's Proxies.
+pub fn needs_others(
+    lease_uid: &str,
+    spec: &ProxyLeaseSpec,
+    status: &ProxyLeaseStatus,
+    seen: &[Seen],
+    may_take: bool,
+) -> bool {
+    let count = usize::try_from(spec.count).unwrap_or(1).max(1);
+    let lists = |uid: &str| {
+        status.proxies.iter().any(|p| p.uid == uid) || status.claims.iter().any(|c| c.uid == uid)
+    };
+    let bound_mislabelled = status.proxies.iter().any(|b| {
+        seen.iter()
+            .any(|s| s.member.uid == b.uid && !s.held_by(lease_uid))
+    });
+    let unlisted = seen
+        .iter()
+        .any(|s| s.held_by(lease_uid) && !lists(&s.member.uid));
+    let wants = status.proxies.len() < count || !status.claims.is_empty();
+    let candidate = seen
+        .iter()
+        .any(|s| s.in_pool && s.holder.is_none() && s.usable());
+    bound_mislabelled || unlisted || (may_take && wants && candidate)
+}
+
 /// The bound proxies' addresses for `kubectl get`.
 pub fn addresses(proxies: &[BoundProxy]) -> Option<String> {
     let list: Vec<&str> = proxies
@@ -415,7 +492,8 @@ pub fn ended(
     next
 }
 
-/// The proxies an ending lease releases: what its status lists and what names it.
+/// The proxies an ending lease releases: what its status lists and what names it, except
+/// what another lease lists (a label set by hand does not make a proxy this lease's).
 pub fn to_release(lease_uid: &str, status: &ProxyLeaseStatus, seen: &[Seen]) -> Vec<String> {
     let mut out: Vec<String> = status
         .proxies
@@ -424,7 +502,7 @@ pub fn to_release(lease_uid: &str, status: &ProxyLeaseStatus, seen: &[Seen]) -> 
         .chain(status.claims.iter().map(|c| c.name.clone()))
         .chain(
             seen.iter()
-                .filter(|s| s.held_by(lease_uid))
+                .filter(|s| s.held_by(lease_uid) && !s.listed_elsewhere)
                 .map(|s| s.member.name.clone()),
         )
         .collect();

@@ -39,11 +39,13 @@ use super::{LeaseError, LeaseMetrics};
 
 /// Condition type of the lease's Service.
 pub const SERVICE_READY: &str = "ServiceReady";
-/// How soon a lease short of proxies looks again when no event comes (a proxy freeing up
-/// also wakes it through the watch on the pool's Proxies).
-const PENDING_RESYNC: Duration = Duration::from_secs(5);
-/// Resync of a settled lease (its expiry is a requeue of its own).
-const RESYNC: Duration = Duration::from_secs(60);
+/// Resync of a lease when no event comes: a safety net only. Every change that matters
+/// wakes a lease by itself (its Proxies, Service and slices are watched, a proxy freeing
+/// up wakes the leases that wait, a probe verdict change wakes every lease that has not
+/// ended, the expiry and the loss timer are requeues of their own), so a lease at rest
+/// costs one reconcile per resync: a GET of its pool and a LIST of the pool's Proxies,
+/// plus a GET of its Service and two of its slices when it has one. No write.
+pub const RESYNC: Duration = Duration::from_secs(300);
 /// How soon a reconcile that lost a race looks again.
 const CONFLICT_RETRY: Duration = Duration::from_millis(200);
 /// Attempts at giving a proxy back when its resourceVersion keeps moving (the Proxy
@@ -63,6 +65,8 @@ pub struct LeaseContext {
     pub metrics: LeaseMetrics,
     /// Period of [`sweep_orphans`].
     pub orphan_sweep: Duration,
+    /// Period of a lease's resync ([`RESYNC`]).
+    pub resync: Duration,
 }
 
 impl LeaseContext {
@@ -72,6 +76,7 @@ impl LeaseContext {
             fleet,
             metrics,
             orphan_sweep: ORPHAN_SWEEP,
+            resync: RESYNC,
         }
     }
 }
@@ -140,6 +145,7 @@ async fn read_pool(ctx: &LeaseContext, ns: &str, pool: &str) -> Result<PoolView,
                     .iter()
                     .any(|o| o.controller == Some(true) && &o.uid == uid)
             }),
+            listed_elsewhere: false,
         })
         .collect();
     Ok(PoolView {
@@ -153,6 +159,57 @@ async fn read_pool(ctx: &LeaseContext, ns: &str, pool: &str) -> Result<PoolView,
     })
 }
 
+/// Marks the proxies of `view` that another lease of the namespace lists in its status
+/// (fresh from the API server), when planning needs to know: see
+/// [`binding::needs_others`].
+async fn mark_others(
+    ctx: &LeaseContext,
+    ns: &str,
+    lease: &ProxyLease,
+    uid: &str,
+    view: &mut PoolView,
+    may_take: bool,
+) -> Result<(), LeaseError> {
+    let status = lease.status.clone().unwrap_or_default();
+    if !binding::needs_others(uid, &lease.spec, &status, &view.seen, may_take) {
+        return Ok(());
+    }
+    let leases = Api::<ProxyLease>::namespaced(ctx.fleet.client.clone(), ns)
+        .list(&ListParams::default())
+        .await?
+        .items;
+    let listed = listed_by_others(&leases, uid);
+    for s in &mut view.seen {
+        s.listed_elsewhere = listed.contains(&s.member.uid);
+    }
+    Ok(())
+}
+
+/// The proxy UIDs that the statuses of `leases`, except the one with UID `except`, list
+/// as bound or claimed.
+fn listed_by_others(leases: &[ProxyLease], except: &str) -> std::collections::HashSet<String> {
+    leases
+        .iter()
+        .filter(|l| l.uid().as_deref() != Some(except))
+        .filter_map(|l| l.status.as_ref())
+        .flat_map(|s| {
+            s.proxies
+                .iter()
+                .map(|p| p.uid.clone())
+                .chain(s.claims.iter().map(|c| c.uid.clone()))
+        })
+        .collect()
+}
+
+/// The members of `view` that `status` lists as bound.
+fn members(view: &PoolView, status: &ProxyLeaseStatus) -> Vec<Member> {
+    view.seen
+        .iter()
+        .filter(|s| status.proxies.iter().any(|b| b.uid == s.member.uid))
+        .map(|s| s.member.clone())
+        .collect()
+}
+
 /// Replaces the lease's status, guarded by `lease`'s resourceVersion.
 async fn write_status(
     api: &Api<ProxyLease>,
@@ -163,6 +220,15 @@ async fn write_status(
     next.status = Some(status);
     api.replace_status(&lease.name_any(), &PostParams::default(), &next)
         .await
+}
+
+/// The lease label of `proxy`, if set.
+fn holder_of(proxy: &Proxy) -> Option<&str> {
+    proxy
+        .labels()
+        .get(LEASE_LABEL)
+        .map(String::as_str)
+        .filter(|v| !v.is_empty())
 }
 
 /// Takes `proxy` for the lease: sets the lease label (and the lease name annotation) with
@@ -254,53 +320,91 @@ async fn release_all(
     Ok(())
 }
 
+/// What one orphan sweep did.
+#[derive(Debug, Default, Clone, PartialEq, Eq)]
+pub struct SweepReport {
+    /// Proxies given back.
+    pub released: usize,
+    /// Proxies whose release failed, with the error (retried on the next sweep).
+    pub failed: Vec<(String, String)>,
+}
+
 /// Gives back every proxy whose lease label names a lease that no longer exists (its
-/// finalizer was removed by hand, so it never released them), recycled as its pool says;
-/// returns how many. The proxies are listed before the leases: a label was set by a lease
-/// that existed then, so a UID missing from the later list is gone for good, and a lease
-/// created meanwhile cannot be mistaken for a missing one.
-pub async fn sweep_orphans(ctx: &LeaseContext) -> Result<usize, LeaseError> {
+/// finalizer was removed by hand, so it never released them), recycled as its pool says.
+/// The proxies are listed before the leases: a label was set by a lease that existed then,
+/// so a UID missing from the later list is gone for good, and a lease created meanwhile
+/// cannot be mistaken for a missing one. A release that fails is counted, logged and
+/// retried on the next sweep; the sweep goes on with the others, so one stuck proxy does
+/// not hold back the rest. The same list of leases prunes the metrics of leases that went
+/// without their finalizer.
+pub async fn sweep_orphans(ctx: &LeaseContext) -> Result<SweepReport, LeaseError> {
+    let mut report = SweepReport::default();
     if !ctx.fleet.leading() {
-        return Ok(0);
+        return Ok(report);
     }
     let client = ctx.fleet.client.clone();
     let labelled = Api::<Proxy>::all(client.clone())
         .list(&ListParams::default().labels(LEASE_LABEL))
         .await?
         .items;
-    if labelled.is_empty() {
-        return Ok(0);
-    }
-    let leases: std::collections::HashSet<String> = Api::<ProxyLease>::all(client.clone())
+    let all = Api::<ProxyLease>::all(client.clone())
         .list(&ListParams::default())
         .await?
-        .items
+        .items;
+    let live: std::collections::HashSet<(String, String)> = all
         .iter()
-        .filter_map(|l| l.uid())
+        .filter_map(|l| Some((l.namespace()?, l.name_any())))
         .collect();
-    let mut released = 0;
+    ctx.metrics.retain(&live);
+    let leases: std::collections::HashSet<String> = all.iter().filter_map(|l| l.uid()).collect();
+    // A proxy a live lease lists is that lease's, whatever its label says (the lease
+    // writes its label back).
+    let listed = listed_by_others(&all, "");
     for p in &labelled {
         let (Some(holder), Some(ns)) = (p.labels().get(LEASE_LABEL), p.namespace()) else {
             continue;
         };
-        if leases.contains(holder) {
+        if leases.contains(holder) || p.uid().is_some_and(|u| listed.contains(&u)) {
             continue;
         }
-        let policy = match p.labels().get(POOL_LABEL) {
-            Some(pool) => Api::<ProxyPool>::namespaced(client.clone(), &ns)
-                .get_opt(pool)
-                .await?
-                .map(|p| p.spec.lease_recycle)
-                .unwrap_or_default(),
-            None => RecyclePolicy::default(),
-        };
-        let api = Api::<Proxy>::namespaced(client.clone(), &ns);
-        release(&api, &p.name_any(), holder, policy, ctx.fleet.now()).await?;
-        tracing::warn!(proxy = %p.name_any(), namespace = %ns, lease_uid = %holder,
-            "released a proxy whose lease no longer exists");
-        released += 1;
+        if !ctx.fleet.leading() {
+            return Ok(report);
+        }
+        let name = p.name_any();
+        match release_orphan(ctx, p, &ns, holder).await {
+            Ok(()) => {
+                tracing::warn!(proxy = %name, namespace = %ns, lease_uid = %holder,
+                    "released a proxy whose lease no longer exists");
+                report.released += 1;
+            }
+            Err(e) => {
+                tracing::warn!(proxy = %name, namespace = %ns, lease_uid = %holder, error = %e,
+                    "could not release a proxy whose lease no longer exists; will retry");
+                ctx.metrics.orphan_failed();
+                report.failed.push((format!("{ns}/{name}"), e.to_string()));
+            }
+        }
     }
-    Ok(released)
+    Ok(report)
+}
+
+async fn release_orphan(
+    ctx: &LeaseContext,
+    p: &Proxy,
+    ns: &str,
+    holder: &str,
+) -> Result<(), LeaseError> {
+    let client = ctx.fleet.client.clone();
+    let policy = match p.labels().get(POOL_LABEL) {
+        Some(pool) => Api::<ProxyPool>::namespaced(client.clone(), ns)
+            .get_opt(pool)
+            .await?
+            .map(|p| p.spec.lease_recycle)
+            .unwrap_or_default(),
+        None => RecyclePolicy::default(),
+    };
+    let api = Api::<Proxy>::namespaced(client, ns);
+    release(&api, &p.name_any(), holder, policy, ctx.fleet.now()).await
 }
 
 /// One reconcile of one lease.
@@ -344,12 +448,21 @@ async fn finalize(
         return Ok(Action::await_change());
     }
     let status = lease.status.clone().unwrap_or_default();
-    let view = read_pool(ctx, ns, &lease.spec.pool).await?;
+    let mut view = read_pool(ctx, ns, &lease.spec.pool).await?;
+    mark_others(ctx, ns, lease, uid, &mut view, false).await?;
     let names = binding::to_release(uid, &status, &view.seen);
     let mut lease = lease.clone();
     if !status.proxies.is_empty() || !status.claims.is_empty() {
         let next = binding::ended(&status, false, lease.metadata.generation, ctx.fleet.now());
         lease = write_status(api, &lease, next).await?;
+    }
+    // The Service stops routing to the proxies before anyone else can take them (the
+    // slices go with the lease only after the finalizer is gone).
+    if !names.is_empty() {
+        let owner = lease
+            .controller_owner_ref(&())
+            .ok_or(LeaseError::Incomplete("metadata.uid"))?;
+        lease = sync_service(ctx, lease, ns, &owner, &[]).await?;
     }
     release_all(ctx, ns, &names, uid, view.recycle).await?;
     let rest: Vec<String> = lease
@@ -397,7 +510,7 @@ async fn bind(
     }
     let generation = lease.metadata.generation;
     let status = lease.status.clone().unwrap_or_default();
-    let view = read_pool(ctx, ns, &lease.spec.pool).await?;
+    let mut view = read_pool(ctx, ns, &lease.spec.pool).await?;
     let now = ctx.fleet.now();
     let created = lease
         .metadata
@@ -408,11 +521,13 @@ async fn bind(
         .controller_owner_ref(&())
         .ok_or(LeaseError::Incomplete("metadata.uid"))?;
 
-    if status.phase == Some(LeasePhase::Expired) {
+    let ended = status.phase == Some(LeasePhase::Expired);
+    mark_others(ctx, ns, &lease, uid, &mut view, !ended).await?;
+    if ended {
         // Final. Anything still naming the lease (a release cut short) goes back.
         let names = binding::to_release(uid, &ProxyLeaseStatus::default(), &view.seen);
+        sync_service(ctx, lease, ns, &owner, &[]).await?;
         release_all(ctx, ns, &names, uid, view.recycle).await?;
-        sync_service(ctx, &lease, ns, &owner, &[]).await?;
         ctx.metrics.phase(ns, &name, Some(LeasePhase::Expired));
         return Ok(Action::await_change());
     }
@@ -424,6 +539,8 @@ async fn bind(
         next.observed_renew_time = observed_renew;
         let names = binding::to_release(uid, &status, &view.seen);
         lease = write_status(api, &lease, next).await?;
+        // Slices first: the Service stops routing to the proxies before they are free.
+        lease = sync_service(ctx, lease, ns, &owner, &[]).await?;
         release_all(ctx, ns, &names, uid, view.recycle).await?;
         ctx.metrics.expired(ns);
         ctx.metrics.phase(ns, &name, Some(LeasePhase::Expired));
@@ -442,7 +559,6 @@ async fn bind(
             ),
         )
         .await;
-        sync_service(ctx, &lease, ns, &owner, &[]).await?;
         return Ok(Action::await_change());
     }
 
@@ -458,6 +574,7 @@ async fn bind(
         port,
         generation,
         now,
+        ctx.fleet.board.trusted(),
     );
     if !view.exists && step.status.phase != Some(LeasePhase::Bound) {
         set_condition(
@@ -482,12 +599,55 @@ async fn bind(
         publish(ctx, &lease, EventType::Warning, "ProxyLost", why.clone()).await;
         tracing::info!(lease = %name, %proxy, %why, "lease gave up a proxy");
     }
-    // 2. Give back what was dropped from the status (never before that write).
+    // 2. Give back what was dropped from the status (never before that write), once the
+    // lease's slices no longer list it: the old holder's Service must not route to a
+    // proxy another lease may already hold.
+    if !step.release.is_empty() {
+        let kept = members(&view, &step.status);
+        lease = sync_service(ctx, lease, ns, &owner, &kept).await?;
+    }
     release_all(ctx, ns, &step.release, uid, view.recycle).await?;
-    // 3. Take the chosen proxies, each guarded by its resourceVersion.
+    // 3. Take the chosen proxies, each guarded by its resourceVersion; write back the
+    // label of a bound proxy that someone else changed.
     let proxies = Api::<Proxy>::namespaced(ctx.fleet.client.clone(), ns);
     let mut taken = Vec::new();
     let mut raced = false;
+    // The lease came from the watch cache: write a label back only if the lease as
+    // stored now still lists the proxy (a stale copy must not take back what it released).
+    let fresh = if step.restore.is_empty() {
+        None
+    } else {
+        api.get_opt(&name).await?
+    };
+    for r in &step.restore {
+        let still = fresh
+            .as_ref()
+            .and_then(|l| l.status.as_ref())
+            .is_some_and(|st| st.proxies.iter().any(|b| b.uid == r.uid));
+        let Some(p) = view
+            .proxies
+            .iter()
+            .find(|p| p.uid().as_deref() == Some(r.uid.as_str()))
+            .filter(|_| still)
+        else {
+            continue;
+        };
+        if !ctx.fleet.leading() {
+            return Ok(Action::await_change());
+        }
+        let found = holder_of(p).unwrap_or("none").to_string();
+        if take(&proxies, p, uid, &name).await? {
+            let why = format!(
+                "proxy {}'s lease label read {found}, which no lease's status agrees with: \
+                 written back (only the operator assigns proxies)",
+                r.name
+            );
+            tracing::warn!(lease = %name, proxy = %r.name, %found, "restored a proxy's lease label");
+            publish(ctx, &lease, EventType::Warning, "LabelRestored", why).await;
+        } else {
+            raced = true;
+        }
+    }
     for c in &step.take {
         let Some(p) = view
             .proxies
@@ -521,25 +681,13 @@ async fn bind(
         );
         lease = write_status(api, &lease, current.clone()).await?;
     }
-    let after = current.phase;
     observe(ctx, &lease, ns, before, &current, &status, created, now).await;
 
-    let bound: Vec<Member> = view
-        .seen
-        .iter()
-        .filter(|s| current.proxies.iter().any(|b| b.uid == s.member.uid))
-        .map(|s| s.member.clone())
-        .collect();
-    sync_service(ctx, &lease, ns, &owner, &bound).await?;
+    let bound = members(&view, &current);
+    sync_service(ctx, lease, ns, &owner, &bound).await?;
 
     let until_expiry = Duration::try_from(expiry.duration_since(now)).unwrap_or_default();
-    let mut next = if raced {
-        CONFLICT_RETRY
-    } else if after == Some(LeasePhase::Bound) {
-        RESYNC
-    } else {
-        PENDING_RESYNC
-    };
+    let mut next = if raced { CONFLICT_RETRY } else { ctx.resync };
     next = next.min(until_expiry + Duration::from_millis(50));
     if let Some(r) = step.requeue {
         next = next.min(r + Duration::from_millis(50));
@@ -596,15 +744,17 @@ async fn observe(
     .await;
 }
 
+/// Writes the lease's Service and slices (listing `bound`) where they differ, and the
+/// `ServiceReady` condition when it changes; returns the lease as it now stands.
 async fn sync_service(
     ctx: &LeaseContext,
-    lease: &ProxyLease,
+    lease: ProxyLease,
     ns: &str,
     owner: &k8s_openapi::apimachinery::pkg::apis::meta::v1::OwnerReference,
     bound: &[Member],
-) -> Result<(), LeaseError> {
+) -> Result<ProxyLease, LeaseError> {
     if !lease.spec.service || !ctx.fleet.leading() {
-        return Ok(());
+        return Ok(lease);
     }
     let name = lease.name_any();
     super::check_name(&name)?;
@@ -634,24 +784,37 @@ async fn sync_service(
             ctx.fleet.now(),
         );
         let api = Api::<ProxyLease>::namespaced(ctx.fleet.client.clone(), ns);
-        write_status(&api, lease, status).await?;
+        return Ok(write_status(&api, &lease, status).await?);
     }
-    Ok(())
+    Ok(lease)
 }
 
-fn error_policy(lease: Arc<ProxyLease>, error: &LeaseError, _ctx: Arc<LeaseContext>) -> Action {
+fn error_policy(lease: Arc<ProxyLease>, error: &LeaseError, ctx: Arc<LeaseContext>) -> Action {
     tracing::warn!(lease = %lease.name_any(), error = %error, "lease reconcile failed");
     Action::requeue(match error {
-        LeaseError::BadName { .. } => RESYNC,
+        LeaseError::BadName { .. } => ctx.resync,
         _ => Duration::from_secs(2),
     })
 }
 
+/// The leases a probe verdict change can matter to: every one that has not ended. An
+/// expired lease holds nothing and takes nothing, so the probe's flaps cost it nothing.
+fn woken_by_verdicts(
+    leases: &kube::runtime::reflector::Store<ProxyLease>,
+) -> Vec<ObjectRef<ProxyLease>> {
+    leases
+        .state()
+        .iter()
+        .filter(|l| l.status.as_ref().and_then(|s| s.phase) != Some(LeasePhase::Expired))
+        .map(|l| ObjectRef::from_obj(&**l))
+        .collect()
+}
+
 /// Runs the lease controller until `shutdown`, with the orphan sweep beside it. Leases,
-/// the Proxies that name one (label and name annotation), every change of a pool's
-/// Proxies (a proxy freeing up or starting to serve wakes the leases of that pool that
-/// still want one), the leases' Services and slices, and the fast probe's verdicts
-/// trigger reconciles.
+/// the Proxies that name one (name annotation) or that a lease's status lists, every
+/// change of a pool's Proxies (a proxy freeing up or starting to serve wakes the leases of
+/// that pool that still want one), the leases' Services and slices, and a change of the
+/// fast probe's verdicts (for the leases that have not ended) trigger reconciles.
 pub async fn run<F>(ctx: Arc<LeaseContext>, shutdown: F)
 where
     F: std::future::Future<Output = ()> + Send + Sync + 'static,
@@ -664,8 +827,14 @@ where
             tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
             loop {
                 tick.tick().await;
-                if let Err(e) = sweep_orphans(&ctx).await {
-                    tracing::warn!(error = %e, "lease orphan sweep failed");
+                match sweep_orphans(&ctx).await {
+                    Ok(r) if !r.failed.is_empty() => tracing::warn!(
+                        released = r.released,
+                        failed = r.failed.len(),
+                        "lease orphan sweep: some releases failed"
+                    ),
+                    Ok(_) => {}
+                    Err(e) => tracing::warn!(error = %e, "lease orphan sweep failed"),
                 }
             }
         }
@@ -675,6 +844,11 @@ where
         watcher::Config::default().any_semantic(),
     );
     let leases = controller.store();
+    let verdicts = {
+        let leases = controller.store();
+        super::super::pool::board_changes(&ctx.fleet.board)
+            .flat_map(move |()| futures_util::stream::iter(woken_by_verdicts(&leases)))
+    };
     let controller = controller
         .watches(
             Api::<Proxy>::all(client.clone()),
@@ -683,18 +857,26 @@ where
                 let ns = p.namespace();
                 let pool = p.labels().get(POOL_LABEL).cloned();
                 let holder = p.annotations().get(LEASE_NAME_ANNOTATION).cloned();
+                let uid = p.uid().unwrap_or_default();
                 leases
                     .state()
                     .into_iter()
-                    // The holder, and the leases of the pool that still want a proxy (a
+                    // The holder (by the name annotation, and by its status: a label or
+                    // annotation changed by hand must still wake the lease that holds
+                    // the proxy), and the leases of the pool that still want a proxy (a
                     // Bound or Expired one has nothing to gain from another proxy's change).
                     .filter(|l| {
                         let wants = !matches!(
                             l.status.as_ref().and_then(|s| s.phase),
                             Some(LeasePhase::Bound | LeasePhase::Expired)
                         );
+                        let lists = l.status.as_ref().is_some_and(|s| {
+                            s.proxies.iter().any(|b| b.uid == uid)
+                                || s.claims.iter().any(|c| c.uid == uid)
+                        });
                         l.namespace() == ns
                             && ((wants && Some(&l.spec.pool) == pool.as_ref())
+                                || lists
                                 || holder.as_deref() == Some(l.name_any().as_str()))
                     })
                     .map(|l| ObjectRef::from_obj(&*l))
@@ -713,7 +895,7 @@ where
                 .labels(LEASE_SERVICE_LABEL)
                 .any_semantic(),
         )
-        .reconcile_all_on(super::super::pool::board_changes(&ctx.fleet.board))
+        .reconcile_on(verdicts)
         .graceful_shutdown_on(shutdown)
         .run(reconcile, error_policy, ctx)
         .for_each(|r| async move {

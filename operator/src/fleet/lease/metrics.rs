@@ -1,5 +1,9 @@
-//! The lease controller's metrics: leases by phase, time to bind, pending time, rebinds
-//! and expiries.
+//! The lease controller's metrics: leases by phase, time to bind, pending time, rebinds,
+//! expiries and orphan releases that failed.
+//!
+//! Series are per namespace. A namespace's series go when its last lease goes (counted
+//! through the finalizer, and by [`LeaseMetrics::retain`] from the orphan sweep for a lease
+//! that went without it), so namespace churn does not grow the registry.
 
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
@@ -35,6 +39,7 @@ pub struct LeaseMetrics {
     pending: Histogram,
     rebinds: Family<NamespaceLabel, Counter>,
     expiries: Family<NamespaceLabel, Counter>,
+    orphan_failures: Counter,
 }
 
 /// Seconds: a bind takes a few API round trips; a pending lease waits for a proxy to
@@ -52,6 +57,7 @@ impl Default for LeaseMetrics {
             pending: Histogram::new(BUCKETS),
             rebinds: Family::default(),
             expiries: Family::default(),
+            orphan_failures: Counter::default(),
         }
     }
 }
@@ -85,6 +91,11 @@ impl LeaseMetrics {
             "leases that expired, not renewed in time",
             m.expiries.clone(),
         );
+        registry.register(
+            "egress_fleet_lease_orphan_release_failures",
+            "proxies of a vanished lease that the orphan sweep failed to give back",
+            m.orphan_failures.clone(),
+        );
         m
     }
 
@@ -116,11 +127,71 @@ impl LeaseMetrics {
         if let Some(p) = phase {
             self.gauge(namespace, p).inc();
         }
+        if phase.is_none() {
+            self.prune(&known, namespace);
+        }
     }
 
-    /// Leases counted in `phase` (for tests).
+    /// Forgets every lease not in `live` (namespace, name): leases that went without the
+    /// finalizer's reconcile (a finalizer removed by hand, a deletion while no replica
+    /// led), and the series of namespaces left with none.
+    pub fn retain(&self, live: &std::collections::HashSet<(String, String)>) {
+        let Ok(mut known) = self.known.lock() else {
+            return;
+        };
+        let gone: Vec<((String, String), LeasePhase)> = known
+            .iter()
+            .filter(|(k, _)| !live.contains(*k))
+            .map(|(k, p)| (k.clone(), *p))
+            .collect();
+        for ((namespace, name), p) in gone {
+            known.remove(&(namespace.clone(), name));
+            self.gauge(&namespace, p).dec();
+            self.prune(&known, &namespace);
+        }
+    }
+
+    /// Removes the series of `namespace` once no lease of it is counted.
+    fn prune(&self, known: &HashMap<(String, String), LeasePhase>, namespace: &str) {
+        if known.keys().any(|(ns, _)| ns == namespace) {
+            return;
+        }
+        for p in [
+            LeasePhase::Pending,
+            LeasePhase::Bound,
+            LeasePhase::Lost,
+            LeasePhase::Expired,
+        ] {
+            self.phases.remove(&PhaseLabel {
+                namespace: namespace.into(),
+                phase: p.as_str().into(),
+            });
+        }
+        let ns = NamespaceLabel {
+            namespace: namespace.into(),
+        };
+        self.rebinds.remove(&ns);
+        self.expiries.remove(&ns);
+    }
+
+    /// Counts an orphan release that failed.
+    pub(super) fn orphan_failed(&self) {
+        self.orphan_failures.inc();
+    }
+
+    /// Orphan releases that failed (for tests).
+    pub fn orphan_failures(&self) -> u64 {
+        self.orphan_failures.get()
+    }
+
+    /// Leases counted in `phase` (for tests; reading does not create a series).
     pub fn leases_in(&self, namespace: &str, phase: LeasePhase) -> i64 {
-        self.gauge(namespace, phase).get()
+        self.phases
+            .get(&PhaseLabel {
+                namespace: namespace.into(),
+                phase: phase.as_str().into(),
+            })
+            .map_or(0, |g| g.get())
     }
 
     pub(super) fn bound_after(&self, seconds: f64) {
@@ -142,10 +213,10 @@ impl LeaseMetrics {
     /// Rebinds counted (for tests).
     pub fn rebinds(&self, namespace: &str) -> u64 {
         self.rebinds
-            .get_or_create(&NamespaceLabel {
+            .get(&NamespaceLabel {
                 namespace: namespace.into(),
             })
-            .get()
+            .map_or(0, |c| c.get())
     }
 
     pub(super) fn expired(&self, namespace: &str) {
@@ -159,10 +230,10 @@ impl LeaseMetrics {
     /// Expiries counted (for tests).
     pub fn expiries(&self, namespace: &str) -> u64 {
         self.expiries
-            .get_or_create(&NamespaceLabel {
+            .get(&NamespaceLabel {
                 namespace: namespace.into(),
             })
-            .get()
+            .map_or(0, |c| c.get())
     }
 }
 
@@ -183,5 +254,31 @@ mod tests {
         m.phase("ns", "a", None);
         m.phase("ns", "a", None);
         assert_eq!(m.leases_in("ns", LeasePhase::Bound), 0);
+    }
+
+    fn encoded(registry: &Registry) -> String {
+        let mut out = String::new();
+        prometheus_client::encoding::text::encode(&mut out, registry).unwrap();
+        out
+    }
+
+    #[test]
+    fn a_namespaces_series_go_with_its_last_lease() {
+        let mut registry = Registry::default();
+        let m = LeaseMetrics::register(&mut registry);
+        m.phase("ns", "a", Some(LeasePhase::Bound));
+        m.phase("ns", "b", Some(LeasePhase::Pending));
+        m.rebind("ns");
+        m.expired("ns");
+        m.phase("other", "c", Some(LeasePhase::Bound));
+        m.phase("ns", "a", None);
+        assert!(encoded(&registry).contains("namespace=\"ns\""), "b is left");
+        // b went without its finalizer: the sweep's list no longer has it.
+        let live = std::collections::HashSet::from([("other".to_string(), "c".to_string())]);
+        m.retain(&live);
+        let text = encoded(&registry);
+        assert!(!text.contains("namespace=\"ns\""), "{text}");
+        assert!(text.contains("namespace=\"other\""), "{text}");
+        assert_eq!(m.leases_in("other", LeasePhase::Bound), 1);
     }
 }

@@ -19,7 +19,7 @@ pub mod metrics;
 pub mod service;
 pub mod surge;
 
-pub use controller::{LeaseContext, reconcile, run, sweep_orphans};
+pub use controller::{LeaseContext, SweepReport, reconcile, run, sweep_orphans};
 pub use metrics::LeaseMetrics;
 
 use crate::error::{Classified, ErrorClass};

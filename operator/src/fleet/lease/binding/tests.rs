@@ -38,6 +38,7 @@ fn seen(name: &str, serving: bool, holder: Option<&str>) -> Seen {
         },
         holder: holder.map(str::to_string),
         in_pool: true,
+        listed_elsewhere: false,
     }
 }
 
@@ -46,7 +47,17 @@ fn bound(name: &str) -> BoundProxy {
 }
 
 fn run(spec: &ProxyLeaseSpec, status: &ProxyLeaseStatus, s: &[Seen], now: i64) -> Step {
-    plan(LEASE, spec, status, s, "office", 3128, Some(1), t(now))
+    plan(
+        LEASE,
+        spec,
+        status,
+        s,
+        "office",
+        3128,
+        Some(1),
+        t(now),
+        true,
+    )
 }
 
 fn reason(st: &ProxyLeaseStatus) -> String {
@@ -142,13 +153,37 @@ fn a_claim_whose_take_went_through_is_bound_on_the_next_look() {
 }
 
 #[test]
-fn a_proxy_naming_the_lease_unlisted_is_adopted_when_needed_else_released() {
-    let pool = [seen("p1", true, Some(LEASE)), seen("p2", true, Some(LEASE))];
+fn a_proxy_naming_the_lease_unlisted_is_never_adopted_only_given_back() {
+    // A label set by hand (or a release cut short): the lease claims what it binds, so
+    // these are released, and the lease takes a free proxy of its own choosing.
+    let mut others = seen("p3", true, Some(LEASE));
+    others.listed_elsewhere = true;
+    let pool = [
+        seen("p1", true, Some(LEASE)),
+        seen("p2", true, Some(LEASE)),
+        others,
+        seen("p4", true, None),
+    ];
     let step = run(&spec(1), &ProxyLeaseStatus::default(), &pool, 0);
-    assert_eq!(step.status.proxies.len(), 1);
-    assert_eq!(step.status.phase, Some(LeasePhase::Bound));
-    assert_eq!(step.release.len(), 1);
-    assert_ne!(step.release[0], step.status.proxies[0].name);
+    assert!(step.status.proxies.is_empty());
+    assert_eq!(
+        step.release,
+        ["p1", "p2"],
+        "another lease's proxy is left alone"
+    );
+    assert_eq!(step.take.len(), 1);
+    assert_eq!(step.take[0].name, "p4");
+    assert!(
+        !needs_others(LEASE, &spec(1), &step.status, &[], true),
+        "nothing seen, nothing to compare"
+    );
+    assert!(needs_others(
+        LEASE,
+        &spec(1),
+        &ProxyLeaseStatus::default(),
+        &pool,
+        false
+    ));
 }
 
 #[test]
@@ -228,16 +263,50 @@ fn a_lost_lease_without_a_spare_stays_lost_and_keeps_the_reason() {
 }
 
 #[test]
-fn a_bound_proxy_whose_label_names_another_lease_is_not_ours_any_more() {
+fn a_bound_proxy_relabelled_by_hand_is_kept_and_its_label_written_back() {
     let status = ProxyLeaseStatus {
         phase: Some(LeasePhase::Bound),
         proxies: vec![bound("p1")],
         ..Default::default()
     };
-    let step = run(&spec(1), &status, &[seen("p1", true, Some("lease-b"))], 0);
+    for label in [Some("lease-b"), None] {
+        let pool = [seen("p1", true, label), seen("p2", true, None)];
+        assert!(needs_others(LEASE, &spec(1), &status, &pool, true));
+        let step = run(&spec(1), &status, &pool, 0);
+        assert_eq!(
+            step.status.proxies, status.proxies,
+            "{label:?}: still bound"
+        );
+        assert_eq!(step.status.phase, Some(LeasePhase::Bound));
+        assert!(step.lost.is_empty() && step.take.is_empty() && step.release.is_empty());
+        assert_eq!(step.restore.len(), 1);
+        assert_eq!(step.restore[0].uid, "uid-p1");
+    }
+    // Another lease's status lists it: it was taken through the protocol, so it is lost.
+    let mut taken = seen("p1", true, Some("lease-b"));
+    taken.listed_elsewhere = true;
+    let step = run(&spec(1), &status, &[taken], 0);
     assert!(step.status.proxies.is_empty());
-    assert!(step.release.is_empty());
+    assert!(step.release.is_empty() && step.restore.is_empty());
     assert_eq!(step.status.phase, Some(LeasePhase::Lost));
+    // A proxy another lease lists is never free, even unlabelled (a claim in flight).
+    let mut claimed = seen("p2", true, None);
+    claimed.listed_elsewhere = true;
+    assert!(!claimed.free());
+}
+
+#[test]
+fn a_settled_lease_needs_no_read_of_other_leases() {
+    let status = ProxyLeaseStatus {
+        phase: Some(LeasePhase::Bound),
+        proxies: vec![bound("p1")],
+        ..Default::default()
+    };
+    let pool = [seen("p1", true, Some(LEASE)), seen("p2", true, None)];
+    assert!(!needs_others(LEASE, &spec(1), &status, &pool, true));
+    // Short of proxies with a candidate: it does.
+    assert!(needs_others(LEASE, &spec(2), &status, &pool, true));
+    assert!(!needs_others(LEASE, &spec(2), &status, &pool, false));
 }
 
 #[test]
@@ -289,6 +358,7 @@ fn leases_prefer_different_proxies() {
                 3128,
                 None,
                 t(0),
+                true,
             )
             .take[0]
                 .name
@@ -318,6 +388,35 @@ fn expiry_counts_from_creation_then_from_each_renewal_never_from_the_future() {
     };
     assert_eq!(expiry(&s, &recorded, t(0), t(125)).0, t(130));
     assert_ne!(seen_renew, recorded.observed_renew_time);
+}
+
+#[test]
+fn an_expiry_never_moves_earlier() {
+    let mut s = spec(1);
+    s.renew_time = Some(Time(t(100)));
+    let (e, observed) = expiry(&s, &ProxyLeaseStatus::default(), t(0), t(100));
+    assert_eq!(e, t(160));
+    let recorded = ProxyLeaseStatus {
+        expiry_time: Some(Time(e)),
+        observed_renew_time: observed,
+        ..Default::default()
+    };
+    // A renewal dated earlier (a holder whose clock is behind) shortens nothing.
+    s.renew_time = Some(Time(t(90)));
+    assert_eq!(
+        expiry(&s, &recorded, t(0), t(110)),
+        (t(160), Some(Time(t(90))))
+    );
+    // Nor does a removed renewTime, or a shorter duration.
+    s.renew_time = None;
+    assert_eq!(expiry(&s, &recorded, t(0), t(110)).0, t(160));
+    s.duration_seconds = 10;
+    s.renew_time = Some(Time(t(105)));
+    assert_eq!(expiry(&s, &recorded, t(0), t(110)).0, t(160));
+    // A later renewal extends it.
+    s.duration_seconds = 60;
+    s.renew_time = Some(Time(t(150)));
+    assert_eq!(expiry(&s, &recorded, t(0), t(150)).0, t(210));
 }
 
 #[test]
@@ -393,4 +492,56 @@ fn a_settled_lease_plans_no_change_so_nothing_is_written_again() {
     let stored: ProxyLeaseStatus =
         serde_json::from_value(serde_json::to_value(&timed.status).unwrap()).unwrap();
     assert_eq!(run(&spec(1), &stored, &down, 12).status, stored);
+}
+
+#[test]
+fn while_the_probe_is_not_trusted_no_bound_proxy_is_given_up_for_not_serving() {
+    let status = ProxyLeaseStatus {
+        phase: Some(LeasePhase::Bound),
+        proxies: vec![bound("p1")],
+        ..Default::default()
+    };
+    let pool = [seen("p1", false, Some(LEASE)), seen("p2", true, None)];
+    let held = |st: &ProxyLeaseStatus, now: i64| {
+        plan(
+            LEASE,
+            &spec(1),
+            st,
+            &pool,
+            "office",
+            3128,
+            Some(1),
+            t(now),
+            false,
+        )
+    };
+    let step = held(&status, 100);
+    assert!(step.lost.is_empty() && step.release.is_empty() && step.take.is_empty());
+    assert_eq!(step.status.phase, Some(LeasePhase::Bound));
+    assert_eq!(
+        step.status.proxies[0].not_serving_since, None,
+        "no timer starts"
+    );
+    // A timer started before the hold waits: past rebindAfterSeconds, nothing is lost.
+    let timed = run(&spec(1), &status, &pool, 100).status;
+    let step = held(&timed, 1_000);
+    assert!(step.lost.is_empty() && step.release.is_empty());
+    assert_eq!(step.status.proxies, timed.proxies);
+    // Trusted again and still down: lost at once.
+    assert_eq!(run(&spec(1), &timed, &pool, 1_000).release, ["p1"]);
+    // What the probe does not decide still counts: a draining proxy is lost.
+    let mut draining = seen("p1", true, Some(LEASE));
+    draining.member.draining_since = Some(t(0));
+    let step = plan(
+        LEASE,
+        &spec(1),
+        &timed,
+        &[draining],
+        "office",
+        3128,
+        Some(1),
+        t(1_000),
+        false,
+    );
+    assert_eq!(step.release, ["p1"]);
 }
