@@ -250,7 +250,7 @@ struct ProxyState {
 }
 
 /// Headers that belong to one connection, or that the upstream client sets itself.
-const NOT_FORWARDED: [HeaderName; 8] = [
+static NOT_FORWARDED: [HeaderName; 8] = [
     header::CONNECTION,
     header::HOST,
     header::AUTHORIZATION,

@@ -23,10 +23,7 @@ fn a_test_that_cannot_run_fails_as_root() {
     let outcome = std::panic::catch_unwind(|| harness::cannot_run("a tool this test lacks"));
     if running_as_root() || harness::in_ci() {
         let err = outcome.expect_err("cannot_run returned instead of failing the test");
-        let message = err
-            .downcast_ref::<String>()
-            .cloned()
-            .unwrap_or_default();
+        let message = err.downcast_ref::<String>().cloned().unwrap_or_default();
         assert!(message.contains("a tool this test lacks"), "{message}");
         assert!(harness::must_run());
     } else {
@@ -93,7 +90,8 @@ fn a_skip_outside_ci_reaches_the_log_and_the_summary() {
     std::fs::write(&path, &log).unwrap();
     let summary = summarize(&path);
     assert!(
-        summary.starts_with("tests: 1 passed, 0 failed, 1 skipped (0 ignored, 1 skipped at run time)"),
+        summary
+            .starts_with("tests: 1 passed, 0 failed, 1 skipped (0 ignored, 1 skipped at run time)"),
         "{summary}"
     );
     assert!(summary.contains("SKIPPED: needs root"), "{summary}");

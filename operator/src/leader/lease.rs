@@ -100,13 +100,6 @@ fn is_conflict(e: &kube::Error) -> bool {
     matches!(e, kube::Error::Api(s) if s.code == 409)
 }
 
-/// What a guarded write came to.
-enum Written {
-    Ok(Lease),
-    /// Someone wrote the lease since the read the write was based on.
-    Conflict,
-}
-
 /// What [`LeaseApi::take`] did.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub(super) enum Take {
@@ -162,14 +155,15 @@ impl LeaseApi {
         }
     }
 
-    /// Writes `spec` over `read`, only if nobody wrote the lease since.
-    async fn write(&self, read: &Lease, spec: LeaseSpec) -> Result<Written, kube::Error> {
+    /// Writes `spec` over `read`, only if nobody wrote the lease since; `None` if someone
+    /// did (a conflict).
+    async fn write(&self, read: &Lease, spec: LeaseSpec) -> Result<Option<Lease>, kube::Error> {
         let mut next = read.clone();
         next.metadata.managed_fields = None;
         next.spec = Some(spec);
         match self.api.replace(&self.name, &self.params, &next).await {
-            Ok(lease) => Ok(Written::Ok(lease)),
-            Err(e) if is_conflict(&e) => Ok(Written::Conflict),
+            Ok(lease) => Ok(Some(lease)),
+            Err(e) if is_conflict(&e) => Ok(None),
             Err(e) => Err(e),
         }
     }
@@ -224,11 +218,11 @@ impl LeaseApi {
             ..spec
         };
         match self.write(lease, next).await? {
-            Written::Ok(written) => {
+            Some(written) => {
                 observed.saw(&written);
                 Ok(Take::Taken)
             }
-            Written::Conflict => Ok(Take::Stale),
+            None => Ok(Take::Stale),
         }
     }
 
@@ -251,7 +245,7 @@ impl LeaseApi {
                 lease_duration_seconds: None,
                 ..spec
             };
-            if let Written::Ok(_) = self.write(&lease, cleared).await? {
+            if self.write(&lease, cleared).await?.is_some() {
                 return Ok(());
             }
         }

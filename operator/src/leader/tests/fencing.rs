@@ -1,5 +1,15 @@
 //! Fencing: a deposed replica stops acting before the new leader starts.
 
+use std::sync::Mutex;
+
+use crate::api::proxy::ProxySpec;
+use crate::provider::decorate::Fenced;
+use crate::provider::fake::FakeProvider;
+use crate::provider::{
+    BoxFuture, CreateRequest, Fence, Instance, InstanceId, Provider, ProviderError, ProxyRef,
+    TargetListing,
+};
+
 use super::*;
 
 /// One provider call as a replica made it: when it began and when it ended (returned,

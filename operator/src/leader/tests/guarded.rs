@@ -1,5 +1,12 @@
 //! Every write is guarded by the version of the read it is based on.
 
+use std::collections::BTreeMap;
+use std::sync::Mutex;
+
+use serde_json::{Map, json};
+
+use super::fake::{StoredLease, key};
+
 use super::*;
 
 /// Two followers read the same expired lease; one takes it; the other's write, based on
