@@ -74,7 +74,7 @@ test: setup
 	export EGRESS_CONTROLPLANE_DIR="$$(tail -n 1 $(TARGET_DIR)/controlplane.log)"; \
 	$(CARGO) test --workspace --locked --no-fail-fast 2>&1 | tee $(TARGET_DIR)/test.log; \
 	$(CARGO) test --workspace --locked --benches 2>&1 | tee $(TARGET_DIR)/bench-quick.log
-	@bash scripts/test-summary.sh $(TARGET_DIR)/test.log
+	@bash scripts/test-summary.sh $(TARGET_DIR)/test.log $(TARGET_DIR)/bench-quick.log
 
 ## controlplane: build (or find cached) etcd, kube-apiserver, kube-controller-manager and
 ## kubectl for the cluster tier and the demo (scripts/controlplane.sh); prints their directory

@@ -35,7 +35,7 @@ use crate::controller::{self, ControllerMetrics};
 use crate::error::{Classified, ErrorClass};
 use crate::fleet::FleetMetrics;
 use crate::gc::{GarbageCollector, GcMetrics, KubeProxyIndex};
-use crate::leader::{LeaderElector, LeaderError, LeaderOptions};
+use crate::leader::{LeaderElector, LeaderError, LeaderMetrics, LeaderOptions};
 use crate::provider::decorate::Fenced;
 use crate::provider::kvm2::backend::Kvm2Options;
 use crate::provider::registry::Registry;
@@ -197,6 +197,7 @@ struct Parts {
     health_metrics: HealthMetrics,
     fleet_metrics: FleetMetrics,
     lease_metrics: crate::fleet::lease::LeaseMetrics,
+    leader_metrics: LeaderMetrics,
     identity: String,
     /// Providers whose leftover volumes the collector sweeps (kvm2).
     volumes: Vec<Arc<dyn crate::gc::VolumeCollector>>,
@@ -257,6 +258,7 @@ async fn serve(args: RunArgs, config: Arc<ValidConfig>) -> Result<(), RunError> 
         health_metrics: HealthMetrics::register(&mut registry),
         fleet_metrics: FleetMetrics::register(&mut registry),
         lease_metrics: crate::fleet::lease::LeaseMetrics::register(&mut registry),
+        leader_metrics: LeaderMetrics::register(&mut registry),
         identity,
         volumes: vec![kvm2.provider.clone()],
     };
@@ -389,7 +391,9 @@ async fn lead_until_terminated(
     let mut options = LeaderOptions::new(namespace, parts.identity.clone());
     options.lease_name = args.lease_name.clone();
     options.validate()?;
-    let (mut leadership, elector) = LeaderElector::start(client.clone(), options).await?;
+    let (mut leadership, elector) =
+        LeaderElector::start_with_metrics(client.clone(), options, parts.leader_metrics.clone())
+            .await?;
     let result = loop {
         probes.set_role(Role::Standby);
         tokio::select! {

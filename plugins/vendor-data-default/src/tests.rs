@@ -444,15 +444,34 @@ fn the_output_passes_the_operators_format_rules() {
     }
 }
 
-/// Skips a test that needs something this machine lacks; in CI that is a failure.
+/// Skips a test that needs something this machine lacks; in CI and as root that is a
+/// failure (as `integration_tests::harness::cannot_run`: root can install what is
+/// missing, so a skip there hides a broken machine). The `SKIPPED:` line goes straight to
+/// stderr, past libtest's capture, so `make test`'s summary counts it.
 fn cannot_run(reason: &str) -> bool {
+    use std::io::Write as _;
     let ci = std::env::var("CI").is_ok_and(|v| !matches!(v.trim(), "" | "0" | "false"));
     assert!(
         !ci,
         "CI must run this test, but it cannot run here: {reason}"
     );
-    eprintln!("SKIPPED: {reason}");
+    assert!(
+        !running_as_root(),
+        "as root every test must run (`make setup` installs what they need), but this one cannot: {reason}"
+    );
+    let _ = std::io::stderr()
+        .lock()
+        .write_all(format!("SKIPPED: {reason}\n").as_bytes());
     true
+}
+
+fn running_as_root() -> bool {
+    std::fs::read_to_string("/proc/self/status").is_ok_and(|s| {
+        s.lines()
+            .find_map(|l| l.strip_prefix("Uid:"))
+            .and_then(|ids| ids.split_whitespace().nth(1))
+            == Some("0")
+    })
 }
 
 fn found(program: &str) -> bool {
@@ -517,13 +536,7 @@ fn tempfile_dir(tag: &str) -> std::path::PathBuf {
 /// peer answers nothing) means neither.
 #[test]
 fn the_firewall_resets_forbidden_destinations_in_a_namespace() {
-    let is_root = std::fs::read_to_string("/proc/self/status").is_ok_and(|s| {
-        s.lines()
-            .find_map(|l| l.strip_prefix("Uid:"))
-            .and_then(|ids| ids.split_whitespace().nth(1))
-            == Some("0")
-    });
-    if !is_root && cannot_run("needs root for a network namespace") {
+    if !running_as_root() && cannot_run("needs root for a network namespace") {
         return;
     }
     for tool in ["nft", "unshare", "curl", "ip", "python3", "setpriv"] {
@@ -641,13 +654,7 @@ done
 /// are refused within moments of appearing; an `nft flush ruleset` is undone.
 #[test]
 fn the_firewall_follows_new_networks_and_comes_back_after_a_flush() {
-    let is_root = std::fs::read_to_string("/proc/self/status").is_ok_and(|s| {
-        s.lines()
-            .find_map(|l| l.strip_prefix("Uid:"))
-            .and_then(|ids| ids.split_whitespace().nth(1))
-            == Some("0")
-    });
-    if !is_root && cannot_run("needs root for a network namespace") {
+    if !running_as_root() && cannot_run("needs root for a network namespace") {
         return;
     }
     for tool in ["nft", "unshare", "curl", "ip", "python3", "setsid"] {

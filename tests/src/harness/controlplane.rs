@@ -41,7 +41,7 @@ use anyhow::{Context, Result, anyhow, bail};
 use tempfile::TempDir;
 
 use super::process::{self, LOG_TAIL_LINES};
-use super::{remove_stale_temp_dirs, temp_dir_with_owner};
+use super::{owner_is_gone, remove_stale_temp_dirs, temp_dir_with_owner};
 
 /// Prefix of a local plane's directory (certificates, etcd's data, logs, kubeconfigs).
 const DIR_PREFIX: &str = "eotest-cp-";
@@ -65,16 +65,26 @@ pub const OPERATOR_NAMESPACE: &str = "egress-system";
 pub const OPERATOR_SERVICE_ACCOUNT: &str = "egress-operator";
 
 /// Kills the daemons and removes the plane's directory once the test process is gone,
-/// whatever way it ended; an orderly stop removes the directory first, which ends the
-/// watchdog too. `setsid` keeps it out of a Ctrl-C to the test's process group, and it
-/// ignores the signals that end a session, so the daemons (kube-apiserver hangs in its
-/// graceful shutdown once etcd is gone) are always killed.
+/// whatever way it ended. `setsid` keeps it out of a Ctrl-C to the test's process group,
+/// and it ignores the signals that end a session, so the daemons (kube-apiserver hangs in
+/// its graceful shutdown once etcd is gone) are always killed.
+///
+/// The daemons are found by their command lines, which all name the directory, not by the
+/// PID files in it: the directory can vanish under a dead owner before the watchdog looks
+/// (the next test binary's stale sweep removes it within the poll), and a watchdog that
+/// took a missing directory for an orderly stop leaked every daemon. After an orderly stop
+/// (the daemons stopped, then the directory removed) the scan finds nothing. The directory
+/// comes in the environment, not in argv, so the scan cannot match the watchdog itself; the
+/// scan uses only builtins, so no helper process of ours is on the list either.
 const WATCHDOG: &str = r#"
 trap '' TERM HUP INT
-owner="$1"; dir="$2"
+owner="$1"; dir="$EOTEST_PLANE_DIR"
+[ -n "$dir" ] || exit 1
 while kill -0 "$owner" 2>/dev/null && [ -d "$dir" ]; do sleep 0.2; done
-[ -d "$dir" ] || exit 0
-for f in "$dir"/*.pid; do [ -f "$f" ] && kill -KILL "$(cat "$f")" 2>/dev/null; done
+for p in /proc/[0-9]*; do
+  mapfile -d '' args 2>/dev/null < "$p/cmdline" || continue
+  case "${args[*]}" in *"$dir/"*) kill -KILL "${p#/proc/}" 2>/dev/null;; esac
+done
 sleep 1
 rm -rf "$dir"
 "#;
@@ -158,7 +168,7 @@ impl ControlPlane {
                 scratch,
             });
         }
-        remove_stale_temp_dirs(DIR_PREFIX);
+        remove_stale_planes();
         remove_stale_temp_dirs("eotest-kube-");
         let mut last = None;
         for _ in 0..PORT_ATTEMPTS {
@@ -661,13 +671,43 @@ fn spawn_watchdog(dir: &Path) -> Result<()> {
     Command::new("setsid")
         .args(["bash", "-c", WATCHDOG, "watchdog"])
         .arg(std::process::id().to_string())
-        .arg(dir)
+        .env("EOTEST_PLANE_DIR", dir)
         .stdin(Stdio::null())
         .stdout(Stdio::null())
         .stderr(Stdio::null())
         .spawn()
         .context("cannot start the control plane's watchdog (setsid, bash)")?;
     Ok(())
+}
+
+/// Removes the planes of test processes that are gone, killing their daemons first. The
+/// owner's watchdog normally does both, but it may not have looked yet (it polls), or it may
+/// have been killed itself; a directory removed under running daemons would leave nothing
+/// that names them. Daemons are found by their command lines (see [`WATCHDOG`]).
+fn remove_stale_planes() {
+    let Ok(entries) = fs::read_dir(std::env::temp_dir()) else {
+        return;
+    };
+    for entry in entries.flatten() {
+        let stale = entry
+            .file_name()
+            .to_str()
+            .is_some_and(|n| owner_is_gone(n, DIR_PREFIX));
+        if !stale {
+            continue;
+        }
+        let dir = entry.path();
+        let daemons = process::naming(&dir);
+        process::signal(&daemons, "KILL");
+        if !process::wait_gone(&daemons, STOP_GRACE) {
+            eprintln!(
+                "control plane: daemons of the stale plane {} outlived SIGKILL: {daemons:?}",
+                dir.display()
+            );
+        }
+        // Best effort: a leftover directory harms nobody once its daemons are gone.
+        let _ = fs::remove_dir_all(&dir);
+    }
 }
 
 fn record_pid(dir: &Path, name: &str, pid: u32) -> Result<()> {

@@ -38,7 +38,7 @@ use tempfile::TempDir;
 pub use controlplane::{ControlPlane, TestNamespace};
 pub use libvirtd::Libvirtd;
 pub use route::{NamespaceRoute, subnet_index};
-pub use skip::{Need, cannot_run, in_ci, skip, skip_reason};
+pub use skip::{Need, cannot_run, in_ci, must_run, skip, skip_reason};
 pub use sshd::Sshd;
 
 /// A fresh temp dir named `PREFIX<pid>-<random>`, the PID being this test

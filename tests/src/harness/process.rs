@@ -171,6 +171,37 @@ pub(crate) fn tail(path: &Path, lines: usize) -> String {
     }
 }
 
+/// Live processes (other than this one) with an argument naming a file below `path`: the
+/// daemons a harness started with their files there, found even when their PID files
+/// are gone.
+pub(crate) fn naming(path: &Path) -> Vec<u32> {
+    let inside = format!("{}/", path.to_string_lossy());
+    let own = std::process::id();
+    let mut found = Vec::new();
+    let Ok(entries) = fs::read_dir("/proc") else {
+        return found;
+    };
+    for entry in entries.flatten() {
+        let Some(pid) = entry.file_name().to_str().and_then(|s| s.parse().ok()) else {
+            continue;
+        };
+        if pid == own {
+            continue;
+        }
+        let Ok(cmdline) = fs::read(format!("/proc/{pid}/cmdline")) else {
+            continue;
+        };
+        let names_it = cmdline
+            .split(|&b| b == 0)
+            .map(String::from_utf8_lossy)
+            .any(|arg| arg.contains(&inside));
+        if names_it && is_alive(pid) {
+            found.push(pid);
+        }
+    }
+    found
+}
+
 /// Whether a process with this PID exists at all: used to tell whether the test
 /// process that left a resource behind is still running.
 pub(crate) fn pid_exists(pid: u32) -> bool {

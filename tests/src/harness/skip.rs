@@ -1,9 +1,15 @@
 //! Decides whether a test that needs real daemons can run here. On the build
 //! machines (root, `make setup` done) nothing is skipped; elsewhere (a laptop
 //! without root, a container without the packages) the tests say why and pass
-//! instead of failing on something that is not a bug. In CI (`CI` set, as
-//! `.ci/run` runs) a missing daemon is a broken setup, never a pass: the test
-//! fails with the reason.
+//! instead of failing on something that is not a bug. Where the tests must run, a
+//! missing daemon or tool is a broken setup, never a pass, and the test fails with the
+//! reason: in CI (`CI` set, as `.ci/run` runs) and as root (root can run `make setup`, so
+//! nothing is out of reach; a skip there only hides a broken machine, and libtest hides a
+//! passing test's output).
+//!
+//! A skip that does happen writes `SKIPPED: <reason>` straight to the process's stderr,
+//! past libtest's capture, so `make test`'s log holds it and the summary
+//! (`scripts/test-summary.sh`) counts it and prints the reason.
 
 use std::fs;
 use std::path::{Path, PathBuf};
@@ -68,8 +74,9 @@ pub fn skip_reason(needs: &[Need]) -> Option<String> {
 }
 
 /// Prints the skip reason for `needs` and returns true when the test must stop.
-/// Tests call this first: `if skip(&[Need::Sshd]) { return; }`. Under CI it
-/// panics instead, so a machine that lost a daemon cannot turn tests green.
+/// Tests call this first: `if skip(&[Need::Sshd]) { return; }`. Where tests must
+/// run (CI, root: see [`must_run`]) it panics instead, so a machine that lost a daemon
+/// cannot turn tests green.
 pub fn skip(needs: &[Need]) -> bool {
     match skip_reason(needs) {
         Some(reason) => cannot_run(&reason),
@@ -77,16 +84,37 @@ pub fn skip(needs: &[Need]) -> bool {
     }
 }
 
-/// Reports that a test cannot run here because `reason` (a missing tool, say):
-/// prints it and returns true outside CI, panics with it in CI.
+/// Reports that a test (or a bench) cannot run here because `reason` (a missing tool,
+/// say): prints `SKIPPED: <reason>` and returns true where skipping is allowed, panics
+/// with it where tests must run ([`must_run`]).
 // Failing the calling test is the point: a panic is how a Rust test fails.
 #[allow(clippy::panic)]
 pub fn cannot_run(reason: &str) -> bool {
     if in_ci() {
         panic!("CI must run this test, but it cannot run here: {reason}");
     }
-    eprintln!("SKIPPED: {reason}");
+    if is_root() {
+        panic!(
+            "as root every test must run (`make setup` installs what they need), but this one cannot: {reason}"
+        );
+    }
+    report_skip(reason);
     true
+}
+
+/// Whether a test that cannot run must fail rather than skip: in CI, and as root.
+pub fn must_run() -> bool {
+    in_ci() || is_root()
+}
+
+/// Writes `SKIPPED: <reason>` as one write to the real stderr. `eprintln!` in a test goes
+/// to libtest's capture, which a passing test's output never leaves; the summary of
+/// `make test` counts these lines in the log.
+fn report_skip(reason: &str) {
+    use std::io::Write as _;
+    let line = format!("SKIPPED: {reason}\n");
+    // Best effort: a skip that cannot be reported still skips.
+    let _ = std::io::stderr().lock().write_all(line.as_bytes());
 }
 
 /// Whether this is a CI run: `CI` set to anything but empty, `0` or `false`.
