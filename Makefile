@@ -14,7 +14,7 @@ TEST_PLUGINS := sdk-example hostile-domain hostile-fs
 WASM_DIR := $(TARGET_DIR)/wasm32-wasip2/release
 PLUGIN_DIR := $(TARGET_DIR)/plugins
 
-.PHONY: all setup build plugins lint fmt generate test demo bench clean
+.PHONY: all setup build plugins lint fmt generate test demo bench clean guide
 
 all: build
 
@@ -63,7 +63,8 @@ test: setup
 	set -euo pipefail; \
 	bash scripts/guest-image.sh $(GUEST_IMAGE) > $(TARGET_DIR)/guest-image.log 2>&1 & image=$$!; \
 	bash scripts/controlplane.sh > $(TARGET_DIR)/controlplane.log 2>&1 & plane=$$!; \
-	trap 'kill $$image $$plane 2>/dev/null || true' EXIT; \
+	bash scripts/mdbook.sh > $(TARGET_DIR)/mdbook.log 2>&1 & book=$$!; \
+	trap 'kill $$image $$plane $$book 2>/dev/null || true' EXIT; \
 	$(MAKE) --no-print-directory lint plugins; \
 	RUSTDOCFLAGS="-D warnings" $(CARGO) doc --workspace --no-deps --locked --quiet; \
 	$(CARGO) test --workspace --locked --no-run --quiet; \
@@ -72,6 +73,8 @@ test: setup
 	if ! wait $$plane; then tail -n 40 $(TARGET_DIR)/controlplane.log; echo "make test: the control plane build failed (log above)" >&2; exit 1; fi; \
 	tail -n 2 $(TARGET_DIR)/controlplane.log; \
 	export EGRESS_CONTROLPLANE_DIR="$$(tail -n 1 $(TARGET_DIR)/controlplane.log)"; \
+	if ! wait $$book; then tail -n 40 $(TARGET_DIR)/mdbook.log; echo "make test: building mdbook failed (log above)" >&2; exit 1; fi; \
+	export EGRESS_MDBOOK="$$(tail -n 1 $(TARGET_DIR)/mdbook.log)"; \
 	$(CARGO) test --workspace --locked --no-fail-fast 2>&1 | tee $(TARGET_DIR)/test.log; \
 	$(CARGO) test --workspace --locked --benches 2>&1 | tee $(TARGET_DIR)/bench-quick.log
 	@bash scripts/test-summary.sh $(TARGET_DIR)/test.log $(TARGET_DIR)/bench-quick.log
@@ -81,6 +84,12 @@ test: setup
 .PHONY: controlplane
 controlplane:
 	@bash scripts/controlplane.sh
+
+## guide: build the guide (docs/guide, an mdBook) into $(TARGET_DIR)/guide; mdbook is built
+## once and cached (scripts/mdbook.sh)
+guide:
+	@mdbook="$$(bash scripts/mdbook.sh | tail -n 1)" && "$$mdbook" build docs/guide --dest-dir $(abspath $(TARGET_DIR))/guide
+	@echo "the guide: $(abspath $(TARGET_DIR))/guide/index.html"
 
 ## guest-image: build the real Debian 12 guest (cloud kernel, cloud-init NoCloud, qemu-guest-agent,
 ## tinyproxy) from Debian packages; cached, rebuilt only when its recipe changes (scripts/guest-image.sh)

@@ -28,9 +28,11 @@ set -euo pipefail
 #                                vendor-data parity test compares its keys with ours
 #   shellcheck nftables          vendor-data-default's tests: its rendered scripts under
 #                                shellcheck, its firewall applied in a test namespace
+#   prometheus                   promtool: checks and unit-tests the alerts and the
+#                                dashboard's queries (config/prometheus)
 BOOKWORM_PKGS=(pkg-config libvirt-dev libvirt-daemon-system libvirt-clients libxml2-utils
   openssh-server netcat-openbsd socat xorriso iproute2 dnsmasq-base syslinux mtools dosfstools
-  python3 python3-yaml curl shellcheck nftables)
+  python3 python3-yaml curl shellcheck nftables prometheus)
 # QEMU 10 from bookworm-backports: the emulator and qemu-img (qemu-utils) from the same
 # suite. Some machines come with qemu-utils 10 preinstalled (apt refuses to mix suites
 # then); on others libvirt-daemon-system would pull bookworm's qemu-utils 7.2 beside a

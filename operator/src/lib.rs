@@ -20,6 +20,7 @@ pub mod provision;
 pub mod render;
 pub mod run;
 pub mod serving;
+pub mod state_metrics;
 pub mod telemetry;
 pub mod templates;
 pub mod validate_config;

@@ -8,6 +8,7 @@ pub mod guest_lab;
 pub mod harness;
 pub mod http;
 pub mod https;
+pub mod monitoring;
 pub mod operator_process;
 pub mod provider_rig;
 pub mod scale;

@@ -163,9 +163,17 @@ fn every_one_shot_command_finishes_with_debug_logging() {
             "",
         ),
     ];
+    let mut logged = 0;
     for (args, want, needle) in cases {
         let what = args.join(" ");
         let (code, out, err) = run(&args, &what);
+        // stderr is a pipe here, as under a log collector: plain text, no colour codes.
+        assert!(
+            !err.contains('\u{1b}'),
+            "`{what}`: ANSI escape codes in piped logs:\n{}",
+            tail(&err)
+        );
+        logged += usize::from(err.contains("DEBUG"));
         assert_eq!(
             code,
             want,
@@ -178,6 +186,10 @@ fn every_one_shot_command_finishes_with_debug_logging() {
             tail(&err)
         );
     }
+    assert!(
+        logged > 0,
+        "no command logged at debug: the colour check saw nothing"
+    );
 }
 
 fn tail(s: &str) -> &str {

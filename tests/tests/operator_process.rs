@@ -24,6 +24,7 @@ use integration_tests::connect_responder::ConnectResponder;
 use integration_tests::harness::controlplane::{OPERATOR_NAMESPACE, OPERATOR_SERVICE_ACCOUNT};
 use integration_tests::harness::{self, ControlPlane, Libvirtd, Need, Sshd};
 use integration_tests::http::{HttpServer, Route};
+use integration_tests::monitoring;
 use integration_tests::operator_process::{OperatorOptions, OperatorProcess};
 use integration_tests::{TestImage, provider_config_yaml, small_qcow2};
 use kube::ResourceExt;
@@ -37,6 +38,16 @@ const POOL_LAST: u8 = 19;
 
 fn binary() -> PathBuf {
     PathBuf::from(env!("CARGO_BIN_EXE_operator-under-test"))
+}
+
+/// The sum of `egress_kube_requests_total` samples with this verb.
+fn kube_requests(metrics: &str, verb: &str) -> u64 {
+    let prefix = format!("egress_kube_requests_total{{verb=\"{verb}\"");
+    metrics
+        .lines()
+        .filter(|l| l.starts_with(&prefix))
+        .filter_map(|l| l.rsplit(' ').next()?.parse::<u64>().ok())
+        .sum()
 }
 
 fn pool_addresses() -> impl Iterator<Item = Ipv4Addr> {
@@ -205,6 +216,47 @@ async fn the_operator_runs_as_its_service_account_and_is_never_refused() {
     .await;
     println!("ProviderHealth kvm2 re-created after its deletion");
 
+    // ---- /metrics: every metric and label the alerts and the dashboard read is exported --
+    let (code, metrics) = op.http_get("/metrics").expect("GET /metrics");
+    assert_eq!(code, 200, "{metrics}");
+    let families = monitoring::families(&metrics);
+    let mut problems = Vec::new();
+    let mut unchecked = Vec::new();
+    let queries = monitoring::alerts()
+        .unwrap()
+        .into_iter()
+        .map(|a| (format!("alert {}", a.name), a.expr))
+        .chain(
+            monitoring::dashboard_queries()
+                .unwrap()
+                .into_iter()
+                .map(|(id, q)| (format!("dashboard panel {id}"), q)),
+        );
+    for (what, expr) in queries {
+        let (p, u) = monitoring::missing(&families, &what, &expr);
+        problems.extend(p);
+        unchecked.extend(u);
+    }
+    assert!(
+        problems.is_empty(),
+        "the monitoring reads what the operator does not export:\n{}\n/metrics:\n{metrics}",
+        problems.join("\n")
+    );
+    unchecked.sort();
+    unchecked.dedup();
+    println!(
+        "alerts and dashboard: every metric exported; labels not checked for families without samples yet: {unchecked:?}"
+    );
+    // The object-state series describe what the cluster holds now.
+    let proxies_running = format!(
+        "egress_proxies{{namespace=\"{}\",phase=\"Running\"}} 1",
+        ns.name()
+    );
+    assert!(metrics.contains(&proxies_running), "{metrics}");
+    assert!(metrics.contains("egress_leader_is_leader 1"), "{metrics}");
+    let counted_writes = kube_requests(&metrics, "PATCH");
+    assert!(counted_writes > 0, "no PATCH counted:\n{metrics}");
+
     // ---- kube-apiserver restarts: the watches resume, a new Proxy is reconciled -------
     let lists_before = proxy_lists(plane);
     if plane.is_local() {
@@ -298,6 +350,12 @@ async fn the_operator_runs_as_its_service_account_and_is_never_refused() {
     if let Some(audit) = plane.audit().unwrap() {
         let ours: Vec<_> = audit.iter().filter(|r| r.user == user).collect();
         assert!(!ours.is_empty(), "the audit log shows no request of {user}");
+        // Every PATCH the operator counted before the scrape reached the API server.
+        let patches = ours.iter().filter(|r| r.verb == "patch").count() as u64;
+        assert!(
+            (1..=patches).contains(&counted_writes),
+            "egress_kube_requests_total counted {counted_writes} PATCHes by the scrape, the audit log has {patches} in all"
+        );
         let refused: Vec<_> = ours.iter().filter(|r| r.code == 403).collect();
         assert!(
             refused.is_empty(),

@@ -167,6 +167,13 @@ fn sha256_mismatch_is_permanent_and_leaves_no_volume() {
             p.image_cache().metrics().uploads("h1", "base", "permanent"),
             1
         );
+        // The alert on verification failures reads this counter.
+        assert_eq!(
+            p.image_cache()
+                .metrics()
+                .verification_failures("h1", "base"),
+            1
+        );
         assert_nothing_left(&rig, "after the mismatch");
 
         // Nothing unverified was kept: a second Create downloads again, fails again.
@@ -204,6 +211,13 @@ fn truncated_download_is_transient_and_leaves_no_volume() {
                 .metrics()
                 .uploads("h1", "short", "transient"),
             1
+        );
+        // A transfer that broke off is not a verification failure: a retry may succeed.
+        assert_eq!(
+            p.image_cache()
+                .metrics()
+                .verification_failures("h1", "short"),
+            0
         );
         assert_nothing_left(&rig, "after the truncated download");
         rig.hosts.close().await;

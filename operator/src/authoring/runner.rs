@@ -319,7 +319,18 @@ fn snapshot(
         }
         _ => {}
     }
-    std::fs::write(&path, text).map_err(|e| AuthoringError::io(&path, e))
+    // Written to a new file beside it, then renamed over it: rename(2) replaces a symlink
+    // planted at `path` instead of writing through it to wherever it points.
+    let mut staged = tempfile::Builder::new()
+        .prefix(".snapshot-")
+        .tempfile_in(dir)
+        .map_err(|e| AuthoringError::io(dir, e))?;
+    std::io::Write::write_all(&mut staged, text.as_bytes())
+        .map_err(|e| AuthoringError::io(&path, e))?;
+    staged
+        .persist(&path)
+        .map_err(|e| AuthoringError::io(&path, e.error))?;
+    Ok(())
 }
 
 #[cfg(test)]
@@ -410,6 +421,45 @@ mod tests {
         assert_eq!(std::fs::read_to_string(&output).unwrap(), "<domain/>");
         snapshot(dir.path(), TemplateKind::Domain, &case, &refused).unwrap();
         assert!(!output.exists() && refusal.exists());
+    }
+
+    #[test]
+    fn a_snapshot_replaces_a_planted_symlink_and_leaves_its_target_alone() {
+        let dir = tempfile::tempdir().unwrap();
+        let victim = dir.path().join("victim.txt");
+        std::fs::write(&victim, "precious").unwrap();
+        let snapshots = dir.path().join("snapshots");
+        std::fs::create_dir(&snapshots).unwrap();
+        let case = Case {
+            host: "h".into(),
+            machine_type: "small".into(),
+            firmware: crate::config::Firmware::Bios,
+            nics: Some(1),
+            addressing: Some(matrix::Addressing::Dhcp),
+        };
+        let output = snapshots.join("h_bios_1-nic_dhcp.xml");
+        std::os::unix::fs::symlink(&victim, &output).unwrap();
+        snapshot(
+            &snapshots,
+            TemplateKind::Domain,
+            &case,
+            &Ok("<domain/>".into()),
+        )
+        .unwrap();
+        assert_eq!(std::fs::read_to_string(&victim).unwrap(), "precious");
+        assert!(
+            !std::fs::symlink_metadata(&output)
+                .unwrap()
+                .file_type()
+                .is_symlink()
+        );
+        assert_eq!(std::fs::read_to_string(&output).unwrap(), "<domain/>");
+        // No staging file is left beside the snapshots.
+        let names: Vec<_> = std::fs::read_dir(&snapshots)
+            .unwrap()
+            .map(|e| e.unwrap().file_name().into_string().unwrap())
+            .collect();
+        assert_eq!(names, ["h_bios_1-nic_dhcp.xml"]);
     }
 
     #[test]

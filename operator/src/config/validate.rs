@@ -440,10 +440,23 @@ fn validate_template(path: &str, t: &TemplateConfig, p: &mut Problems) {
         (None, None) => p.push(path, "set exactly one of `path` and `url`"),
         (Some(file), None) => p.check(at("path"), rules::file_path(file)),
         (None, Some(url)) => {
-            p.check(
-                at("url"),
-                rules::download_url(url, HttpPolicy::HttpsAlways).map(drop),
-            );
+            // A plugin's URL is its name in logs, in ProviderHealth's status and in the
+            // `plugin` metric label; a query string there (a presigned URL's signature)
+            // would hand the credential to everyone who reads those. The sha256 pins the
+            // plugin, so nothing needs a signed URL.
+            let checked = rules::download_url(url, HttpPolicy::HttpsAlways).and_then(|u| {
+                if u.query().is_some() {
+                    Err(format!(
+                        "{}: must not carry a query string (?...): the URL names the plugin in \
+                         logs, ProviderHealth status and metrics, where a presigned signature \
+                         would leak; serve the plugin at a plain https URL (sha256 pins it)",
+                        rules::show(&format!("{}{}", u.origin().ascii_serialization(), u.path()))
+                    ))
+                } else {
+                    Ok(())
+                }
+            });
+            p.check(at("url"), checked);
             if t.sha256.is_none() {
                 p.push(
                     at("sha256"),
@@ -665,6 +678,20 @@ kvm2:
         assert!(parsed.contains("10.9.0.10".parse().unwrap()));
         assert!(!parsed.contains("10.9.0.60".parse().unwrap()));
         assert_eq!(parsed.gateway, Some("10.9.0.1".parse().unwrap()));
+    }
+
+    #[test]
+    fn a_refused_plugin_url_does_not_echo_its_signature() {
+        let problems = problems_of(|c| {
+            c.kvm2.templates.domain.path = None;
+            c.kvm2.templates.domain.url = Some(
+                "https://x.example.org/d.wasm?X-Amz-Signature=s3cr3t&X-Amz-Credential=AKIA".into(),
+            );
+            c.kvm2.templates.domain.sha256 = Some("a".repeat(64));
+        });
+        let all = problems.join("\n");
+        assert!(all.contains("https://x.example.org/d.wasm"), "{all}");
+        assert!(!all.contains("s3cr3t") && !all.contains("AKIA"), "{all}");
     }
 
     #[test]
@@ -925,6 +952,15 @@ kvm2:
                 |c| c.kvm2.templates.vendor_data.url = Some("http://x.example.org/v.wasm".into()),
                 "kvm2.templates.vendorData.url",
                 "uses http",
+            ),
+            (
+                "template url with a query",
+                |c| {
+                    c.kvm2.templates.vendor_data.url =
+                        Some("https://x.example.org/v.wasm?X-Amz-Signature=s3cr3t".into())
+                },
+                "kvm2.templates.vendorData.url",
+                "must not carry a query string",
             ),
             (
                 "template url without sha",

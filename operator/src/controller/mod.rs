@@ -189,6 +189,8 @@ pub struct Context {
     pub clock: Clock,
     /// Spec fields this binary does not know, per Proxy (filled by the watch).
     pub skew: watch::Skew,
+    /// Where the Proxy cache is shown to the object-state metrics, when they are exported.
+    pub state: Option<crate::state_metrics::StateMetrics>,
 }
 
 /// A wall clock.
@@ -241,7 +243,14 @@ impl Context {
             serving: serving::Memory::default(),
             clock: Arc::new(jiff::Timestamp::now),
             skew: watch::Skew::default(),
+            state: None,
         }
+    }
+
+    /// The same context, showing its Proxy cache to `state` (egress_proxies and friends).
+    pub fn with_state(mut self, state: crate::state_metrics::StateMetrics) -> Self {
+        self.state = Some(state);
+        self
     }
 
     /// The same context, acting only while `fence` is held.
@@ -259,6 +268,9 @@ where
     F: std::future::Future<Output = ()> + Send + Sync + 'static,
 {
     let (reader, writer) = kube::runtime::reflector::store();
+    if let Some(state) = &ctx.state {
+        state.set_proxies(reader.clone());
+    }
     let events = watch::proxies(
         ctx.client.clone(),
         watcher::Config::default().any_semantic(),
@@ -939,11 +951,21 @@ async fn read_user_data(
         problem: problem.to_string(),
         class,
     };
+    // One answer, one class, for "no such Secret", "not opted in" and "no such key": a user
+    // who may create Proxies but not read Secrets must not learn from a Proxy's status or
+    // events which Secrets exist in the namespace or what they hold.
+    let unusable = || {
+        err(
+            &format!(
+                "no such Secret, or it does not carry the label {USER_DATA_LABEL}=true (a \
+                 Proxy may only use a Secret that opts in to being copied into a VM's seed), \
+                 or it has no such key"
+            ),
+            ErrorClass::NotFound,
+        )
+    };
     let secrets = Api::<Secret>::namespaced(ctx.client.clone(), namespace);
-    let secret = secrets
-        .get_opt(&r.name)
-        .await?
-        .ok_or_else(|| err("the Secret does not exist", ErrorClass::NotFound))?;
+    let secret = secrets.get_opt(&r.name).await?.ok_or_else(unusable)?;
     let opted_in = secret
         .metadata
         .labels
@@ -951,13 +973,7 @@ async fn read_user_data(
         .and_then(|l| l.get(USER_DATA_LABEL))
         .is_some_and(|v| v == "true");
     if !opted_in {
-        return Err(err(
-            &format!(
-                "the Secret does not carry the label {USER_DATA_LABEL}=true; a Proxy may only \
-                 use a Secret that opts in to being copied into a VM's seed"
-            ),
-            ErrorClass::Permanent,
-        ));
+        return Err(unusable());
     }
     let bytes = secret
         .data
@@ -971,7 +987,7 @@ async fn read_user_data(
                 .and_then(|d| d.get(&r.key))
                 .map(|s| s.clone().into_bytes())
         })
-        .ok_or_else(|| err("the Secret has no such key", ErrorClass::NotFound))?;
+        .ok_or_else(unusable)?;
     if bytes.len() > MAX_USER_DATA {
         return Err(err(
             &format!(

@@ -1871,6 +1871,37 @@ async fn a_user_data_secret_without_the_key_is_not_found_too() {
     assert!(w.fake.calls().is_empty());
 }
 
+/// A Proxy creator who may not read Secrets learns nothing from the Proxy about which
+/// Secrets exist: a missing Secret, one that did not opt in and one without the key read
+/// the same, in the error, the class, the condition and the event.
+#[tokio::test]
+async fn missing_unlabelled_and_keyless_secrets_read_the_same() {
+    let p = with_user_data(proxy());
+    let mut unlabelled = user_data_secret();
+    unlabelled.metadata.labels = None;
+    let mut keyless = user_data_secret();
+    keyless.data.as_mut().unwrap().remove(SECRET_KEY);
+    let mut seen = Vec::new();
+    for secrets in [vec![], vec![unlabelled], vec![keyless]] {
+        let w = World::build(&p, &secrets, None);
+        let (e, action) = w.reconcile_err(&p).await;
+        let s = w.timeline.last_status();
+        let ready = condition(&s, "Ready");
+        seen.push((
+            e.to_string(),
+            e.class(),
+            action,
+            ready["reason"].clone(),
+            ready["message"].clone(),
+            s["lastErrorClass"].clone(),
+            w.timeline.event_summary(),
+        ));
+        assert!(w.fake.calls().is_empty());
+    }
+    assert_eq!(seen[0], seen[1], "missing vs not opted in");
+    assert_eq!(seen[0], seen[2], "missing vs no key");
+}
+
 #[tokio::test]
 async fn oversized_user_data_is_refused_permanently_and_not_echoed() {
     let p = with_user_data(proxy());

@@ -60,6 +60,8 @@ pub struct FleetContext {
     pub leading: watch::Receiver<bool>,
     /// Condition and drain times.
     pub clock: Clock,
+    /// Where the pool and lease caches are shown to the object-state metrics, when exported.
+    pub state: Option<crate::state_metrics::StateMetrics>,
 }
 
 impl std::fmt::Debug for FleetContext {
@@ -97,7 +99,14 @@ impl FleetContext {
             port,
             leading,
             clock: Arc::new(jiff::Timestamp::now),
+            state: None,
         }
+    }
+
+    /// The same context, showing the pool and lease caches to `state`.
+    pub fn with_state(mut self, state: crate::state_metrics::StateMetrics) -> Self {
+        self.state = Some(state);
+        self
     }
 
     /// Now.
@@ -123,12 +132,14 @@ pub(super) async fn publish(
     let ev = Event {
         type_,
         reason: reason.into(),
-        note: Some(note),
+        // Cut as the Proxy controller's notes are: the API server refuses a longer one
+        // (422), and the whole event would be lost.
+        note: Some(crate::controller::event_note(note)),
         action: action.into(),
         secondary: None,
     };
     if let Err(e) = ctx.recorder.publish(&ev, &pool.object_ref(&())).await {
-        tracing::debug!(error = %e, reason, "could not publish event");
+        tracing::warn!(error = %e, reason, "could not publish event");
     }
 }
 
@@ -188,10 +199,16 @@ pub fn host_slots(
         .collect()
 }
 
-/// Proxies per host across the whole cluster (status host, else the pinned one).
+/// Proxies per host across the whole cluster (status host, else the pinned one) that hold
+/// a VM or may be about to: one with an instance, or one not failed (a Create may be in
+/// flight). A Proxy that failed without ever getting an instance holds no room: counting it
+/// would let anyone allowed to create Proxies pin failing ones to every host and starve
+/// every pool of every tenant, paying for no VM. The provider's own placement still checks
+/// `maxDomains` at Create time, so an estimate that runs low costs a retried Create, never
+/// an overfull host.
 fn usage(all: &[Proxy]) -> BTreeMap<String, usize> {
     let mut used = BTreeMap::new();
-    for p in all {
+    for p in all.iter().filter(|p| holds_room(p)) {
         let host = p
             .status
             .as_ref()
@@ -202,6 +219,14 @@ fn usage(all: &[Proxy]) -> BTreeMap<String, usize> {
         }
     }
     used
+}
+
+fn holds_room(p: &Proxy) -> bool {
+    let Some(s) = p.status.as_ref() else {
+        return true;
+    };
+    s.instance_id.is_some()
+        || (s.last_error_class.is_none() && s.phase != Some(crate::api::proxy::ProxyPhase::Failed))
 }
 
 /// One reconcile of one pool.
@@ -503,6 +528,9 @@ where
         watcher::Config::default().any_semantic(),
     );
     let pools = controller.store();
+    if let Some(state) = &ctx.state {
+        state.set_pools(controller.store());
+    }
     controller
         .owns(
             Api::<Proxy>::all(client.clone()),
@@ -533,4 +561,61 @@ where
             }
         })
         .await;
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::api::proxy::{ProxyPhase, ProxySpec, ProxyStatus};
+
+    fn on_h1(status: Option<ProxyStatus>) -> Proxy {
+        let mut p = Proxy::new(
+            "p",
+            ProxySpec {
+                host: Some("h1".into()),
+                ..ProxySpec::default()
+            },
+        );
+        p.status = status;
+        p
+    }
+
+    #[test]
+    fn only_proxies_with_a_vm_or_a_create_ahead_hold_room() {
+        let failed_without_vm = on_h1(Some(ProxyStatus {
+            phase: Some(ProxyPhase::Failed),
+            last_error_class: Some("permanent".into()),
+            ..ProxyStatus::default()
+        }));
+        let stuck_without_vm = on_h1(Some(ProxyStatus {
+            phase: Some(ProxyPhase::Provisioning),
+            last_error_class: Some("notFound".into()),
+            ..ProxyStatus::default()
+        }));
+        let running = on_h1(Some(ProxyStatus {
+            phase: Some(ProxyPhase::Running),
+            host: Some("h1".into()),
+            instance_id: Some("h1/egress-a".into()),
+            ..ProxyStatus::default()
+        }));
+        let failed_with_vm = on_h1(Some(ProxyStatus {
+            phase: Some(ProxyPhase::Failed),
+            host: Some("h1".into()),
+            instance_id: Some("h1/egress-b".into()),
+            last_error_class: Some("permanent".into()),
+            ..ProxyStatus::default()
+        }));
+        let creating = on_h1(Some(ProxyStatus {
+            phase: Some(ProxyPhase::Provisioning),
+            ..ProxyStatus::default()
+        }));
+        let new = on_h1(None);
+        let attackers = vec![failed_without_vm; 50]
+            .into_iter()
+            .chain(vec![stuck_without_vm; 50]);
+        let all: Vec<Proxy> = attackers
+            .chain([running, failed_with_vm, creating, new])
+            .collect();
+        assert_eq!(usage(&all).get("h1"), Some(&4));
+    }
 }

@@ -6,6 +6,7 @@ use std::time::Duration;
 use prometheus_client::encoding::EncodeLabelSet;
 use prometheus_client::metrics::counter::Counter;
 use prometheus_client::metrics::family::Family;
+use prometheus_client::metrics::gauge::Gauge;
 use prometheus_client::registry::Registry;
 use tokio::sync::{oneshot, watch};
 use tokio::time::Instant;
@@ -49,6 +50,7 @@ pub struct StepDownLabels {
 /// server restart) and no step-down.
 #[derive(Debug, Clone, Default)]
 pub struct LeaderMetrics {
+    leading: Gauge,
     renewal_retries: Counter,
     step_downs: Family<StepDownLabels, Counter>,
 }
@@ -57,6 +59,12 @@ impl LeaderMetrics {
     /// Registered under `egress_leader_*`.
     pub fn register(registry: &mut Registry) -> Self {
         let m = Self::default();
+        registry.register(
+            "egress_leader_is_leader",
+            "1 while this replica holds the leader lease; the fleet has no leader when no \
+             replica reports 1",
+            m.leading.clone(),
+        );
         registry.register(
             "egress_leader_renewal_retries",
             "renewals of the leader lease that failed and were tried again within the renew deadline",
@@ -68,6 +76,17 @@ impl LeaderMetrics {
             m.step_downs.clone(),
         );
         m
+    }
+
+    /// Shows whether this replica leads; the elector does this itself, a replica run without
+    /// leader election says it leads once at start.
+    pub fn set_leading(&self, leading: bool) {
+        self.leading.set(i64::from(leading));
+    }
+
+    /// 1 while this replica leads (for tests).
+    pub fn is_leader(&self) -> i64 {
+        self.leading.get()
     }
 
     /// Renewals retried so far (for tests).
@@ -139,7 +158,7 @@ impl Runner {
     }
 
     fn step_down(&self, tx: &watch::Sender<bool>, why: StepDown, cause: &str) {
-        if !publish(tx, false) {
+        if !publish(tx, false, &self.metrics) {
             return;
         }
         self.metrics.stepped_down(why);
@@ -206,7 +225,7 @@ impl Runner {
                     reached = true;
                     backoff = FIRST_ERROR_BACKOFF;
                     held_since = Some(started);
-                    if publish(&tx, true) {
+                    if publish(&tx, true, &self.metrics) {
                         info!(%identity, %lease, "acquired leadership");
                     }
                     // Counted from the attempt's start, so a slow renewal does not push
@@ -261,7 +280,7 @@ impl Runner {
     async fn release(&self, tx: &watch::Sender<bool>) -> Result<(), LeaderError> {
         let identity = self.options.identity.as_str();
         let lease = self.lease.as_str();
-        let was_leading = publish(tx, false);
+        let was_leading = publish(tx, false, &self.metrics);
         match tokio::time::timeout(self.options.release_timeout, self.api.release()).await {
             Ok(Ok(())) => {
                 if was_leading {
@@ -279,8 +298,10 @@ impl Runner {
     }
 }
 
-/// Publishes `leading`; true if it changed (only changes wake the receivers).
-fn publish(tx: &watch::Sender<bool>, leading: bool) -> bool {
+/// Publishes `leading`, and shows it in `egress_leader_is_leader`; true if it changed (only
+/// changes wake the receivers).
+fn publish(tx: &watch::Sender<bool>, leading: bool, metrics: &LeaderMetrics) -> bool {
+    metrics.leading.set(i64::from(leading));
     tx.send_if_modified(|v| {
         let changed = *v != leading;
         *v = leading;

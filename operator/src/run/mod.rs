@@ -19,6 +19,7 @@
 //! status written, or cleans up what it made), releases the lease so the other replica
 //! takes over at once, closes every SSH connection, and exits 0.
 
+pub mod api_metrics;
 pub mod endpoints;
 pub mod plugins;
 
@@ -198,6 +199,10 @@ struct Parts {
     fleet_metrics: FleetMetrics,
     lease_metrics: crate::fleet::lease::LeaseMetrics,
     leader_metrics: LeaderMetrics,
+    /// Proxies, pools and leases as the controllers' caches hold them, at scrape time.
+    state_metrics: crate::state_metrics::StateMetrics,
+    /// Requests to the Kubernetes API.
+    api_metrics: api_metrics::ApiMetrics,
     identity: String,
     /// Providers whose leftover volumes the collector sweeps (kvm2).
     volumes: Vec<Arc<dyn crate::gc::VolumeCollector>>,
@@ -247,6 +252,7 @@ async fn serve(args: RunArgs, config: Arc<ValidConfig>) -> Result<(), RunError> 
         Some(i) => i.clone(),
         None => crate::leader::resolve_identity()?,
     };
+    let replace_after = config.serving.replace_after_seconds;
     let parts = Parts {
         config,
         providers: Arc::new(providers),
@@ -259,6 +265,8 @@ async fn serve(args: RunArgs, config: Arc<ValidConfig>) -> Result<(), RunError> 
         fleet_metrics: FleetMetrics::register(&mut registry),
         lease_metrics: crate::fleet::lease::LeaseMetrics::register(&mut registry),
         leader_metrics: LeaderMetrics::register(&mut registry),
+        state_metrics: crate::state_metrics::StateMetrics::register(&mut registry, replace_after),
+        api_metrics: api_metrics::ApiMetrics::register(&mut registry),
         identity,
         volumes: vec![kvm2.provider.clone()],
     };
@@ -369,12 +377,13 @@ async fn lead_until_terminated(
     term: watch::Receiver<bool>,
 ) -> Result<(), RunError> {
     let client = tokio::select! {
-        c = connect(probes) => c?,
+        c = connect(probes, &parts.api_metrics) => c?,
         () = terminated(term.clone()) => return Ok(()),
     };
     if args.no_leader_election {
         tracing::warn!("leader election disabled: run a single replica only");
         probes.set_role(Role::Leading);
+        parts.leader_metrics.set_leading(true);
         let (_tx, never_lost) = watch::channel(true);
         return match run_term(parts, args, &client, term.clone(), never_lost).await {
             TermEnd::ComponentStopped => Err(RunError::ComponentStopped),
@@ -424,10 +433,14 @@ async fn lead_until_terminated(
 }
 
 /// Reaches the API server (retrying: it may come up after us), so readiness means it.
-async fn connect(probes: &Probes) -> Result<kube::Client, RunError> {
-    let client = kube::Client::try_default()
+async fn connect(probes: &Probes, api: &api_metrics::ApiMetrics) -> Result<kube::Client, RunError> {
+    let config = kube::Config::infer()
         .await
         .map_err(|e| RunError::Client(e.to_string()))?;
+    let client = kube::client::ClientBuilder::try_from(config)
+        .map_err(|e| RunError::Client(e.to_string()))?
+        .with_layer(&api_metrics::CountLayer(api.clone()))
+        .build();
     let mut wait = Duration::from_millis(500);
     loop {
         match client.apiserver_version().await {
@@ -467,14 +480,17 @@ fn spawn_fleet<S, F>(
 {
     use crate::fleet::liveness::{Liveness, LivenessOptions};
     let board = Arc::new(crate::fleet::LivenessBoard::default());
-    let ctx = Arc::new(crate::fleet::pool::FleetContext::new(
-        client.clone(),
-        parts.config.clone(),
-        board.clone(),
-        parts.fleet_metrics.clone(),
-        leading.clone(),
-        Some(parts.identity.clone()),
-    ));
+    let ctx = Arc::new(
+        crate::fleet::pool::FleetContext::new(
+            client.clone(),
+            parts.config.clone(),
+            board.clone(),
+            parts.fleet_metrics.clone(),
+            leading.clone(),
+            Some(parts.identity.clone()),
+        )
+        .with_state(parts.state_metrics.clone()),
+    );
     let options = LivenessOptions {
         port: parts.config.serving.port,
         ..LivenessOptions::default()
@@ -549,7 +565,8 @@ async fn run_term(
             parts.controller_metrics.clone(),
             Some(parts.identity.clone()),
         )
-        .with_fence(fence),
+        .with_fence(fence)
+        .with_state(parts.state_metrics.clone()),
     );
     let gc = GarbageCollector::new(
         fenced
@@ -600,6 +617,8 @@ async fn run_term(
         }
     };
     let _ = stop_tx.send(true);
+    // A replica that no longer leads exports no object state (the next leader does).
+    parts.state_metrics.clear();
     let wind_down = async { while tasks.join_next().await.is_some() {} };
     if end == TermEnd::LeaseLost {
         // Provider calls in flight end within the grace, and what still blocks a thread is

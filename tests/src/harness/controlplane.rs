@@ -575,14 +575,15 @@ impl Local {
         Ok(())
     }
 
-    /// kube-controller-manager with only the controllers tests rely on: namespace deletion
-    /// and the garbage collector (ownerReference cascades). No kubelet, so nothing else.
+    /// kube-controller-manager with only the controllers tests rely on: namespace deletion,
+    /// the garbage collector (ownerReference cascades) and resource quota (it fills in the
+    /// usage that quota admission checks). No kubelet, so nothing else.
     fn spawn_controllers(&self, kubeconfig: &Path) -> Result<()> {
         let base = self.dir.path();
         let child = Command::new(self.binaries.join("kube-controller-manager"))
             .args([
                 format!("--kubeconfig={}", kubeconfig.display()),
-                "--controllers=namespace,garbagecollector".into(),
+                "--controllers=namespace,garbagecollector,resourcequota".into(),
                 "--leader-elect=false".into(),
                 // Serve nothing: no port to collide with, no probes needed.
                 "--secure-port=0".into(),

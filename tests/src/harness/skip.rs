@@ -21,6 +21,8 @@ pub enum Need {
     Sshd,
     /// libvirtd, virtlogd, virsh, QEMU and the tools that build its namespace.
     Libvirtd,
+    /// promtool (Debian's `prometheus`), which checks and unit-tests the alerts.
+    Promtool,
 }
 
 /// Binaries behind each [`Need`]; all must exist.
@@ -47,7 +49,10 @@ pub fn skip_reason(needs: &[Need]) -> Option<String> {
     if needs.is_empty() {
         return None;
     }
-    if !is_root() {
+    let daemons = needs
+        .iter()
+        .any(|n| matches!(n, Need::Sshd | Need::Libvirtd));
+    if daemons && !is_root() {
         return Some("needs root (network namespaces, mounts, sshd privilege separation)".into());
     }
     let mut missing: Vec<&str> = Vec::new();
@@ -55,6 +60,7 @@ pub fn skip_reason(needs: &[Need]) -> Option<String> {
         let binaries = match need {
             Need::Sshd => SSHD_BINARIES,
             Need::Libvirtd => LIBVIRTD_BINARIES,
+            Need::Promtool => &["promtool"],
         };
         missing.extend(
             binaries

@@ -113,8 +113,10 @@ async fn a_dotted_or_long_name_is_refused_naming_metadata_name() {
     }
 }
 
+/// Not opted in reads as "not found" (waited for, like a Secret not made yet): a different
+/// class or requeue would tell a Proxy creator which Secrets exist.
 #[tokio::test]
-async fn a_secret_that_did_not_opt_in_is_refused_permanently() {
+async fn a_secret_that_did_not_opt_in_is_not_used() {
     let p = with_user_data(proxy());
     let mut s = user_data_secret();
     s.metadata.labels = None;
@@ -122,9 +124,9 @@ async fn a_secret_that_did_not_opt_in_is_refused_permanently() {
 
     let (e, action) = w.reconcile_err(&p).await;
 
-    assert_eq!(e.class(), ErrorClass::Permanent);
+    assert_eq!(e.class(), ErrorClass::NotFound);
     assert_eq!(e.reason(), "UserDataUnavailable");
-    assert_eq!(action, requeue(3600));
+    assert_eq!(action, requeue(30));
     assert!(e.to_string().contains(USER_DATA_LABEL), "{e}");
     assert!(w.fake.calls().is_empty(), "{:?}", w.fake.calls());
     assert_no_secret_in_requests(&w.timeline);
@@ -133,7 +135,7 @@ async fn a_secret_that_did_not_opt_in_is_refused_permanently() {
     s.metadata.labels = Some([(USER_DATA_LABEL.to_string(), "yes".to_string())].into());
     let w = World::build(&p, &[s], None);
     let (e, _) = w.reconcile_err(&p).await;
-    assert_eq!(e.class(), ErrorClass::Permanent);
+    assert_eq!(e.class(), ErrorClass::NotFound);
     assert!(w.fake.calls().is_empty());
 }
 

@@ -99,7 +99,9 @@ async fn publish(
     let ev = Event {
         type_,
         reason: reason.into(),
-        note: Some(note),
+        // Cut as the Proxy controller's notes are: the API server refuses a longer one
+        // (422), and the whole event would be lost.
+        note: Some(crate::controller::event_note(note)),
         action: "Lease".into(),
         secondary: None,
     };
@@ -109,7 +111,7 @@ async fn publish(
         .publish(&ev, &lease.object_ref(&()))
         .await
     {
-        tracing::debug!(error = %e, reason, "could not publish event");
+        tracing::warn!(error = %e, reason, "could not publish event");
     }
 }
 
@@ -844,6 +846,9 @@ where
         watcher::Config::default().any_semantic(),
     );
     let leases = controller.store();
+    if let Some(state) = &ctx.fleet.state {
+        state.set_leases(controller.store());
+    }
     let verdicts = {
         let leases = controller.store();
         super::super::pool::board_changes(&ctx.fleet.board)

@@ -225,6 +225,21 @@ fn gib(bytes: u64) -> String {
     format!("{} GiB", (g * 100.0).round() / 100.0)
 }
 
+impl ImageError {
+    /// The download arrived but is not the configured image: its sha256 or its length
+    /// differs. Counted on its own because no retry helps (the source or the config is
+    /// wrong), unlike a transfer that broke off.
+    pub fn is_verification_failure(&self) -> bool {
+        matches!(
+            self,
+            ImageError::Fetch {
+                source: FetchError::DigestMismatch { .. } | FetchError::LengthMismatch { .. },
+                ..
+            }
+        )
+    }
+}
+
 impl Classified for ImageError {
     fn class(&self) -> ErrorClass {
         match self {
@@ -406,6 +421,7 @@ pub struct ImageMetrics {
     upload_progress: Family<ImageLabels, Gauge>,
     uploads: Family<OutcomeLabels, Counter>,
     hits: Family<ImageLabels, Counter>,
+    verification_failures: Family<ImageLabels, Counter>,
 }
 
 impl ImageMetrics {
@@ -432,7 +448,23 @@ impl ImageMetrics {
             "Creates that found the image already cached",
             m.hits.clone(),
         );
+        registry.register(
+            "egress_image_verification_failures",
+            "downloads whose content was not the configured image (sha256 or length differ): \
+             the source serves something else, or the configured digest is wrong",
+            m.verification_failures.clone(),
+        );
         m
+    }
+
+    /// Downloads that failed verification (for tests).
+    pub fn verification_failures(&self, host: &str, image: &str) -> u64 {
+        self.verification_failures
+            .get_or_create(&ImageLabels {
+                host: host.into(),
+                image: image.into(),
+            })
+            .get()
     }
 
     /// Finished uploads with this outcome (for tests).
@@ -899,6 +931,12 @@ impl ImageCache {
             }
             Err(e) => {
                 self.count_outcome(a, e.class().as_str());
+                if e.is_verification_failure() {
+                    self.metrics
+                        .verification_failures
+                        .get_or_create(&a.labels)
+                        .inc();
+                }
                 self.abandon(a).await;
                 Err(e)
             }
