@@ -1095,7 +1095,7 @@ async fn a_lease_keeps_its_proxy_while_the_probe_is_not_trusted() {
     // The leased proxy fails first, then every probe fails: the board holds.
     round(&|i| i != li);
     let r = round(&|i| i != li);
-    assert_eq!(r.went_down, [leased.clone()]);
+    assert_eq!(r.went_down, std::slice::from_ref(&leased));
     let r = round(&|_| false);
     assert!(r.held && !board.trusted());
     // Several rebindAfterSeconds pass: the lease keeps its proxy, which is not recycled.
@@ -1110,7 +1110,7 @@ async fn a_lease_keeps_its_proxy_while_the_probe_is_not_trusted() {
             Some(LeasePhase::Bound),
             "gave up while the probe is held"
         );
-        assert_eq!(listed(&l), [leased.clone()]);
+        assert_eq!(listed(&l), std::slice::from_ref(&leased));
         let p = api.get(name).await.unwrap();
         assert!(
             !p.annotations().contains_key(DRAINING_ANNOTATION),
