@@ -57,6 +57,14 @@ struct LeaseLabels {
     phase: String,
 }
 
+/// What the caches held at one scrape.
+#[derive(Default)]
+struct Snapshot {
+    proxies: Vec<Arc<Proxy>>,
+    pools: Vec<Arc<ProxyPool>>,
+    leases: Vec<Arc<ProxyLease>>,
+}
+
 #[derive(Default)]
 struct Caches {
     proxies: Option<Store<Proxy>>,
@@ -119,15 +127,15 @@ impl StateMetrics {
         self.with(|c| *c = Caches::default());
     }
 
-    fn snapshot(&self) -> (Vec<Arc<Proxy>>, Vec<Arc<ProxyPool>>, Vec<Arc<ProxyLease>>) {
+    fn snapshot(&self) -> Snapshot {
         let Ok(c) = self.caches.lock() else {
-            return Default::default();
+            return Snapshot::default();
         };
-        (
-            c.proxies.as_ref().map(Store::state).unwrap_or_default(),
-            c.pools.as_ref().map(Store::state).unwrap_or_default(),
-            c.leases.as_ref().map(Store::state).unwrap_or_default(),
-        )
+        Snapshot {
+            proxies: c.proxies.as_ref().map(Store::state).unwrap_or_default(),
+            pools: c.pools.as_ref().map(Store::state).unwrap_or_default(),
+            leases: c.leases.as_ref().map(Store::state).unwrap_or_default(),
+        }
     }
 }
 
@@ -245,8 +253,8 @@ fn emit(
 
 impl Collector for StateMetrics {
     fn encode(&self, mut encoder: DescriptorEncoder) -> Result<(), std::fmt::Error> {
-        let (proxies, pools, leases) = self.snapshot();
-        let r = rows(&proxies, &pools, &leases, Timestamp::now());
+        let s = self.snapshot();
+        let r = rows(&s.proxies, &s.pools, &s.leases, Timestamp::now());
         emit(
             &mut encoder,
             "egress_proxies",

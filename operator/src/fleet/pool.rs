@@ -273,7 +273,19 @@ pub async fn reconcile(pool: Arc<ProxyPool>, ctx: Arc<FleetContext>) -> Result<A
         slots = host_slots(&pool, &ctx.config, health.as_ref(), &usage(&all.items));
         p = plan::plan(&shape, &members, &slots, now);
     }
-    execute(&ctx, &pool, &ns, &owner, &shape, &p).await?;
+    // What each Proxy was when the plan was made: the drain and the delete apply only to
+    // that version, so a lease that took the proxy meanwhile keeps it.
+    let listed: BTreeMap<String, String> = mine
+        .items
+        .iter()
+        .filter_map(|p| {
+            Some((
+                p.metadata.name.clone()?,
+                p.metadata.resource_version.clone()?,
+            ))
+        })
+        .collect();
+    execute(&ctx, &pool, &ns, &owner, &shape, &p, &listed).await?;
     write_status(&ctx, &pool, &ns, &name, &shape, &p).await?;
     ctx.metrics.rollout(
         &ns,
@@ -295,14 +307,17 @@ async fn execute(
     owner: &k8s_openapi::apimachinery::pkg::apis::meta::v1::OwnerReference,
     shape: &PoolShape,
     p: &Plan,
+    listed: &BTreeMap<String, String>,
 ) -> Result<(), FleetError> {
     let name = pool.name_any();
     let api = Api::<Proxy>::namespaced(ctx.client.clone(), ns);
     for victim in &p.delete {
-        match api.delete(victim, &DeleteParams::background()).await {
-            Ok(_) => {}
-            Err(kube::Error::Api(s)) if s.is_not_found() => continue,
-            Err(e) => return Err(e.into()),
+        // Victims come from the listed members; one without a version is not written.
+        let Some(version) = listed.get(victim) else {
+            continue;
+        };
+        if delete_if_unchanged(&api, victim, version).await? != Written::Done {
+            continue;
         }
         ctx.metrics.action(ns, &name, "deleted");
         publish(
@@ -316,16 +331,11 @@ async fn execute(
         .await;
     }
     for victim in &p.drain {
-        let body = serde_json::json!({
-            "metadata": { "annotations": { DRAINING_ANNOTATION: ctx.now().to_string() } }
-        });
-        match api
-            .patch(victim, &PatchParams::default(), &Patch::Merge(&body))
-            .await
-        {
-            Ok(_) => {}
-            Err(kube::Error::Api(s)) if s.is_not_found() => continue,
-            Err(e) => return Err(e.into()),
+        let Some(version) = listed.get(victim) else {
+            continue;
+        };
+        if drain_if_unchanged(&api, victim, version, ctx.now()).await? != Written::Done {
+            continue;
         }
         ctx.metrics.action(ns, &name, "drained");
         publish(
@@ -380,6 +390,66 @@ async fn execute(
         .await;
     }
     Ok(())
+}
+
+/// What a write conditioned on the version the pool planned with did.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Written {
+    /// Written.
+    Done,
+    /// The Proxy is gone already.
+    Gone,
+    /// The Proxy changed since it was listed (a lease may have taken it): nothing was
+    /// written; its change triggers a new reconcile, which plans again.
+    Changed,
+}
+
+fn conditional(r: Result<(), kube::Error>) -> Result<Written, FleetError> {
+    match r {
+        Ok(()) => Ok(Written::Done),
+        Err(kube::Error::Api(s)) if s.is_not_found() => Ok(Written::Gone),
+        Err(kube::Error::Api(s)) if s.code == 409 => Ok(Written::Changed),
+        Err(e) => Err(e.into()),
+    }
+}
+
+/// Marks `name` draining, only if it is still at `version` (the API server checks a
+/// `resourceVersion` in a patch body): between the pool's plan and this write a lease may
+/// bind the proxy, and a leased proxy must not be drained.
+pub async fn drain_if_unchanged(
+    api: &Api<Proxy>,
+    name: &str,
+    version: &str,
+    now: jiff::Timestamp,
+) -> Result<Written, FleetError> {
+    let body = serde_json::json!({
+        "metadata": {
+            "resourceVersion": version,
+            "annotations": { DRAINING_ANNOTATION: now.to_string() },
+        }
+    });
+    conditional(
+        api.patch(name, &PatchParams::default(), &Patch::Merge(&body))
+            .await
+            .map(drop),
+    )
+}
+
+/// Deletes `name`, only if it is still at `version` (a delete precondition), for the same
+/// reason as [`drain_if_unchanged`].
+pub async fn delete_if_unchanged(
+    api: &Api<Proxy>,
+    name: &str,
+    version: &str,
+) -> Result<Written, FleetError> {
+    let params = DeleteParams {
+        preconditions: Some(kube::api::Preconditions {
+            resource_version: Some(version.to_string()),
+            uid: None,
+        }),
+        ..DeleteParams::background()
+    };
+    conditional(api.delete(name, &params).await.map(drop))
 }
 
 async fn write_status(
