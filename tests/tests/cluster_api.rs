@@ -20,6 +20,8 @@ use std::time::Duration;
 
 use anyhow::Result;
 use egress_operator::api::proxy::{Proxy, ProxySpec};
+use egress_operator::api::proxy_lease::ProxyLease;
+use egress_operator::api::proxy_pool::ProxyPool;
 use egress_operator::controller::{self, Context, ControllerError, ControllerMetrics};
 use egress_operator::error::{Classified, ErrorClass};
 use futures_util::StreamExt;
@@ -140,6 +142,76 @@ async fn admission_refuses_bad_values_names_and_spec_edits() -> Result<()> {
     }
     let r = create(&api, proxy_json(&"a".repeat(63), spec.clone())).await;
     assert_eq!(code(&r), 0, "63 characters is a label: {r:?}");
+
+    // Pool and lease names: what their Service and Proxies are named must be valid too
+    // (issue 33, item 11). A pool's Proxies add a 6-character suffix; Services want a
+    // letter first.
+    let pools: Api<ProxyPool> = Api::namespaced(client.clone(), ns.name());
+    let leases: Api<ProxyLease> = Api::namespaced(client.clone(), ns.name());
+    let pool = |name: &str| -> ProxyPool {
+        serde_json::from_value(json!({
+            "apiVersion": "egress-operator.dev/v1alpha1", "kind": "ProxyPool",
+            "metadata": {"name": name},
+            "spec": {"template": {"provider": "kvm2"}},
+        }))
+        .unwrap()
+    };
+    let lease = |name: &str| -> ProxyLease {
+        serde_json::from_value(json!({
+            "apiVersion": "egress-operator.dev/v1alpha1", "kind": "ProxyLease",
+            "metadata": {"name": name},
+            "spec": {"pool": "office", "holder": "crawler", "durationSeconds": 600},
+        }))
+        .unwrap()
+    };
+    for (what, name) in [
+        ("dotted", "office.egress".to_string()),
+        ("a digit first", "1office".to_string()),
+        ("58 characters", "a".repeat(58)),
+    ] {
+        let r = guard("pool", pools.create(&PostParams::default(), &pool(&name))).await;
+        assert_eq!(code(&r), 422, "pool {what}: {r:?}");
+        let text = r.unwrap_err().to_string();
+        assert!(text.contains("DNS-1035 label"), "pool {what}: {text}");
+    }
+    let r = guard(
+        "pool",
+        pools.create(&PostParams::default(), &pool(&"a".repeat(57))),
+    )
+    .await;
+    assert_eq!(code(&r), 0, "57 characters fit a pool: {r:?}");
+    for (what, name) in [
+        ("dotted", "crawler.a".to_string()),
+        ("a digit first", "1crawler".to_string()),
+        ("59 characters", "a".repeat(59)),
+    ] {
+        let r = guard(
+            "lease",
+            leases.create(&PostParams::default(), &lease(&name)),
+        )
+        .await;
+        assert_eq!(code(&r), 422, "lease {what}: {r:?}");
+        let text = r.unwrap_err().to_string();
+        assert!(text.contains("DNS-1035 label"), "lease {what}: {text}");
+    }
+    let r = guard(
+        "lease",
+        leases.create(&PostParams::default(), &lease(&"a".repeat(58))),
+    )
+    .await;
+    assert_eq!(code(&r), 0, "58 characters fit a lease: {r:?}");
+    // The rules hold on create only: an update of what exists passes.
+    let relabel = json!({"metadata": {"labels": {"team": "a"}}});
+    let r = guard(
+        "relabel",
+        pools.patch(
+            &"a".repeat(57),
+            &PatchParams::default(),
+            &Patch::Merge(&relabel),
+        ),
+    )
+    .await;
+    assert_eq!(code(&r), 0, "{r:?}");
 
     // Spec edits, each on a fresh Proxy.
     let base = json!({

@@ -39,10 +39,11 @@ async fn a_resource_quota_caps_a_namespaces_proxies_and_pools() -> Result<()> {
     let start = Instant::now();
     loop {
         let q = quotas.get("egress").await?;
-        let counted = q
-            .status
-            .and_then(|s| s.hard)
-            .is_some_and(|h| h.contains_key("count/proxies.egress-operator.dev"));
+        let key = "count/proxies.egress-operator.dev";
+        let counted = q.status.is_some_and(|s| {
+            s.hard.is_some_and(|h| h.contains_key(key))
+                && s.used.is_some_and(|u| u.contains_key(key))
+        });
         if counted {
             break;
         }

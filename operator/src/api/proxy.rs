@@ -66,7 +66,9 @@ pub const GROUP: &str = "egress-operator.dev";
         type_ = "date",
         json_path = ".metadata.creationTimestamp"
     ),
-    validation = kube::core::Rule::new(NAME_RULE).message(NAME_RULE_MESSAGE)
+    validation = kube::core::Rule::new(NAME_RULE)
+        .message(NAME_RULE_MESSAGE)
+        .optional_old_self(true)
 )]
 #[serde(rename_all = "camelCase")]
 #[schemars(extend("x-kubernetes-validations" = [{
@@ -102,7 +104,12 @@ pub struct ProxySpec {
 /// CEL rule at the CRD's root: a Proxy's name must be a DNS-1123 label. Kubernetes already
 /// holds every name to a DNS-1123 subdomain, so "no dots and at most 63 characters" is
 /// exactly a label (and costs the API server less than a regular expression).
-pub const NAME_RULE: &str = "size(self.metadata.name) <= 63 && !self.metadata.name.contains('.')";
+///
+/// Checked on create only (`optionalOldSelf`: `oldSelf` has a value on updates): a name
+/// cannot change, and a Proxy made before the rule must still be able to lose its
+/// finalizer, which an update-time check would refuse forever.
+pub const NAME_RULE: &str = "oldSelf.hasValue() || (size(self.metadata.name) <= 63 && \
+                             !self.metadata.name.contains('.'))";
 /// What the API server answers when [`NAME_RULE`] refuses a name.
 pub const NAME_RULE_MESSAGE: &str = "metadata.name must be a DNS-1123 label (at most 63 \
      characters, no dots): it becomes the host name of the VM and its domain mark";
@@ -553,7 +560,7 @@ kvm2:
         let schema = &crd["spec"]["versions"][0]["schema"]["openAPIV3Schema"];
         assert_eq!(
             schema["x-kubernetes-validations"],
-            json!([{"rule": NAME_RULE, "message": NAME_RULE_MESSAGE}])
+            json!([{"rule": NAME_RULE, "message": NAME_RULE_MESSAGE, "optionalOldSelf": true}])
         );
         for field in ["domain", "vendorData"] {
             let s = &schema["properties"]["spec"]["properties"]["templateSettings"]["properties"]

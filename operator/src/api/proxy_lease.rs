@@ -27,6 +27,16 @@ pub const LEASE_SERVICE_LABEL: &str = "egress-operator.dev/lease";
 /// Finalizer of a lease: its proxies are released before it goes.
 pub const LEASE_FINALIZER: &str = "egress-operator.dev/lease-release";
 
+/// CEL rule at the CRD's root, on create only (as the Proxy's name rule): a lease's name
+/// names its Service, a DNS-1035 label (a letter first, no dots), and its slices add
+/// `-ipv4`/`-ipv6` (at most 58 characters, as discovery holds pool names).
+pub const LEASE_NAME_RULE: &str = "oldSelf.hasValue() || (size(self.metadata.name) <= 58 && \
+                                   self.metadata.name.matches('^[a-z]([-a-z0-9]*[a-z0-9])?$'))";
+/// What the API server answers when [`LEASE_NAME_RULE`] refuses a name.
+pub const LEASE_NAME_RULE_MESSAGE: &str = "metadata.name must be a DNS-1035 label of at most 58 \
+     characters (a letter first, then letters, digits and '-'): it names the lease's Service \
+     and, with -ipv4/-ipv6, its EndpointSlices";
+
 /// What a workload asks for.
 // Each printcolumn(...) repeats the same keys; clippy reads them as duplicates.
 #[allow(clippy::duplicated_attributes)]
@@ -50,7 +60,10 @@ pub const LEASE_FINALIZER: &str = "egress-operator.dev/lease-release";
         name = "Age",
         type_ = "date",
         json_path = ".metadata.creationTimestamp"
-    )
+    ),
+    validation = kube::core::Rule::new(LEASE_NAME_RULE)
+        .message(LEASE_NAME_RULE_MESSAGE)
+        .optional_old_self(true)
 )]
 #[serde(rename_all = "camelCase", deny_unknown_fields)]
 #[schemars(extend("x-kubernetes-validations" = [

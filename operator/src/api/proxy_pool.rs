@@ -64,7 +64,10 @@ pub const DRAINING_ANNOTATION: &str = "egress-operator.dev/draining-since";
         name = "Age",
         type_ = "date",
         json_path = ".metadata.creationTimestamp"
-    )
+    ),
+    validation = kube::core::Rule::new(POOL_NAME_RULE)
+        .message(POOL_NAME_RULE_MESSAGE)
+        .optional_old_self(true)
 )]
 #[serde(rename_all = "camelCase", deny_unknown_fields)]
 #[schemars(extend("x-kubernetes-validations" = [{
@@ -106,6 +109,17 @@ pub struct ProxyPoolSpec {
     #[schemars(range(min = 0, max = 100))]
     pub lease_surge: i32,
 }
+
+/// CEL rule at the CRD's root, on create only (as the Proxy's name rule): a pool's name
+/// names its Service (a DNS-1035 label: a letter first, no dots) and, with a 6-character
+/// `-xxxxx` suffix, each of its Proxies (at most 63 characters). A name the API server would
+/// refuse for those is refused here, before the pool exists.
+pub const POOL_NAME_RULE: &str = "oldSelf.hasValue() || (size(self.metadata.name) <= 57 && \
+                                  self.metadata.name.matches('^[a-z]([-a-z0-9]*[a-z0-9])?$'))";
+/// What the API server answers when [`POOL_NAME_RULE`] refuses a name.
+pub const POOL_NAME_RULE_MESSAGE: &str = "metadata.name must be a DNS-1035 label of at most 57 \
+     characters (a letter first, then letters, digits and '-'): it names the pool's Service, and \
+     its Proxies add a 6-character suffix";
 
 /// A host name (a DNS-1123 label, as the providers config spells it).
 #[derive(Debug, Clone, PartialEq, Eq, PartialOrd, Ord, Serialize, Deserialize, JsonSchema)]

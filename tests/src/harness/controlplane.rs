@@ -584,6 +584,10 @@ impl Local {
             .args([
                 format!("--kubeconfig={}", kubeconfig.display()),
                 "--controllers=namespace,garbagecollector,resourcequota".into(),
+                // A quota on a custom resource is counted once the controller has found the
+                // resource by discovery and then resynced; the default (5 min) would make a
+                // quota test wait that long.
+                "--resource-quota-sync-period=5s".into(),
                 "--leader-elect=false".into(),
                 // Serve nothing: no port to collide with, no probes needed.
                 "--secure-port=0".into(),
