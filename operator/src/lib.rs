@@ -21,6 +21,7 @@ pub mod render;
 pub mod run;
 pub mod serving;
 pub mod state_metrics;
+pub mod status_apply;
 pub mod telemetry;
 pub mod templates;
 pub mod validate_config;

@@ -110,9 +110,13 @@ impl KubeSink {
             "metadata": { "name": provider },
             "status": status,
         });
-        self.api
-            .patch_status(provider, &Self::params(), &Patch::Apply(body))
-            .await?;
+        // Without the fields an older installed CRD lacks, when it must (issue 33, item
+        // 12): a ProviderHealth has no events of its own, so the warn log tells of it.
+        if let crate::status_apply::Applied::Dropped(what) =
+            crate::status_apply::apply_status(&self.api, provider, FIELD_MANAGER, &body).await?
+        {
+            tracing::warn!(%provider, unknown = %what, "ProviderHealth status written without fields the installed CRD does not know");
+        }
         Ok(())
     }
 

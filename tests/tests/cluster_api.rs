@@ -217,7 +217,7 @@ async fn admission_refuses_bad_values_names_and_spec_edits() -> Result<()> {
     let base = json!({
         "provider": "kvm2",
         "image": "debian",
-        "templateSettings": {"domain": {"a": 1, "n": null}, "vendorData": {"x": {"y": [1, 2]}}},
+        "templateSettings": {"domain": {"a": 1, "n": null}, "vendorData": {"x": {"y": 1, "z": 2}}},
     });
     let edits: Vec<(&str, Value)> = vec![
         (
@@ -231,7 +231,7 @@ async fn admission_refuses_bad_values_names_and_spec_edits() -> Result<()> {
         ),
         (
             "a nested templateSettings value changed",
-            json!([{"op": "replace", "path": "/spec/templateSettings/vendorData/x/y/1",
+            json!([{"op": "replace", "path": "/spec/templateSettings/vendorData/x/z",
                     "value": 3}]),
         ),
         (
@@ -282,7 +282,7 @@ async fn admission_refuses_bad_values_names_and_spec_edits() -> Result<()> {
     .await;
     assert_eq!(code(&r), 0, "{r:?}");
     let reordered = json!({
-        "templateSettings": {"vendorData": {"x": {"y": [1, 2]}}, "domain": {"n": null, "a": 1}},
+        "templateSettings": {"vendorData": {"x": {"z": 2, "y": 1}}, "domain": {"n": null, "a": 1}},
         "image": "debian",
         "provider": "kvm2",
     });
@@ -540,6 +540,94 @@ async fn a_finalizer_race_with_another_writer_is_transient_and_recovers() -> Res
     Ok(())
 }
 
+/// Issue 33, item 11: a finalizer patch refused by validation (here a
+/// ValidatingAdmissionPolicy bound to this test's namespace only; a CRD rule answers the
+/// same 422) is a permanent error that says why, not a finalizer race retried every few
+/// seconds forever. Before the fix every 422 on the finalizer patch was classed a race. A
+/// lost race (a failed `test` op) stays transient: see the test above.
+#[tokio::test]
+async fn a_finalizer_patch_refused_by_validation_is_permanent_not_a_race() -> Result<()> {
+    let cp = plane().await?;
+    let ns = cp.namespace("fin-refused").await?;
+    let client = cp.client().await?;
+    let api: Api<Proxy> = Api::namespaced(client.clone(), ns.name());
+    let (ctx, _fake) = context(client.clone());
+    let policy = format!("egress-test-no-finalizers-{}", ns.name());
+    let objects = json!({"apiVersion": "v1", "kind": "List", "items": [
+        {"apiVersion": "admissionregistration.k8s.io/v1", "kind": "ValidatingAdmissionPolicy",
+         "metadata": {"name": policy},
+         "spec": {"failurePolicy": "Fail",
+                  "matchConstraints": {"resourceRules": [{
+                      "apiGroups": ["egress-operator.dev"], "apiVersions": ["*"],
+                      "operations": ["UPDATE"], "resources": ["proxies"]}]},
+                  "validations": [{
+                      "expression": "!has(object.metadata.finalizers) || size(object.metadata.finalizers) == 0",
+                      "message": "finalizers are not allowed here", "reason": "Invalid"}]}},
+        {"apiVersion": "admissionregistration.k8s.io/v1",
+         "kind": "ValidatingAdmissionPolicyBinding",
+         "metadata": {"name": policy},
+         "spec": {"policyName": policy, "validationActions": ["Deny"],
+                  "matchResources": {"namespaceSelector": {"matchLabels": {
+                      "kubernetes.io/metadata.name": ns.name()}}}}},
+    ]});
+    let file = cp
+        .dir()
+        .map(|d| d.join(format!("{policy}.json")))
+        .unwrap_or_else(|| std::env::temp_dir().join(format!("{policy}.json")));
+    std::fs::write(&file, objects.to_string())?;
+    cp.kubectl_run(&["apply", "-f", &file.to_string_lossy()])?;
+    new_proxy(&api, "p").await;
+    // The policy refuses once the API server has loaded it; until then a patch that got
+    // through is undone (waited for with a plain label patch, so the controller's own
+    // finalizer is never taken before the policy holds).
+    let deadline = std::time::Instant::now() + GUARD;
+    loop {
+        let r = guard(
+            "probe",
+            api.patch(
+                "p",
+                &PatchParams::default(),
+                &Patch::Merge(json!({"metadata": {"finalizers": ["example.org/probe"]}})),
+            ),
+        )
+        .await;
+        match r {
+            Err(kube::Error::Api(s)) if s.code == 422 => break,
+            Ok(_) => {
+                guard(
+                    "undo",
+                    api.patch(
+                        "p",
+                        &PatchParams::default(),
+                        &Patch::Merge(json!({"metadata": {"finalizers": null}})),
+                    ),
+                )
+                .await?;
+            }
+            Err(e) => return Err(e.into()),
+        }
+        assert!(
+            std::time::Instant::now() < deadline,
+            "the policy never refused"
+        );
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+    let (_, r) = reconcile(&api, &ctx, "p").await;
+    let e = r.expect_err("the finalizer patch is refused");
+    println!("{e}");
+    assert!(
+        !matches!(e, ControllerError::FinalizerRace(_)),
+        "a refusal by validation is not a race: {e:?}"
+    );
+    assert_eq!(e.class(), ErrorClass::Permanent, "{e:?}");
+    assert!(
+        format!("{e:?}").contains("finalizers are not allowed here"),
+        "the refusal says why: {e:?}"
+    );
+    cp.kubectl_run(&["delete", "-f", &file.to_string_lossy()])?;
+    Ok(())
+}
+
 #[tokio::test]
 async fn an_error_over_2_kb_still_produces_an_event() -> Result<()> {
     let cp = plane().await?;
@@ -736,6 +824,271 @@ async fn the_gc_index_pages_past_500_proxies() -> Result<()> {
                 && lists.iter().any(|u| u.contains("continue=")),
             "no paged list with a continue token: {lists:?}"
         );
+    }
+    Ok(())
+}
+
+/// The shapes of `templateSettings` beyond the CRD's bounds (issue 35, item 4), with what
+/// each one exceeds.
+fn over_bound_settings() -> Vec<(&'static str, Value)> {
+    let many: serde_json::Map<String, Value> =
+        (0..17).map(|i| (format!("k{i}"), json!(1))).collect();
+    vec![
+        ("17 keys", Value::Object(many)),
+        ("a 4097-character string", json!({"s": "x".repeat(4097)})),
+        ("a list of 33", json!({"l": vec![1; 33]})),
+        (
+            "a map of 33",
+            Value::Object(
+                [(
+                    "m".to_string(),
+                    Value::Object((0..33).map(|i| (format!("k{i}"), json!(1))).collect()),
+                )]
+                .into_iter()
+                .collect(),
+            ),
+        ),
+        (
+            "a 129-character string in a list",
+            json!({"l": ["x".repeat(129)]}),
+        ),
+        ("a list in a list", json!({"l": [[1]]})),
+        ("a map in a map", json!({"m": {"n": {"o": 1}}})),
+    ]
+}
+
+/// Settings at every bound of the CRD's schema at once.
+fn at_bound_settings() -> Value {
+    let mut m: serde_json::Map<String, Value> =
+        (0..13).map(|i| (format!("k{i}"), json!(i))).collect();
+    m.insert("s".into(), json!("x".repeat(4096)));
+    m.insert("l".into(), json!(vec!["y".repeat(128); 32]));
+    m.insert(
+        "m".into(),
+        Value::Object(
+            (0..32)
+                .map(|i| (format!("k{i}"), json!("z".repeat(128))))
+                .collect(),
+        ),
+    );
+    Value::Object(m)
+}
+
+/// Issue 35, item 4: `templateSettings` is bounded at admission, on Proxies and on pool
+/// templates alike (one schema type): every over-bound shape is refused with a 422 for
+/// both plugins' settings, and settings at every bound pass. Before the fix the schema
+/// had no bound, and each of these was accepted.
+#[tokio::test]
+async fn admission_bounds_template_settings_on_proxies_and_pools() -> Result<()> {
+    let cp = plane().await?;
+    let ns = cp.namespace("settings-bounds").await?;
+    let client = cp.client().await?;
+    let proxies: Api<kube::api::DynamicObject> = Api::namespaced_with(
+        client.clone(),
+        ns.name(),
+        &kube::api::ApiResource::erase::<Proxy>(&()),
+    );
+    let pools: Api<kube::api::DynamicObject> = Api::namespaced_with(
+        client.clone(),
+        ns.name(),
+        &kube::api::ApiResource::erase::<ProxyPool>(&()),
+    );
+    let create = |kind: &'static str, name: String, settings: Value| {
+        let (proxies, pools) = (proxies.clone(), pools.clone());
+        async move {
+            let (api, body) = match kind {
+                "Proxy" => (
+                    proxies,
+                    proxy_json(
+                        &name,
+                        json!({"provider": "kvm2", "templateSettings": settings}),
+                    ),
+                ),
+                _ => (
+                    pools,
+                    json!({
+                        "apiVersion": "egress-operator.dev/v1alpha1",
+                        "kind": "ProxyPool",
+                        "metadata": {"name": name},
+                        "spec": {"replicas": 1, "template": {
+                            "provider": "kvm2", "templateSettings": settings}},
+                    }),
+                ),
+            };
+            let body: kube::api::DynamicObject = serde_json::from_value(body).unwrap();
+            guard("create", api.create(&PostParams::default(), &body)).await
+        }
+    };
+    for kind in ["Proxy", "ProxyPool"] {
+        for field in ["domain", "vendorData"] {
+            for (i, (what, value)) in over_bound_settings().into_iter().enumerate() {
+                let name = format!("over-{}-{i}", field.to_lowercase());
+                let r = create(kind, name, json!({ field: value })).await;
+                assert_eq!(code(&r), 422, "{kind} {field}: {what}: {r:?}");
+            }
+        }
+        let name = format!("at-bound-{}", kind.to_lowercase());
+        let both = json!({"domain": at_bound_settings(), "vendorData": at_bound_settings()});
+        let r = create(kind, name, both).await;
+        assert_eq!(code(&r), 0, "{kind}: settings at every bound: {r:?}");
+    }
+    Ok(())
+}
+
+/// Issue 35, item 4, the keys: a structural schema cannot bound a map's key length, so
+/// `config/admission/template_settings.yaml` does, on a control plane of its own (the
+/// policies are cluster-wide). Keys of 129 characters, of a setting or of a map value,
+/// are refused on Proxies and pools; 128 pass; neither policy has type-checking warnings;
+/// a pool made before the policy with a long key can still be labelled.
+#[tokio::test]
+async fn admission_bounds_template_settings_keys_on_proxies_and_pools() -> Result<()> {
+    use k8s_openapi::api::admissionregistration::v1::ValidatingAdmissionPolicy;
+    let cp = ControlPlane::start()?;
+    cp.install_crds().await?;
+    let client = cp.client().await?;
+    let ns = cp.namespace("settings-keys").await?;
+    let proxies: Api<Proxy> = Api::namespaced(client.clone(), ns.name());
+    let pools: Api<ProxyPool> = Api::namespaced(client.clone(), ns.name());
+    let legacy: ProxyPool = serde_json::from_value(json!({
+        "apiVersion": "egress-operator.dev/v1alpha1",
+        "kind": "ProxyPool",
+        "metadata": {"name": "legacy"},
+        "spec": {"replicas": 1, "template": {"provider": "kvm2",
+                 "templateSettings": {"domain": {"k".repeat(129): 1}}}},
+    }))?;
+    guard("create", pools.create(&PostParams::default(), &legacy)).await?;
+    let policy = integration_tests::workspace_root().join("config/admission");
+    cp.kubectl_run(&["apply", "-k", &policy.to_string_lossy()])?;
+    let proxy = |name: &str, settings: Value| -> Proxy {
+        serde_json::from_value(proxy_json(
+            name,
+            json!({"provider": "kvm2", "templateSettings": settings}),
+        ))
+        .unwrap()
+    };
+    let pool = |name: &str, settings: Value| -> ProxyPool {
+        serde_json::from_value(json!({
+            "apiVersion": "egress-operator.dev/v1alpha1",
+            "kind": "ProxyPool",
+            "metadata": {"name": name},
+            "spec": {"replicas": 1, "template": {"provider": "kvm2", "templateSettings": settings}},
+        }))
+        .unwrap()
+    };
+    let refused = |r: &Result<(), kube::Error>| match r {
+        Err(kube::Error::Api(e)) => e.code == 422 && e.message.contains("longer than"),
+        _ => false,
+    };
+    let (long, fits) = ("k".repeat(129), "k".repeat(128));
+    // The policies take effect once the API server has loaded them: until the first
+    // over-long key is refused, a try that got through is deleted and tried again.
+    let deadline = std::time::Instant::now() + GUARD;
+    loop {
+        let r = guard(
+            "create",
+            proxies.create(
+                &PostParams::default(),
+                &proxy("probe", json!({"domain": {&long: 1}})),
+            ),
+        )
+        .await
+        .map(drop);
+        if refused(&r) {
+            break;
+        }
+        if r.is_ok() {
+            guard("delete", proxies.delete("probe", &Default::default())).await?;
+        }
+        assert!(
+            std::time::Instant::now() < deadline,
+            "the policy never refused: {r:?}"
+        );
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+    for name in [
+        "egress-operator-proxy-settings-keys",
+        "egress-operator-pool-settings-keys",
+    ] {
+        let vap = guard(
+            "get policy",
+            Api::<ValidatingAdmissionPolicy>::all(client.clone()).get(name),
+        )
+        .await?;
+        let warnings = vap
+            .status
+            .and_then(|s| s.type_checking)
+            .and_then(|t| t.expression_warnings);
+        assert!(
+            warnings.as_ref().is_none_or(Vec::is_empty),
+            "{name}: {warnings:#?}"
+        );
+    }
+    let shapes = |key: &str| {
+        vec![
+            json!({"domain": {key: 1}}),
+            json!({"vendorData": {key: "v"}}),
+            json!({"vendorData": {"m": {key: 1}}}),
+        ]
+    };
+    // Pools get one settle of their own: the second policy may load after the first.
+    let mut pool_loaded = false;
+    for (i, settings) in shapes(&long).into_iter().enumerate() {
+        let r = guard(
+            "create",
+            proxies.create(
+                &PostParams::default(),
+                &proxy(&format!("long-{i}"), settings.clone()),
+            ),
+        )
+        .await
+        .map(drop);
+        assert!(refused(&r), "Proxy {settings}: {r:?}");
+        let deadline = std::time::Instant::now() + GUARD;
+        loop {
+            let name = format!("long-{i}");
+            let r = guard(
+                "create",
+                pools.create(&PostParams::default(), &pool(&name, settings.clone())),
+            )
+            .await
+            .map(drop);
+            if refused(&r) {
+                pool_loaded = true;
+                break;
+            }
+            assert!(!pool_loaded, "ProxyPool {settings}: {r:?}");
+            if r.is_ok() {
+                guard("delete", pools.delete(&name, &Default::default())).await?;
+            }
+            assert!(
+                std::time::Instant::now() < deadline,
+                "ProxyPool {settings}: {r:?}"
+            );
+            tokio::time::sleep(Duration::from_millis(200)).await;
+        }
+    }
+    // Made before the policy: its settings are not changed by a label, so it passes.
+    guard(
+        "label the legacy pool",
+        pools.patch(
+            "legacy",
+            &PatchParams::default(),
+            &Patch::Merge(json!({"metadata": {"labels": {"team": "a"}}})),
+        ),
+    )
+    .await?;
+    for (i, settings) in shapes(&fits).into_iter().enumerate() {
+        let name = format!("fits-{i}");
+        guard(
+            "create",
+            proxies.create(&PostParams::default(), &proxy(&name, settings.clone())),
+        )
+        .await?;
+        guard(
+            "create",
+            pools.create(&PostParams::default(), &pool(&name, settings)),
+        )
+        .await?;
     }
     Ok(())
 }

@@ -157,22 +157,56 @@ pub struct TemplateSettingsOverrides {
     pub vendor_data: Option<serde_json::Map<String, serde_json::Value>>,
 }
 
-/// A map of any JSON values. A map (`additionalProperties`), not an object with
+/// A map of JSON values, bounded. A map (`additionalProperties`), not an object with
 /// `x-kubernetes-preserve-unknown-fields`: the API server's CEL equality skips the keys of
 /// such an object that the other side lacks, so `self == oldSelf` let `{a: 1}` become
 /// `{b: 1}`. As a map, every key is looked up on both sides and the values (preserved,
 /// untyped) compare deeply; `null` values are kept (nullable), so a key set to null and a
 /// missing key differ too.
+///
+/// Bounded at admission (issue 35, item 4): every Proxy sits in three watch caches of the
+/// operator, and the 64 KiB cap on the merged settings applies only at reconcile time, so
+/// without a bound a tenant could fill the operator's memory with a few hundred Proxies of
+/// the API server's 3 MiB request limit. At most [`MAX_SETTINGS`] keys; a value is a scalar
+/// (a string of at most [`MAX_SETTING_STRING`] characters) or a list or map of at most
+/// [`MAX_SETTING_ITEMS`] scalars (strings of at most [`MAX_SETTING_INNER_STRING`]): about
+/// 135 KiB per field at worst. The value validations hold on untyped nodes for whichever
+/// type the value has; `maxItems`/`maxProperties` 0 one level down keep inner values
+/// scalar. Key lengths cannot be bounded in a structural schema (and a CEL rule over these
+/// untyped values does not compile), so `config/admission/template_settings.yaml` bounds
+/// them.
 fn free_form_object(_: &mut schemars::SchemaGenerator) -> schemars::Schema {
+    let inner = serde_json::json!({
+        "nullable": true,
+        "x-kubernetes-preserve-unknown-fields": true,
+        "maxLength": MAX_SETTING_INNER_STRING,
+        "maxItems": 0,
+        "maxProperties": 0
+    });
     schemars::json_schema!({
         "type": "object",
         "nullable": true,
+        "maxProperties": MAX_SETTINGS,
         "additionalProperties": {
             "nullable": true,
-            "x-kubernetes-preserve-unknown-fields": true
+            "x-kubernetes-preserve-unknown-fields": true,
+            "maxLength": MAX_SETTING_STRING,
+            "maxItems": MAX_SETTING_ITEMS,
+            "maxProperties": MAX_SETTING_ITEMS,
+            "items": inner,
+            "additionalProperties": inner
         }
     })
 }
+
+/// Most keys in `spec.templateSettings.domain` or `.vendorData`.
+pub const MAX_SETTINGS: usize = 16;
+/// Longest string value of a setting.
+pub const MAX_SETTING_STRING: usize = 4096;
+/// Most entries of a list or map value of a setting.
+pub const MAX_SETTING_ITEMS: usize = 32;
+/// Longest string inside a list or map value of a setting.
+pub const MAX_SETTING_INNER_STRING: usize = 128;
 
 /// Paths (under `prefix`) set in `raw` but missing from `known`, `raw`'s round trip through
 /// our types: the fields our types dropped because they do not know them. `null` counts as
@@ -565,11 +599,27 @@ kvm2:
         for field in ["domain", "vendorData"] {
             let s = &schema["properties"]["spec"]["properties"]["templateSettings"]["properties"]
                 [field];
+            let value = &s["additionalProperties"];
+            assert_eq!(value["nullable"], json!(true), "{field}: {s}");
             assert_eq!(
-                s["additionalProperties"],
-                json!({"nullable": true, "x-kubernetes-preserve-unknown-fields": true}),
+                value["x-kubernetes-preserve-unknown-fields"],
+                json!(true),
                 "{field}: {s}"
             );
+            assert_eq!(s["maxProperties"], json!(MAX_SETTINGS), "{field}: {s}");
+            assert_eq!(
+                value["maxLength"],
+                json!(MAX_SETTING_STRING),
+                "{field}: {s}"
+            );
+            for inner in ["items", "additionalProperties"] {
+                assert_eq!(value[inner]["maxItems"], json!(0), "{field}.{inner}: {s}");
+                assert_eq!(
+                    value[inner]["maxProperties"],
+                    json!(0),
+                    "{field}.{inner}: {s}"
+                );
+            }
             assert!(
                 s.get("x-kubernetes-preserve-unknown-fields").is_none(),
                 "{s}"

@@ -32,6 +32,8 @@ pub struct ControllerMetrics {
     pub probes: ProbeMetrics,
     /// The Proxy watch: its failures and the Proxies it cannot decode (also `/readyz`).
     pub watch: WatchHealth,
+    /// Status writes that dropped fields an older installed CRD lacks (every controller's).
+    pub skew: crate::status_apply::SkewMetrics,
 }
 
 fn histogram() -> Histogram {
@@ -49,6 +51,7 @@ impl Default for ControllerMetrics {
             events_failed: Counter::default(),
             probes: ProbeMetrics::default(),
             watch: WatchHealth::default(),
+            skew: crate::status_apply::SkewMetrics::default(),
         }
     }
 }
@@ -59,6 +62,7 @@ impl ControllerMetrics {
         let m = Self {
             probes: ProbeMetrics::register(registry, "egress_controller"),
             watch: WatchHealth::register(registry),
+            skew: crate::status_apply::SkewMetrics::register(registry),
             ..Self::default()
         };
         registry.register(

@@ -38,7 +38,6 @@ use std::time::{Duration, Instant};
 
 use futures_util::StreamExt;
 use k8s_openapi::api::core::v1::Secret;
-use kube::api::{Patch, PatchParams};
 use kube::runtime::controller::{Action, Controller};
 use kube::runtime::events::{Event, EventType, Recorder, Reporter};
 use kube::runtime::finalizer::{Event as Finalizer, finalizer};
@@ -383,14 +382,29 @@ pub async fn reconcile(proxy: Arc<Proxy>, ctx: Arc<Context>) -> Result<Action, C
     result
 }
 
-/// A failed finalizer patch: a 422 is a failed `test` op (the finalizer list changed under
-/// us: another controller added or removed its own), a race to retry at once, not a
-/// refusal; everything else is classed like any API error.
+/// A failed finalizer patch: a failed `test` op (the finalizer list changed under us:
+/// another controller added or removed its own) is a race to retry at once; everything
+/// else, a refusal by validation among them, is classed like any API error (issue 33,
+/// item 11: a 422 from a CRD rule or an admission policy is permanent, and says why).
 fn finalizer_error(e: kube::Error) -> ControllerError {
     match &e {
-        kube::Error::Api(s) if s.code == 422 => ControllerError::FinalizerRace(e),
+        kube::Error::Api(s) if is_failed_test_op(s) => ControllerError::FinalizerRace(e),
         _ => ControllerError::Kube(e),
     }
+}
+
+/// Whether a 422 is a JSON patch whose `test` op failed. The API server answers that with
+/// its generic message and the patch library's error as an `UnexpectedServerResponse`
+/// cause; a refusal by validation names the object ("Proxy.egress-operator.dev \"p\" is
+/// invalid: ...", or the admission policy) and gives field causes.
+fn is_failed_test_op(s: &kube::core::Status) -> bool {
+    const GENERIC: &str = "the server rejected our request due to an error in our request";
+    let causes = s.details.as_ref().map_or(&[][..], |d| d.causes.as_slice());
+    s.code == 422
+        && s.message.starts_with(GENERIC)
+        && causes
+            .iter()
+            .all(|c| c.reason.is_empty() || c.reason == "UnexpectedServerResponse")
 }
 
 /// Requeue by error class and the Proxy's failure count, with jitter; the delay is also
@@ -1000,16 +1014,6 @@ async fn read_user_data(
     Ok(Some(UserData::new(bytes)))
 }
 
-/// Server-side apply of the whole status, forced (the controller owns every status field)
-/// and strict: a field the installed CRD does not know is refused with a 422 naming it,
-/// instead of being pruned in silence (which would also make every later reconcile see
-/// its status "changed" and write it again).
-pub fn status_apply_params() -> PatchParams {
-    PatchParams::apply(FIELD_MANAGER)
-        .force()
-        .validation_strict()
-}
-
 async fn write_status(
     ctx: &Context,
     proxy: &Proxy,
@@ -1025,16 +1029,28 @@ async fn write_status(
         "status": status,
     });
     let uid = proxy.uid().unwrap_or_default();
-    match api
-        .patch_status(
-            &proxy.name_any(),
-            &status_apply_params(),
-            &Patch::Apply(&body),
-        )
-        .await
-    {
-        Ok(_) => {
+    // Server-side apply of the whole status, forced (the controller owns every status
+    // field), strict, and without the fields an older installed CRD lacks when it must.
+    match crate::status_apply::apply_status(&api, &proxy.name_any(), FIELD_MANAGER, &body).await {
+        Ok(crate::status_apply::Applied::Whole) => {
             ctx.serving.written(&uid, Some(status));
+            Ok(())
+        }
+        Ok(crate::status_apply::Applied::Dropped(what)) => {
+            // What the server kept differs from what we hold: the next reconcile compares
+            // against the object as read, so nothing is remembered as written.
+            ctx.serving.written(&uid, None);
+            ctx.metrics.skew.dropped("Proxy");
+            tracing::warn!(proxy = %proxy.name_any(), unknown = %what, "status written without fields the installed CRD does not know");
+            event(
+                ctx,
+                proxy,
+                EventType::Warning,
+                "StatusFieldsDropped",
+                "WriteStatus",
+                crate::status_apply::dropped_note(&what),
+            )
+            .await;
             Ok(())
         }
         Err(e) => {

@@ -22,7 +22,12 @@
 //! the proxies recently probed on the instance's host, or in the whole fleet, failed on
 //! the path (a timeout or no route) at once, the prober is suspected, not the proxies:
 //! nothing is replaced, and the `Serving` condition says [`PROBER_SUSPECTED`]
-//! ([`Memory::prober_suspected`]).
+//! ([`Memory::prober_suspected`]). Like the fast probe's all-fail hold in discovery, it
+//! judges from what it sees now (no earlier verdict of this process is needed, so a new
+//! leader is as careful as an old one), and it withholds replacements for at most
+//! [`crate::serving::GUARD_MAX_HOLD`] per scope (a host, the fleet), counted from the
+//! first replacement it withheld there: then the probe is believed and overdue proxies
+//! are replaced, as a whole fleet can die too (issue 33, item 2).
 
 use std::collections::HashMap;
 use std::sync::Mutex;
@@ -183,7 +188,12 @@ pub fn overdue(
 /// memory only: after a restart the first reconcile asks the provider and probes, and
 /// the replacement grace comes from status, not from here.
 #[derive(Debug, Default)]
-pub struct Memory(Mutex<HashMap<String, Entry>>);
+pub struct Memory(
+    Mutex<HashMap<String, Entry>>,
+    /// When each scope (`host <name>`, `fleet`) first withheld a replacement, and last
+    /// did, while the suspicion lasts there.
+    Mutex<HashMap<String, (Instant, Instant)>>,
+);
 
 #[derive(Debug, Default)]
 struct Entry {
@@ -289,7 +299,12 @@ impl Memory {
 
     /// Why the prober, not the proxies, is suspected, when it is: more than half of the
     /// proxies checked within `window` on `host`, or in the whole fleet, failed on the
-    /// path ([`Check::path_failure`]), and they are at least [`SUSPECT_MIN_PROXIES`].
+    /// path ([`Check::path_failure`]), and they are at least [`SUSPECT_MIN_PROXIES`]; and
+    /// the scope has withheld replacements for less than
+    /// [`crate::serving::GUARD_MAX_HOLD`]. Called when a replacement is due: the bound
+    /// counts from the first call that withheld one in the scope, and starts afresh once
+    /// the scope is no longer suspected, or withheld nothing for two windows (the
+    /// suspicion ended between calls).
     pub fn prober_suspected(&self, host: &str, window: Duration) -> Option<String> {
         let m = self.0.lock().unwrap_or_else(|p| p.into_inner());
         let recent: Vec<&Seen> = m
@@ -309,7 +324,32 @@ impl Memory {
             })
         };
         let on_host: Vec<&Seen> = recent.iter().copied().filter(|s| s.host == host).collect();
-        judge(format!("on host {host}"), &on_host).or_else(|| judge("in the fleet".into(), &recent))
+        let verdicts = [
+            (
+                format!("host {host}"),
+                judge(format!("on host {host}"), &on_host),
+            ),
+            ("fleet".to_string(), judge("in the fleet".into(), &recent)),
+        ];
+        drop(m);
+        let mut since = self.1.lock().unwrap_or_else(|p| p.into_inner());
+        let now = Instant::now();
+        let mut out = None;
+        for (scope, why) in verdicts {
+            let Some(why) = why else {
+                since.remove(&scope);
+                continue;
+            };
+            let (start, last) = since.entry(scope).or_insert((now, now));
+            if now.duration_since(*last) > 2 * window {
+                *start = now;
+            }
+            *last = now;
+            if out.is_none() && now.duration_since(*start) < crate::serving::GUARD_MAX_HOLD {
+                out = Some(why);
+            }
+        }
+        out
     }
 
     /// Forgets the Proxy (it is gone).
@@ -554,6 +594,45 @@ mod tests {
         m.checked("d", "h4", &passing());
         let why = m.prober_suspected("h4", window).expect("suspected");
         assert!(why.contains("in the fleet"), "{why}");
+    }
+
+    /// Issue 33, item 2: a fleet whose every proxy kept timing out was never replaced (the
+    /// guard held for ever). Now it holds for the bound from the first withheld
+    /// replacement, and a new suspicion after the path worked again starts a new hold.
+    #[tokio::test(start_paused = true)]
+    async fn the_prober_guard_withholds_at_most_its_bound() {
+        let window = Duration::from_secs(60);
+        let step = Duration::from_secs(10);
+        let m = Memory::default();
+        let fail_all = || {
+            for uid in ["a", "b", "c"] {
+                m.checked(uid, "h1", &timed_out());
+            }
+        };
+        fail_all();
+        assert!(m.prober_suspected("h1", window).is_some());
+        let mut held = Duration::ZERO;
+        while held + step < crate::serving::GUARD_MAX_HOLD {
+            tokio::time::advance(step).await;
+            held += step;
+            fail_all();
+            assert!(m.prober_suspected("h1", window).is_some(), "at {held:?}");
+        }
+        tokio::time::advance(2 * step).await;
+        fail_all();
+        assert_eq!(m.prober_suspected("h1", window), None, "believed again");
+        // The path works again, then a new cut: a new hold.
+        for uid in ["a", "b", "c"] {
+            m.checked(uid, "h1", &failing());
+        }
+        assert_eq!(m.prober_suspected("h1", window), None);
+        fail_all();
+        assert!(m.prober_suspected("h1", window).is_some(), "a new hold");
+        // A suspicion that ended between calls (none withheld for two windows) does not
+        // count against the next one.
+        tokio::time::advance(3 * window).await;
+        fail_all();
+        assert!(m.prober_suspected("h1", window).is_some(), "a fresh hold");
     }
 
     #[tokio::test(start_paused = true)]

@@ -2925,8 +2925,9 @@ async fn a_zero_grace_never_replaces() {
 
 /// Issue 19, finding 3: the operator's own path to a host's bridge is cut, so every
 /// proxy there times out. The prober is suspected: nothing is replaced, and the
-/// condition, an event and a metric say so. When the others answer again, the one that
-/// still times out is replaced.
+/// condition, an event and a metric say so. Issue 33, item 2: for at most
+/// `GUARD_MAX_HOLD` from the first withheld replacement; after that the probe is believed
+/// (a whole host can die) and the overdue proxy is replaced.
 #[tokio::test(start_paused = true)]
 async fn a_host_whose_proxies_all_time_out_at_once_suspects_the_prober_and_replaces_nothing() {
     let running = instance(
@@ -2946,14 +2947,21 @@ async fn a_host_whose_proxies_all_time_out_at_once_suspects_the_prober_and_repla
         message: "no answer".into(),
         running: true,
     };
-    // Two other proxies of h1, checked by their own reconciles as often as ours.
+    // Two other proxies of h1, checked by their own reconciles as often as ours: until
+    // the replacement falls due and is withheld, then for nearly the whole bound.
+    let bound = guard_bound_secs();
     let mut down = 0;
-    while down < 2 * grace {
+    let mut withheld_at = None;
+    while withheld_at.is_none_or(|at| down < at + bound - 30) {
+        assert!(down <= 2 * grace, "no replacement fell due in {down} s");
         for other in ["other-1", "other-2"] {
             w.ctx.serving.checked(other, "h1", &timed_out);
         }
         later(&w, &p, 30).await;
         down += 30;
+        if withheld_at.is_none() && w.ctx.metrics.instances("replacement-withheld") > 0 {
+            withheld_at = Some(down);
+        }
     }
     assert!(
         w.fake.calls().iter().all(|c| *c == "get"),
@@ -2982,18 +2990,51 @@ async fn a_host_whose_proxies_all_time_out_at_once_suspects_the_prober_and_repla
     assert!(w.ctx.metrics.instances("replacement-withheld") > 0);
     assert_eq!(w.ctx.metrics.instances("replaced-not-serving"), 0);
 
-    // The others serve again: ours alone times out, and is replaced.
+    // The others still time out, but the hold has lasted its bound: the probe is
+    // believed, and ours is replaced.
+    for other in ["other-1", "other-2"] {
+        w.ctx.serving.checked(other, "h1", &timed_out);
+    }
+    later(&w, &p, 60).await;
+    assert_eq!(w.ctx.metrics.instances("replaced-not-serving"), 1);
+}
+
+/// `GUARD_MAX_HOLD` in whole seconds.
+fn guard_bound_secs() -> u64 {
+    crate::serving::GUARD_MAX_HOLD.as_secs()
+}
+
+/// When the others answer again, the one that still times out is replaced at once (the
+/// prober is no longer suspected).
+#[tokio::test(start_paused = true)]
+async fn a_proxy_that_alone_times_out_on_its_host_is_replaced() {
+    let running = instance(
+        id("h1", &our_name()),
+        UID,
+        InstanceState::Running,
+        Some(FAKE_ADDRESS),
+    );
+    let p = with_status(proxy(), status_seeing(&running));
+    let w = World::new(&p);
+    w.fake.insert(running);
+    w.proxies.set(FAKE_ADDRESS, Answer::Hang);
+    let grace = u64::from(w.ctx.config.serving.replace_after_seconds);
     let pass = serving::Check {
         serving: true,
         reason: "Serving",
         message: "answered".into(),
         running: true,
     };
-    for other in ["other-1", "other-2"] {
-        w.ctx.serving.checked(other, "h1", &pass);
+    let mut down = 0;
+    while w.ctx.metrics.instances("replaced-not-serving") == 0 {
+        assert!(down <= 2 * grace, "not replaced after {down} s");
+        for other in ["other-1", "other-2"] {
+            w.ctx.serving.checked(other, "h1", &pass);
+        }
+        later(&w, &p, 30).await;
+        down += 30;
     }
-    later(&w, &p, 30).await;
-    assert_eq!(w.ctx.metrics.instances("replaced-not-serving"), 1);
+    assert_eq!(w.ctx.metrics.instances("replacement-withheld"), 0);
 }
 
 /// Issue 19, finding 3: a VM paused for an hour is not replaced at its first failed

@@ -700,15 +700,9 @@ async fn reconcile(pool: Arc<ProxyPool>, discovery: Arc<Discovery>) -> Result<Ac
             "metadata": { "name": name, "namespace": ns },
             "status": { "endpoints": after, "conditions": conditions },
         });
-        Api::<ProxyPool>::namespaced(ctx.client.clone(), &ns)
-            .patch_status(
-                &name,
-                &PatchParams::apply(STATUS_MANAGER)
-                    .force()
-                    .validation_strict(),
-                &Patch::Apply(body),
-            )
-            .await?;
+        let api = Api::<ProxyPool>::namespaced(ctx.client.clone(), &ns);
+        let applied = crate::status_apply::apply_status(&api, &name, STATUS_MANAGER, &body).await?;
+        super::pool::skewed(ctx, &pool, &applied).await;
     }
     for (proxy, what) in membership_changes(&before, &after) {
         publish(
@@ -769,25 +763,26 @@ where
         services,
         slices,
     });
-    Controller::new(
-        Api::<ProxyPool>::all(client.clone()),
-        watcher::Config::default().any_semantic(),
-    )
-    .owns(
-        Api::<Proxy>::all(client.clone()),
-        watcher::Config::default().labels(POOL_LABEL).any_semantic(),
-    )
-    .owns_stream(service_events)
-    .owns_stream(slice_events)
-    .reconcile_all_on(board_changes(&board))
-    .graceful_shutdown_on(shutdown)
-    .run(reconcile, error_policy, discovery)
-    .for_each(|r| async move {
-        if let Err(e) = r {
-            tracing::debug!(error = %e, "discovery stream");
-        }
-    })
-    .await;
+    let (reader, writer) = reflector::store();
+    let pools = super::pool_events(client.clone(), discovery.fleet.metrics.watch.clone())
+        .reflect(writer)
+        .applied_objects();
+    Controller::for_stream(pools, reader)
+        .owns(
+            Api::<Proxy>::all(client.clone()),
+            watcher::Config::default().labels(POOL_LABEL).any_semantic(),
+        )
+        .owns_stream(service_events)
+        .owns_stream(slice_events)
+        .reconcile_all_on(board_changes(&board))
+        .graceful_shutdown_on(shutdown)
+        .run(reconcile, error_policy, discovery)
+        .for_each(|r| async move {
+            if let Err(e) = r {
+                tracing::debug!(error = %e, "discovery stream");
+            }
+        })
+        .await;
 }
 
 #[cfg(test)]

@@ -1,6 +1,9 @@
 //! The fleet's metrics: endpoints per pool, how fast a failing proxy leaves them, rollout
 //! progress, liveness rounds and the all-fail guard.
 
+use std::collections::HashSet;
+use std::sync::{Arc, Mutex};
+
 use prometheus_client::encoding::EncodeLabelSet;
 use prometheus_client::metrics::counter::Counter;
 use prometheus_client::metrics::family::Family;
@@ -41,7 +44,20 @@ pub struct FleetMetrics {
     rounds: Counter,
     probed: Gauge,
     held: Gauge,
+    /// The pools that have series (namespace, name), so a pool that goes loses them.
+    pools: Arc<Mutex<HashSet<(String, String)>>>,
+    /// Status writes that dropped fields an older installed CRD lacks (shared with the
+    /// Proxy controller's, see [`FleetMetrics::sharing`]).
+    pub skew: crate::status_apply::SkewMetrics,
+    /// The pool and lease watches' health (shared with the Proxy controller's: one
+    /// `/readyz` and one metric family, see [`FleetMetrics::sharing`]).
+    pub watch: crate::controller::watch::WatchHealth,
 }
+
+/// `egress_fleet_pool_actions` values.
+const ACTIONS: [&str; 4] = ["created", "drained", "deleted", "failed"];
+/// `egress_fleet_endpoints` states.
+const STATES: [&str; 3] = ["serving", "terminating", "not_serving"];
 
 impl Default for FleetMetrics {
     fn default() -> Self {
@@ -55,6 +71,9 @@ impl Default for FleetMetrics {
             rounds: Counter::default(),
             probed: Gauge::default(),
             held: Gauge::default(),
+            pools: Arc::default(),
+            skew: crate::status_apply::SkewMetrics::default(),
+            watch: crate::controller::watch::WatchHealth::default(),
         }
     }
 }
@@ -85,7 +104,7 @@ impl FleetMetrics {
         );
         registry.register(
             "egress_fleet_pool_actions",
-            "proxies the pool created, drained and deleted",
+            "proxies the pool created, drained and deleted, and members it saw failed",
             m.actions.clone(),
         );
         registry.register(
@@ -106,6 +125,14 @@ impl FleetMetrics {
         m
     }
 
+    /// The same metrics, sharing the Proxy controller's dropped-field counter and watch
+    /// health (each one registered family, and one `/readyz` line set).
+    pub fn sharing(mut self, controller: &crate::controller::ControllerMetrics) -> Self {
+        self.skew = controller.skew.clone();
+        self.watch = controller.watch.clone();
+        self
+    }
+
     pub(super) fn endpoints(
         &self,
         namespace: &str,
@@ -114,11 +141,8 @@ impl FleetMetrics {
         terminating: usize,
         not: usize,
     ) {
-        for (state, n) in [
-            ("serving", serving),
-            ("terminating", terminating),
-            ("not_serving", not),
-        ] {
+        self.known(namespace, pool);
+        for (state, n) in STATES.into_iter().zip([serving, terminating, not]) {
             self.endpoints
                 .get_or_create(&EndpointState {
                     namespace: namespace.into(),
@@ -131,13 +155,14 @@ impl FleetMetrics {
 
     /// Endpoints counted in this state (for tests).
     pub fn endpoints_in(&self, namespace: &str, pool: &str, state: &str) -> i64 {
+        // Read without creating: a pruned series stays gone.
         self.endpoints
-            .get_or_create(&EndpointState {
+            .get(&EndpointState {
                 namespace: namespace.into(),
                 pool: pool.into(),
                 state: state.into(),
             })
-            .get()
+            .map_or(0, |g| g.get())
     }
 
     pub(super) fn removed_after(&self, seconds: f64) {
@@ -145,6 +170,7 @@ impl FleetMetrics {
     }
 
     pub(super) fn rollout(&self, namespace: &str, pool: &str, updated: i32, desired: i32) {
+        self.known(namespace, pool);
         let l = PoolLabel {
             namespace: namespace.into(),
             pool: pool.into(),
@@ -154,6 +180,7 @@ impl FleetMetrics {
     }
 
     pub(super) fn action(&self, namespace: &str, pool: &str, action: &str) {
+        self.known(namespace, pool);
         self.actions
             .get_or_create(&PoolAction {
                 namespace: namespace.into(),
@@ -163,15 +190,60 @@ impl FleetMetrics {
             .inc();
     }
 
-    /// Pool actions counted (for tests): `created`, `drained`, `deleted`.
+    /// Pool actions counted (for tests): `created`, `drained`, `deleted`, `failed`.
     pub fn actions(&self, namespace: &str, pool: &str, action: &str) -> u64 {
         self.actions
-            .get_or_create(&PoolAction {
+            .get(&PoolAction {
                 namespace: namespace.into(),
                 pool: pool.into(),
                 action: action.into(),
             })
-            .get()
+            .map_or(0, |c| c.get())
+    }
+
+    fn known(&self, namespace: &str, pool: &str) {
+        if let Ok(mut pools) = self.pools.lock()
+            && !pools.contains(&(namespace.to_string(), pool.to_string()))
+        {
+            pools.insert((namespace.into(), pool.into()));
+        }
+    }
+
+    /// Removes the series of every pool not in `live` (namespace, name): per-pool series
+    /// would otherwise grow with pool-name churn (issue 33, item 13; issue 35, item 4).
+    pub fn retain_pools(&self, live: &HashSet<(String, String)>) {
+        let Ok(mut pools) = self.pools.lock() else {
+            return;
+        };
+        let gone: Vec<(String, String)> = pools.difference(live).cloned().collect();
+        for (namespace, pool) in gone {
+            for state in STATES {
+                self.endpoints.remove(&EndpointState {
+                    namespace: namespace.clone(),
+                    pool: pool.clone(),
+                    state: state.into(),
+                });
+            }
+            for action in ACTIONS {
+                self.actions.remove(&PoolAction {
+                    namespace: namespace.clone(),
+                    pool: pool.clone(),
+                    action: action.into(),
+                });
+            }
+            let l = PoolLabel {
+                namespace: namespace.clone(),
+                pool: pool.clone(),
+            };
+            self.updated.remove(&l);
+            self.desired.remove(&l);
+            pools.remove(&(namespace, pool));
+        }
+    }
+
+    /// The pools that have series now (for tests).
+    pub fn pools_with_series(&self) -> HashSet<(String, String)> {
+        self.pools.lock().map(|p| p.clone()).unwrap_or_default()
     }
 
     pub(super) fn liveness_round(&self, probed: usize) {

@@ -22,6 +22,7 @@
 //! pool counts as serving is exactly what the EndpointSlices list.
 
 pub mod discovery;
+pub mod failures;
 pub mod lease;
 pub mod liveness;
 pub mod membership;
@@ -183,6 +184,62 @@ pub fn floor_count(active: &[&Member], max_unavailable: usize) -> usize {
     serving + leased.saturating_sub(max_unavailable)
 }
 
+/// A pool with only `meta`: what a deleted pool the watch could not decode leaves the
+/// cache as (the cache drops it by name).
+pub(crate) fn pool_stub(meta: kube::api::ObjectMeta) -> crate::api::proxy_pool::ProxyPool {
+    let mut p = crate::api::proxy_pool::ProxyPool::new("", Default::default());
+    p.metadata = meta;
+    p
+}
+
+/// A lease with only `meta` (as [`pool_stub`]).
+pub(crate) fn lease_stub(meta: kube::api::ObjectMeta) -> crate::api::proxy_lease::ProxyLease {
+    let mut l = crate::api::proxy_lease::ProxyLease::new("", Default::default());
+    l.metadata = meta;
+    l
+}
+
+/// The pools, watched one object at a time (issue 33, item 10): a pool this binary cannot
+/// decode is reported on `/readyz` and left out; the others are reconciled.
+pub(crate) fn pool_events(
+    client: kube::Client,
+    health: crate::controller::watch::WatchHealth,
+) -> impl futures_util::Stream<
+    Item = Result<
+        kube::runtime::watcher::Event<crate::api::proxy_pool::ProxyPool>,
+        kube::runtime::watcher::Error,
+    >,
+> + Send
++ 'static {
+    crate::controller::watch::decoded(
+        client,
+        kube::runtime::watcher::Config::default().any_semantic(),
+        health,
+        "proxypool",
+        pool_stub,
+    )
+}
+
+/// The leases, watched one object at a time (as [`pool_events`]).
+pub(crate) fn lease_events(
+    client: kube::Client,
+    health: crate::controller::watch::WatchHealth,
+) -> impl futures_util::Stream<
+    Item = Result<
+        kube::runtime::watcher::Event<crate::api::proxy_lease::ProxyLease>,
+        kube::runtime::watcher::Error,
+    >,
+> + Send
++ 'static {
+    crate::controller::watch::decoded(
+        client,
+        kube::runtime::watcher::Config::default().any_semantic(),
+        health,
+        "proxylease",
+        lease_stub,
+    )
+}
+
 /// The label selector of a pool's Proxies.
 pub fn pool_selector(pool: &str) -> String {
     format!("{POOL_LABEL}={pool}")
@@ -221,6 +278,7 @@ mod tests {
             drain: Duration::from_secs(10),
             template_hash: "new".into(),
             replace_after: Duration::ZERO,
+            creates: super::plan::CreateGate::Open,
         }
     }
 

@@ -43,6 +43,27 @@ pub struct PoolShape {
     pub template_hash: String,
     /// A member that has not served for this long is replaced (zero: never).
     pub replace_after: Duration,
+    /// Whether creates may go ahead (held back while members keep failing).
+    pub creates: CreateGate,
+}
+
+/// Whether the pool may create members now. A template whose proxies all fail (a render
+/// error, a bad image) would otherwise loop: each reconcile deletes the `Failed` member and
+/// creates another, churning VMs as fast as they fail (issue 33, item 6).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub enum CreateGate {
+    /// No failure since a member of the current template last proved it serves.
+    #[default]
+    Open,
+    /// Members of the current template failed in a row: no create before `until`; after
+    /// it, one member at a time, and only while no member made since the last failure is
+    /// still on trial (neither serving nor failed yet).
+    Backoff {
+        /// The end of the current backoff.
+        until: jiff::Timestamp,
+        /// When the last failure was seen: members made after it are on trial.
+        since: jiff::Timestamp,
+    },
 }
 
 /// A host the pool may use.
@@ -67,6 +88,9 @@ pub struct Plan {
     pub delete: Vec<String>,
     /// Creates were needed that no usable host could take.
     pub insufficient_hosts: bool,
+    /// Creates were needed that the create backoff held back (so whether the hosts could
+    /// take them is not known).
+    pub held_back: bool,
     /// When to look again at the latest (a drain ending).
     pub requeue: Option<Duration>,
     /// Counts for status.
@@ -239,7 +263,27 @@ pub fn plan(
     let budget = (shape.replicas + shape.max_surge)
         .saturating_sub(total)
         .max(shape.replicas.saturating_sub(active_left));
-    let creates = want.min(budget);
+    let mut creates = want.min(budget);
+    if let CreateGate::Backoff { until, since } = shape.creates
+        && creates > 0
+    {
+        out.held_back = true;
+        if now < until {
+            creates = 0;
+            let left = Duration::try_from(until.duration_since(now)).unwrap_or_default();
+            out.requeue = Some(out.requeue.map_or(left, |r| r.min(left)));
+        } else {
+            // A member made since the last failure that has neither served nor failed
+            // yet is the one on trial. Creation times are whole seconds: one made in the
+            // second of the failure counts too (it is after the backoff's start anyway).
+            let since = jiff::Timestamp::from_second(since.as_second()).unwrap_or(since);
+            let on_trial = new
+                .iter()
+                .any(|m| !m.leased && !m.serving && !m.leaving() && m.created >= since);
+            creates = if on_trial { 0 } else { 1 };
+            out.held_back = creates < want.min(budget);
+        }
+    }
 
     let usable: Vec<&HostSlot> = hosts.iter().filter(|h| h.healthy && h.room > 0).collect();
     let cap = if usable.is_empty() {
@@ -282,7 +326,10 @@ pub fn plan(
             || !out.delete.is_empty()
             || draining > 0
             || !old.is_empty()
-            || new_n != shape.replicas,
+            || new_n < shape.replicas
+            // Surplus the pool can still remove; leased surplus is the leases' to give
+            // back, and waiting for it is not a rollout.
+            || (new_n > shape.replicas && !removable_new.is_empty()),
     };
     out
 }
@@ -303,6 +350,7 @@ mod tests {
             drain: Duration::from_secs(10),
             template_hash: "t2".into(),
             replace_after: Duration::from_secs(900),
+            creates: CreateGate::Open,
         }
     }
 
@@ -423,5 +471,91 @@ mod tests {
         ms.push(m("d", "h1", "t2", false, 10));
         let p = plan(&shape(3), &ms, &hs, at(11));
         assert_eq!(p.delete, ["b"]);
+    }
+
+    #[test]
+    fn a_backoff_holds_creates_then_lets_one_member_on_trial_at_a_time() {
+        let mut failing = shape(3);
+        failing.creates = CreateGate::Backoff {
+            until: at(20),
+            since: at(15),
+        };
+        let mut failed = m("a", "h1", "t2", false, 0);
+        failed.failed = true;
+        let p = plan(
+            &failing,
+            std::slice::from_ref(&failed),
+            &hosts(&["h1", "h2"]),
+            at(10),
+        );
+        assert!(p.create.is_empty(), "no create during the backoff");
+        assert!(p.held_back);
+        assert_eq!(
+            p.requeue,
+            Some(Duration::from_secs(10)),
+            "looked at again when it ends"
+        );
+        assert!(!p.insufficient_hosts);
+
+        let p = plan(&failing, &[], &hosts(&["h1", "h2"]), at(20));
+        assert_eq!(p.create.len(), 1, "then one at a time");
+        let trial = m("b", "h1", "t2", false, 20);
+        let p = plan(
+            &failing,
+            std::slice::from_ref(&trial),
+            &hosts(&["h1", "h2"]),
+            at(25),
+        );
+        assert!(p.create.is_empty(), "not while a member is on trial");
+        // One made before the failure that does not serve is not on trial, nor a leased one.
+        let mut stale = m("s", "h1", "t2", false, 1);
+        let p = plan(
+            &failing,
+            std::slice::from_ref(&stale),
+            &hosts(&["h1", "h2"]),
+            at(25),
+        );
+        assert_eq!(p.create.len(), 1);
+        stale.created = at(20);
+        stale.leased = true;
+        let p = plan(
+            &failing,
+            std::slice::from_ref(&stale),
+            &hosts(&["h1", "h2"]),
+            at(25),
+        );
+        assert_eq!(p.create.len(), 1);
+        let mut proven = trial;
+        proven.serving = true;
+        let p = plan(&failing, &[proven], &hosts(&["h1", "h2"]), at(26));
+        assert_eq!(
+            p.create.len(),
+            1,
+            "still one at a time until the gate opens"
+        );
+        let p = plan(&shape(3), &[], &hosts(&["h1", "h2"]), at(26));
+        assert_eq!(p.create.len(), 3, "an open gate creates them all");
+    }
+
+    #[test]
+    fn leased_surplus_is_not_a_rollout() {
+        // 2 replicas; 3 new members, one leased: the pool removes the unleased surplus.
+        let mut ms = vec![
+            m("a", "h1", "t2", true, 0),
+            m("b", "h2", "t2", true, 1),
+            m("c", "h1", "t2", true, 2),
+        ];
+        ms[0].leased = true;
+        let p = plan(&shape(2), &ms, &hosts(&["h1", "h2"]), at(10));
+        assert!(p.counts.progressing);
+        assert_eq!(p.drain, ["c"]);
+        // Both surplus members leased: nothing the pool can do, and nothing under way.
+        ms[1].leased = true;
+        ms.pop();
+        ms.push(m("d", "h2", "t2", true, 3));
+        ms[2].leased = true;
+        let p = plan(&shape(1), &ms, &hosts(&["h1", "h2"]), at(10));
+        assert!(p.drain.is_empty() && p.delete.is_empty() && p.create.is_empty());
+        assert!(!p.counts.progressing, "{:?}", p.counts);
     }
 }

@@ -28,7 +28,9 @@ use crate::api::proxy_pool::{
 };
 use crate::config::ValidConfig;
 use crate::controller::status::set_condition;
+use crate::status_apply::Applied;
 
+use super::failures::{CreateBackoff, FailureBook, Observed};
 use super::plan::{self, HostSlot, Plan, PoolShape};
 use super::{FleetError, FleetMetrics, LivenessBoard, Member, pool_selector};
 
@@ -62,6 +64,13 @@ pub struct FleetContext {
     pub clock: Clock,
     /// Where the pool and lease caches are shown to the object-state metrics, when exported.
     pub state: Option<crate::state_metrics::StateMetrics>,
+    /// Each pool's members that failed in a row (the leader's memory).
+    pub failures: FailureBook,
+    /// How creates back off while a pool's members keep failing.
+    pub create_backoff: CreateBackoff,
+    /// UIDs of the pools whose `InsufficientHosts` event is written (once per shortage;
+    /// the condition alone could be read stale from the cache).
+    short: std::sync::Mutex<std::collections::HashSet<String>>,
 }
 
 impl std::fmt::Debug for FleetContext {
@@ -100,7 +109,16 @@ impl FleetContext {
             leading,
             clock: Arc::new(jiff::Timestamp::now),
             state: None,
+            failures: FailureBook::default(),
+            create_backoff: CreateBackoff::default(),
+            short: std::sync::Mutex::default(),
         }
+    }
+
+    /// The same context with another create backoff (tests shorten it).
+    pub fn with_create_backoff(mut self, backoff: CreateBackoff) -> Self {
+        self.create_backoff = backoff;
+        self
     }
 
     /// The same context, showing the pool and lease caches to `state`.
@@ -117,6 +135,24 @@ impl FleetContext {
     /// Whether this replica may write.
     pub fn leading(&self) -> bool {
         *self.leading.borrow()
+    }
+
+    /// Whether the pool `uid`'s shortage of hosts was told already (by this replica, or
+    /// by the pool's condition).
+    fn shortage_told(&self, uid: &str, pool: &ProxyPool) -> bool {
+        self.short.lock().is_ok_and(|known| known.contains(uid))
+            || degraded_reason(pool) == Some("InsufficientHosts")
+    }
+
+    /// Records whether the pool `uid` is short of hosts now (after its event was told).
+    fn set_shortage(&self, uid: &str, short: bool) {
+        if let Ok(mut known) = self.short.lock() {
+            if short {
+                known.insert(uid.to_string());
+            } else {
+                known.remove(uid);
+            }
+        }
     }
 }
 
@@ -166,6 +202,7 @@ pub fn shape_of(pool: &ProxyPool, config: &ValidConfig) -> PoolShape {
         drain: Duration::from_secs(u64::from(s.drain_seconds)),
         template_hash: s.template.hash(),
         replace_after: Duration::from_secs(u64::from(config.serving.replace_after_seconds)),
+        creates: plan::CreateGate::Open,
     }
 }
 
@@ -245,23 +282,38 @@ pub async fn reconcile(pool: Arc<ProxyPool>, ctx: Arc<FleetContext>) -> Result<A
     let mine = proxies
         .list(&ListParams::default().labels(&pool_selector(&name)))
         .await?;
+    let demand = super::lease::surge::for_pool(&ctx.client, &pool).await?;
     let members: Vec<Member> = mine
         .items
         .iter()
-        // Only Proxies this pool controls (a copied label does not make one ours).
-        .filter(|p| {
-            p.owner_references()
-                .iter()
-                .any(|o| o.controller == Some(true) && o.uid == owner.uid)
+        // Only Proxies this pool controls (a copied label does not make one ours), by the
+        // same rule discovery uses.
+        .filter(|p| super::membership::controlled_by(p, &owner.uid))
+        .map(|p| {
+            let mut m = Member::of(p, &ctx.board);
+            // Claimed by a lease: the lease's to take, not the pool's to remove.
+            m.leased |= demand.claimed.contains(&m.uid);
+            m
         })
-        .map(|p| Member::of(p, &ctx.board))
         .collect();
     let health = Api::<ProviderHealth>::all(ctx.client.clone())
         .get_opt(&pool.spec.template.provider)
         .await?;
     let mut shape = shape_of(&pool, &ctx.config);
-    shape.replicas += super::lease::surge::for_pool(&ctx.client, &pool).await?;
+    shape.replicas += demand.surge;
     let now = ctx.now();
+    let failures = ctx.failures.observe(
+        owner.uid.as_str(),
+        &shape.template_hash,
+        shape.replicas,
+        &members,
+        &failure_messages(&mine.items),
+        now,
+        ctx.create_backoff,
+    );
+    // Told at once: a failure is counted once, and the writes below may fail.
+    report_failures(&ctx, &pool, &ns, &name, &failures).await;
+    shape.creates = failures.gate();
     // First without the cluster's usage (cheap); creates need the real room, so only
     // then every Proxy is listed.
     let mut slots = host_slots(&pool, &ctx.config, health.as_ref(), &BTreeMap::new());
@@ -285,19 +337,118 @@ pub async fn reconcile(pool: Arc<ProxyPool>, ctx: Arc<FleetContext>) -> Result<A
             ))
         })
         .collect();
+    let told = ctx.shortage_told(&owner.uid, &pool);
     execute(&ctx, &pool, &ns, &owner, &shape, &p, &listed).await?;
-    write_status(&ctx, &pool, &ns, &name, &shape, &p).await?;
+    // Once per shortage, not once per look: the condition says it meanwhile.
+    if p.insufficient_hosts && !told {
+        publish(
+            &ctx,
+            &pool,
+            EventType::Warning,
+            "InsufficientHosts",
+            "Place",
+            "no healthy host with room for another proxy".into(),
+        )
+        .await;
+    }
+    // While the backoff holds creates back, whether the hosts could take them is not
+    // known: the shortage stands as it was.
+    if !p.held_back {
+        ctx.set_shortage(&owner.uid, p.insufficient_hosts);
+    }
+    write_status(&ctx, &pool, &ns, &name, &shape, &p, &failures).await?;
     ctx.metrics.rollout(
         &ns,
         &name,
         i32::try_from(p.counts.updated).unwrap_or(i32::MAX),
         pool.spec.replicas,
     );
-    Ok(Action::requeue(match p.requeue {
+    Ok(Action::requeue(next_look(&p)))
+}
+
+/// When to look at a pool again if nothing wakes it sooner. A pool under way is looked at
+/// every few seconds; one that only waits for host room is not (issue 33, item 13): every
+/// look lists the cluster's Proxies, and ProviderHealth and member changes wake it anyway.
+fn next_look(p: &Plan) -> Duration {
+    let acting = !p.create.is_empty() || !p.drain.is_empty() || !p.delete.is_empty();
+    match p.requeue {
         Some(r) => r.min(PROGRESS_RESYNC),
+        None if p.insufficient_hosts && !acting => RESYNC,
         None if p.counts.progressing => PROGRESS_RESYNC,
         None => RESYNC,
-    }))
+    }
+}
+
+/// What failed, by Proxy UID, for the failed ones: the `Ready` condition's reason and
+/// message, as the Proxy controller wrote them.
+fn failure_messages(proxies: &[Proxy]) -> BTreeMap<String, String> {
+    proxies
+        .iter()
+        .filter(|p| {
+            p.status
+                .as_ref()
+                .is_some_and(|s| s.phase == Some(crate::api::proxy::ProxyPhase::Failed))
+        })
+        .filter_map(|p| {
+            let st = p.status.as_ref()?;
+            let ready = crate::controller::status::condition(st, crate::controller::status::READY)?;
+            Some((p.uid()?, format!("{}: {}", ready.reason, ready.message)))
+        })
+        .collect()
+}
+
+/// One Warning event per member seen failed (its Proxy, and so its status, goes once it
+/// is replaced), and one Normal event when a streak ends.
+async fn report_failures(
+    ctx: &FleetContext,
+    pool: &ProxyPool,
+    ns: &str,
+    name: &str,
+    failures: &Observed,
+) {
+    for (_, what) in &failures.new {
+        ctx.metrics.action(ns, name, "failed");
+        let next = failures
+            .streak
+            .as_ref()
+            .map(|s| {
+                format!(
+                    "; {} failed in a row, next create not before {}",
+                    s.count, s.until
+                )
+            })
+            .unwrap_or_default();
+        publish(
+            ctx,
+            pool,
+            EventType::Warning,
+            "ProxyFailed",
+            "Create",
+            format!("{what}{next}"),
+        )
+        .await;
+    }
+    if failures.cleared {
+        publish(
+            ctx,
+            pool,
+            EventType::Normal,
+            "ProxiesServing",
+            "Create",
+            "a proxy of the current template serves: creates are no longer held back".into(),
+        )
+        .await;
+    }
+}
+
+/// The reason of the pool's `Degraded` condition when it is True.
+fn degraded_reason(pool: &ProxyPool) -> Option<&str> {
+    pool.status
+        .as_ref()?
+        .conditions
+        .iter()
+        .find(|c| c.type_ == "Degraded" && c.status == "True")
+        .map(|c| c.reason.as_str())
 }
 
 async fn execute(
@@ -378,17 +529,6 @@ async fn execute(
         )
         .await;
     }
-    if p.insufficient_hosts {
-        publish(
-            ctx,
-            pool,
-            EventType::Warning,
-            "InsufficientHosts",
-            "Place",
-            "no healthy host with room for another proxy".into(),
-        )
-        .await;
-    }
     Ok(())
 }
 
@@ -459,6 +599,7 @@ async fn write_status(
     name: &str,
     shape: &PoolShape,
     p: &Plan,
+    failures: &Observed,
 ) -> Result<(), FleetError> {
     let c = &p.counts;
     let generation = pool.metadata.generation;
@@ -500,21 +641,32 @@ async fn write_status(
         generation,
         now,
     );
-    let (degraded, reason, msg) = if p.insufficient_hosts {
+    let (degraded, reason, msg) = if let Some(s) = &failures.streak {
+        (
+            true,
+            "ProxiesFailing",
+            format!(
+                "{} proxies of the current template failed in a row; the last: {}; creates \
+                 held back until {}, then one at a time",
+                s.count, s.last, s.until
+            ),
+        )
+    } else if p.insufficient_hosts {
         (
             true,
             "InsufficientHosts",
-            "no healthy host with room for another proxy (see ProviderHealth and maxDomains)",
+            "no healthy host with room for another proxy (see ProviderHealth and maxDomains)"
+                .to_string(),
         )
     } else {
-        (false, "AsExpected", "")
+        (false, "AsExpected", String::new())
     };
     set_condition(
         &mut conditions,
         "Degraded",
         degraded,
         reason,
-        msg,
+        &crate::controller::event_note(msg),
         generation,
         now,
     );
@@ -564,16 +716,27 @@ async fn write_status(
             "conditions": conditions,
         },
     });
-    Api::<ProxyPool>::namespaced(ctx.client.clone(), ns)
-        .patch_status(
-            name,
-            &PatchParams::apply(STATUS_MANAGER)
-                .force()
-                .validation_strict(),
-            &Patch::Apply(body),
-        )
-        .await?;
+    let api = Api::<ProxyPool>::namespaced(ctx.client.clone(), ns);
+    let applied = crate::status_apply::apply_status(&api, name, STATUS_MANAGER, &body).await?;
+    skewed(ctx, pool, &applied).await;
     Ok(())
+}
+
+/// Tells of a status written without fields the installed CRD lacks (issue 33, item 12).
+pub(super) async fn skewed(ctx: &FleetContext, pool: &ProxyPool, applied: &Applied) {
+    if let Applied::Dropped(what) = applied {
+        ctx.metrics.skew.dropped("ProxyPool");
+        tracing::warn!(pool = %pool.name_any(), unknown = %what, "pool status written without fields the installed CRD does not know");
+        publish(
+            ctx,
+            pool,
+            EventType::Warning,
+            "StatusFieldsDropped",
+            "WriteStatus",
+            crate::status_apply::dropped_note(what),
+        )
+        .await;
+    }
 }
 
 /// The condition types the pool controller owns (discovery owns `EndpointsHeld`).
@@ -593,15 +756,21 @@ where
     F: std::future::Future<Output = ()> + Send + Sync + 'static,
 {
     let client = ctx.client.clone();
-    let controller = Controller::new(
-        Api::<ProxyPool>::all(client.clone()),
-        watcher::Config::default().any_semantic(),
+    let (reader, writer) = kube::runtime::reflector::store();
+    let pool_events = kube::runtime::WatchStreamExt::reflect(
+        super::pool_events(client.clone(), ctx.metrics.watch.clone()),
+        writer,
+    );
+    let controller = Controller::for_stream(
+        kube::runtime::WatchStreamExt::applied_objects(pool_events),
+        reader,
     );
     let pools = controller.store();
     if let Some(state) = &ctx.state {
         state.set_pools(controller.store());
     }
-    controller
+    let prune = prune_gone_pools(ctx.clone(), controller.store());
+    let run = controller
         .owns(
             Api::<Proxy>::all(client.clone()),
             watcher::Config::default().labels(POOL_LABEL).any_semantic(),
@@ -617,9 +786,11 @@ where
                     .collect::<Vec<_>>()
             },
         )
-        .watches(
-            Api::<crate::api::proxy_lease::ProxyLease>::all(client.clone()),
-            watcher::Config::default().any_semantic(),
+        .watches_stream(
+            kube::runtime::WatchStreamExt::touched_objects(super::lease_events(
+                client.clone(),
+                ctx.metrics.watch.clone(),
+            )),
             super::lease::surge::pool_of,
         )
         .reconcile_all_on(board_changes(&ctx.board))
@@ -629,8 +800,43 @@ where
             if let Err(e) = r {
                 tracing::debug!(error = %e, "pool controller stream");
             }
-        })
-        .await;
+        });
+    // The pruning never ends on its own: the controller's end ends both.
+    tokio::select! {
+        () = run => {}
+        () = prune => {}
+    }
+}
+
+/// How often the series and failure streaks of pools that went are dropped.
+const PRUNE_EVERY: Duration = Duration::from_secs(10);
+
+/// Drops the metric series and failure streaks of pools that are gone. A pool without a
+/// finalizer goes without a last reconcile, so this reads the cache instead, once it holds
+/// the first full list (an empty cache before that would drop every pool's series).
+async fn prune_gone_pools(
+    ctx: Arc<FleetContext>,
+    store: kube::runtime::reflector::Store<ProxyPool>,
+) {
+    if store.wait_until_ready().await.is_err() {
+        return std::future::pending().await;
+    }
+    let mut tick = tokio::time::interval(PRUNE_EVERY);
+    loop {
+        tick.tick().await;
+        let pools = store.state();
+        let live: std::collections::HashSet<(String, String)> = pools
+            .iter()
+            .filter_map(|p| Some((p.namespace()?, p.name_any())))
+            .collect();
+        ctx.metrics.retain_pools(&live);
+        let uids: std::collections::HashSet<String> =
+            pools.iter().filter_map(|p| p.uid()).collect();
+        ctx.failures.retain(&uids);
+        if let Ok(mut short) = ctx.short.lock() {
+            short.retain(|uid| uids.contains(uid));
+        }
+    }
 }
 
 #[cfg(test)]

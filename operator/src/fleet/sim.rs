@@ -68,6 +68,7 @@ impl World {
                 drain: Duration::from_secs(5),
                 template_hash: "t1".into(),
                 replace_after: Duration::from_secs(900),
+                creates: super::plan::CreateGate::Open,
             },
             samples: Vec::new(),
             log: Vec::new(),

@@ -259,9 +259,10 @@ impl Runner {
                 Some(deadline) => {
                     let wait = next_backoff(&mut backoff, self.options.retry_period);
                     let left = deadline.saturating_duration_since(Instant::now());
+                    let wait = last_try_wait(wait, left, self.options.retry_period);
                     self.metrics.renewal_retries.inc();
-                    warn!(%identity, %lease, error = %failure, retry_in = ?wait.min(left), deadline_in = ?left, "renewing the lease failed; retrying within the renew deadline");
-                    wait.min(left)
+                    warn!(%identity, %lease, error = %failure, retry_in = ?wait, deadline_in = ?left, "renewing the lease failed; retrying within the renew deadline");
+                    wait
                 }
                 None => {
                     warn!(%identity, %lease, error = %failure, "leader election failed; retrying");
@@ -315,11 +316,62 @@ fn next_backoff(current: &mut Duration, max: Duration) -> Duration {
     wait
 }
 
+/// The wait before the next renewal try, `left` before the renew deadline. A backoff that
+/// reaches the deadline would sleep through the last stretch and step down without trying
+/// again (with client-go's timings the fourth wait does, when a fault ends late in the
+/// window or answers are slow); so the last stretch gets one more try half a retry period
+/// before the deadline, and only a stretch shorter than that is slept through.
+fn last_try_wait(wait: Duration, left: Duration, retry_period: Duration) -> Duration {
+    let margin = retry_period / 2;
+    if wait < left {
+        wait
+    } else if left > margin {
+        left - margin
+    } else {
+        left
+    }
+}
+
 /// Sleeps for `wait`; true if shutdown was asked for meanwhile.
 async fn sleep_or_shutdown(wait: Duration, shutdown: &mut oneshot::Receiver<()>) -> bool {
     tokio::select! {
         biased;
         _ = shutdown => true,
         () = tokio::time::sleep(wait) => false,
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Walks a renewal that fails from the last good one (t = 0) on, with client-go's
+    /// timings (renew deadline 10 s, retry period 2 s): every try is listed, and the last
+    /// stretch before the deadline still holds one.
+    #[test]
+    fn the_last_stretch_before_the_renew_deadline_holds_one_more_try() {
+        let (deadline, retry) = (Duration::from_secs(10), Duration::from_secs(2));
+        // The first failure is seen at the next renewal, 5 s after the last good one.
+        let mut now = Duration::from_secs(5);
+        let mut backoff = FIRST_ERROR_BACKOFF;
+        let mut tries = Vec::new();
+        while now < deadline {
+            let wait = next_backoff(&mut backoff, retry);
+            now += last_try_wait(wait, deadline - now, retry);
+            if now < deadline {
+                tries.push(now.as_secs_f64());
+            }
+        }
+        assert_eq!(tries, [5.5, 6.5, 8.5, 9.0]);
+        assert_eq!(now, deadline, "the step-down is on time");
+    }
+
+    #[test]
+    fn a_wait_short_of_the_deadline_is_kept() {
+        let retry = Duration::from_secs(2);
+        let ms = Duration::from_millis;
+        assert_eq!(last_try_wait(ms(500), ms(4000), retry), ms(500));
+        assert_eq!(last_try_wait(ms(2000), ms(1500), retry), ms(500));
+        assert_eq!(last_try_wait(ms(2000), ms(800), retry), ms(800));
     }
 }

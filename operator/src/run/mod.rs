@@ -253,16 +253,17 @@ async fn serve(args: RunArgs, config: Arc<ValidConfig>) -> Result<(), RunError> 
         None => crate::leader::resolve_identity()?,
     };
     let replace_after = config.serving.replace_after_seconds;
+    let controller_metrics = ControllerMetrics::register(&mut registry);
     let parts = Parts {
         config,
         providers: Arc::new(providers),
         templates: templates.clone(),
         boards,
-        controller_metrics: ControllerMetrics::register(&mut registry),
+        fleet_metrics: FleetMetrics::register(&mut registry).sharing(&controller_metrics),
+        controller_metrics,
         gc_metrics: GcMetrics::register(&mut registry),
         fence_metrics: crate::provider::decorate::FenceMetrics::register(&mut registry),
         health_metrics: HealthMetrics::register(&mut registry),
-        fleet_metrics: FleetMetrics::register(&mut registry),
         lease_metrics: crate::fleet::lease::LeaseMetrics::register(&mut registry),
         leader_metrics: LeaderMetrics::register(&mut registry),
         state_metrics: crate::state_metrics::StateMetrics::register(&mut registry, replace_after),

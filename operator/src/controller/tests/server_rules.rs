@@ -50,6 +50,35 @@ async fn a_lost_finalizer_race_is_transient_and_retried_in_seconds() {
     assert_eq!(action, requeue(5));
 }
 
+/// A 422 that names the object and a field (a CRD rule, an admission policy) is a refusal:
+/// permanent, never a race retried every few seconds.
+#[tokio::test]
+async fn a_finalizer_patch_refused_by_validation_is_permanent() {
+    let mut p = proxy();
+    p.metadata.finalizers = Some(vec!["example.org/other".into()]);
+    let w = World::build(
+        &p,
+        &[],
+        Some(Box::new(|s: &Seen| {
+            s.is_finalizer_patch().then(|| {
+                let mut body = status_error(
+                    422,
+                    "Invalid",
+                    "Proxy.egress-operator.dev \"p\" is invalid: metadata.finalizers: \
+                     Forbidden: finalizers are not allowed here",
+                );
+                body["details"] = json!({"causes": [{"reason": "FieldValueForbidden",
+                    "message": "finalizers are not allowed here",
+                    "field": "metadata.finalizers"}]});
+                (422, body)
+            })
+        })),
+    );
+    let (e, _) = w.reconcile_err(&p).await;
+    assert!(matches!(e, ControllerError::Kube(_)), "{e:?}");
+    assert_eq!(e.class(), ErrorClass::Permanent);
+}
+
 #[test]
 fn event_notes_are_cut_to_1024_bytes_on_a_character_boundary() {
     assert_eq!(event_note("short".into()), "short");

@@ -176,11 +176,21 @@ async fn mark_others(
     if !binding::needs_others(uid, &lease.spec, &status, &view.seen, may_take) {
         return Ok(());
     }
-    let leases = Api::<ProxyLease>::namespaced(ctx.fleet.client.clone(), ns)
-        .list(&ListParams::default())
-        .await?
-        .items;
-    let listed = listed_by_others(&leases, uid);
+    // Each lease decoded on its own; what one this binary cannot read holds stays held.
+    let leases = crate::controller::watch::list_decoded::<ProxyLease>(
+        ctx.fleet.client.clone(),
+        Some(ns),
+        &ListParams::default(),
+    )
+    .await?;
+    let mut listed = listed_by_others(&leases.items, uid);
+    listed.extend(
+        leases
+            .undecodable
+            .iter()
+            .filter(|l| l.metadata.uid.as_deref() != Some(uid))
+            .flat_map(super::surge::held_uids),
+    );
     for s in &mut view.seen {
         s.listed_elsewhere = listed.contains(&s.member.uid);
     }
@@ -349,19 +359,27 @@ pub async fn sweep_orphans(ctx: &LeaseContext) -> Result<SweepReport, LeaseError
         .list(&ListParams::default().labels(LEASE_LABEL))
         .await?
         .items;
-    let all = Api::<ProxyLease>::all(client.clone())
-        .list(&ListParams::default())
-        .await?
-        .items;
-    let live: std::collections::HashSet<(String, String)> = all
+    // Each lease decoded on its own: one this binary cannot read is reported and set
+    // apart, and still counts as live (its proxies are not released, its metrics kept).
+    let crate::controller::watch::Listed::<ProxyLease> {
+        items: all,
+        undecodable,
+    } = crate::controller::watch::list_decoded(client.clone(), None, &ListParams::default())
+        .await?;
+    let metas = all
         .iter()
-        .filter_map(|l| Some((l.namespace()?, l.name_any())))
+        .map(|l| &l.metadata)
+        .chain(undecodable.iter().map(|l| &l.metadata));
+    let live: std::collections::HashSet<(String, String)> = metas
+        .clone()
+        .filter_map(|m| Some((m.namespace.clone()?, m.name.clone()?)))
         .collect();
     ctx.metrics.retain(&live);
-    let leases: std::collections::HashSet<String> = all.iter().filter_map(|l| l.uid()).collect();
+    let leases: std::collections::HashSet<String> = metas.filter_map(|m| m.uid.clone()).collect();
     // A proxy a live lease lists is that lease's, whatever its label says (the lease
     // writes its label back).
-    let listed = listed_by_others(&all, "");
+    let mut listed = listed_by_others(&all, "");
+    listed.extend(undecodable.iter().flat_map(super::surge::held_uids));
     for p in &labelled {
         let (Some(holder), Some(ns)) = (p.labels().get(LEASE_LABEL), p.namespace()) else {
             continue;
@@ -841,9 +859,14 @@ where
             }
         }
     };
-    let controller = Controller::new(
-        Api::<ProxyLease>::all(client.clone()),
-        watcher::Config::default().any_semantic(),
+    let (reader, writer) = kube::runtime::reflector::store();
+    let lease_events = kube::runtime::WatchStreamExt::reflect(
+        super::super::lease_events(client.clone(), ctx.fleet.metrics.watch.clone()),
+        writer,
+    );
+    let controller = Controller::for_stream(
+        kube::runtime::WatchStreamExt::applied_objects(lease_events),
+        reader,
     );
     let leases = controller.store();
     if let Some(state) = &ctx.fleet.state {

@@ -1,0 +1,304 @@
+//! A pool's memory of members that failed in a row (issue 33, item 6).
+//!
+//! A template whose proxies all fail (a render error, an image that does not boot) made
+//! the pool loop: each reconcile deleted the `Failed` member and created another one, so
+//! VMs churned as fast as they failed, and the error was lost with each deleted Proxy.
+//! Now each failure of a member made from the current template is counted once, its
+//! message is kept (the pool's `Degraded` condition and a Warning event), and creates back
+//! off exponentially: none before the backoff ends, then one member on trial at a time. A
+//! member created after the last failure that serves proves the template and clears the
+//! streak.
+//!
+//! The memory is the leader's, in process: a new leader starts without a streak, so it
+//! may try once at once before backing off again. That costs one VM per leadership change,
+//! never a loop.
+
+use std::collections::{BTreeMap, BTreeSet, HashMap};
+use std::sync::Mutex;
+use std::time::Duration;
+
+use super::Member;
+use super::plan::CreateGate;
+
+/// How creates back off while members keep failing.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct CreateBackoff {
+    /// The wait after the first failure; doubled for each failure after it.
+    pub first: Duration,
+    /// The longest wait.
+    pub max: Duration,
+}
+
+impl Default for CreateBackoff {
+    /// 5 s, doubling up to 5 minutes, as a kubelet's crash-loop backoff.
+    fn default() -> Self {
+        Self {
+            first: Duration::from_secs(5),
+            max: Duration::from_secs(300),
+        }
+    }
+}
+
+impl CreateBackoff {
+    /// The wait after the `count`-th failure in a row (1-based).
+    pub fn after(&self, count: u32) -> Duration {
+        let doublings = count.saturating_sub(1).min(31);
+        self.first.saturating_mul(1u32 << doublings).min(self.max)
+    }
+}
+
+/// A pool's failures in a row.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Streak {
+    /// The template whose members failed: a new template starts without a streak.
+    pub template_hash: String,
+    /// How many members of that template failed since one last proved it.
+    pub count: u32,
+    /// When the last one was seen failed.
+    pub last_at: jiff::Timestamp,
+    /// `<proxy> on <host>: <reason>: <message>` of the last one.
+    pub last: String,
+    /// No create before this.
+    pub until: jiff::Timestamp,
+}
+
+/// What one look at a pool's members found.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct Observed {
+    /// Failures seen for the first time: (proxy, what failed).
+    pub new: Vec<(String, String)>,
+    /// The streak after this look (None: the template is proven, or nothing failed).
+    pub streak: Option<Streak>,
+    /// Whether a streak ended now (a member made after it serves, or the pool is whole).
+    pub cleared: bool,
+}
+
+impl Observed {
+    /// The gate for the pool's plan.
+    pub fn gate(&self) -> CreateGate {
+        self.streak
+            .as_ref()
+            .map_or(CreateGate::Open, |s| CreateGate::Backoff {
+                until: s.until,
+                since: s.last_at,
+            })
+    }
+}
+
+/// A pool's memory: its streak, and the failed members already counted.
+#[derive(Debug, Default)]
+struct PoolMemory {
+    streak: Option<Streak>,
+    /// UIDs of failed members counted (each failure counts once, however often it is
+    /// seen, and also after the streak it belonged to has ended).
+    counted: BTreeSet<String>,
+}
+
+/// The leader's streaks, by pool UID.
+#[derive(Debug, Default)]
+pub struct FailureBook {
+    pools: Mutex<HashMap<String, PoolMemory>>,
+}
+
+impl FailureBook {
+    /// Counts the failed members of the current template in `members` (what failed, by
+    /// UID, in `messages`). The streak ends when the template changes, when a member made
+    /// after its last failure serves, or when `replicas` members of the template serve
+    /// and none of them failed (the pool is whole: nothing waits for a create).
+    #[allow(clippy::too_many_arguments)] // one look at the pool: each input is its own
+    pub fn observe(
+        &self,
+        pool_uid: &str,
+        template_hash: &str,
+        replicas: usize,
+        members: &[Member],
+        messages: &BTreeMap<String, String>,
+        now: jiff::Timestamp,
+        backoff: CreateBackoff,
+    ) -> Observed {
+        let Ok(mut pools) = self.pools.lock() else {
+            return Observed::default();
+        };
+        let memory = pools.entry(pool_uid.to_string()).or_default();
+        let current: Vec<&Member> = members
+            .iter()
+            .filter(|m| m.template_hash.as_deref() == Some(template_hash) && !m.leaving())
+            .collect();
+        let mut out = Observed::default();
+        if let Some(s) = &memory.streak {
+            let other_template = s.template_hash != template_hash;
+            let proven = current
+                .iter()
+                .any(|m| m.serving && !m.failed && m.created > s.last_at);
+            let whole = !current.iter().any(|m| m.failed)
+                && current.iter().filter(|m| m.serving).count() >= replicas.max(1);
+            if other_template || proven || whole {
+                memory.streak = None;
+                out.cleared = !other_template;
+            }
+        }
+        for m in current.iter().filter(|m| m.failed) {
+            if !memory.counted.insert(m.uid.clone()) {
+                continue;
+            }
+            let what = format!(
+                "{} on {}: {}",
+                m.name,
+                m.host.as_deref().unwrap_or("no host"),
+                messages.get(&m.uid).map_or("failed", String::as_str)
+            );
+            let s = memory.streak.get_or_insert_with(|| Streak {
+                template_hash: template_hash.to_string(),
+                count: 0,
+                last_at: now,
+                last: String::new(),
+                until: now,
+            });
+            s.count = s.count.saturating_add(1);
+            s.last_at = now;
+            s.last.clone_from(&what);
+            let wait = jiff::SignedDuration::try_from(backoff.after(s.count))
+                .unwrap_or(jiff::SignedDuration::ZERO);
+            s.until = now.checked_add(wait).unwrap_or(now);
+            out.new.push((m.name.clone(), what));
+            out.cleared = false;
+        }
+        // Forget members that are gone: a UID is never reused.
+        memory
+            .counted
+            .retain(|uid| members.iter().any(|m| &m.uid == uid));
+        out.streak.clone_from(&memory.streak);
+        out
+    }
+
+    /// Forgets every pool whose UID is not in `live`.
+    pub fn retain(&self, live: &std::collections::HashSet<String>) {
+        if let Ok(mut pools) = self.pools.lock() {
+            pools.retain(|uid, _| live.contains(uid));
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn at(s: i64) -> jiff::Timestamp {
+        jiff::Timestamp::from_second(1_800_000_000 + s).unwrap()
+    }
+
+    fn member(name: &str, hash: &str, created: i64, failed: bool, serving: bool) -> Member {
+        Member {
+            name: name.into(),
+            uid: format!("uid-{name}"),
+            address: None,
+            host: Some("h1".into()),
+            created: at(created),
+            template_hash: Some(hash.into()),
+            draining_since: None,
+            leased: false,
+            deleting: false,
+            ready: serving,
+            serving,
+            failed,
+            not_serving_since: None,
+        }
+    }
+
+    #[test]
+    fn the_backoff_doubles_up_to_its_cap() {
+        let b = CreateBackoff::default();
+        let secs: Vec<u64> = (1..=9).map(|n| b.after(n).as_secs()).collect();
+        assert_eq!(secs, [5, 10, 20, 40, 80, 160, 300, 300, 300]);
+        assert_eq!(b.after(u32::MAX).as_secs(), 300);
+    }
+
+    #[test]
+    fn each_failure_counts_once_and_a_proven_template_clears_the_streak() {
+        let book = FailureBook::default();
+        let b = CreateBackoff::default();
+        let look = |members: &[Member], now: i64| {
+            let messages = BTreeMap::from([(
+                "uid-a".to_string(),
+                "RenderFailed: bad settings".to_string(),
+            )]);
+            book.observe("pool", "t2", 2, members, &messages, at(now), b)
+        };
+        let a = member("a", "t2", 0, true, false);
+        let old = member("o", "t1", 0, true, false);
+        let seen = look(&[a.clone(), old], 10);
+        assert_eq!(
+            seen.new,
+            [(
+                "a".to_string(),
+                "a on h1: RenderFailed: bad settings".to_string()
+            )],
+            "a failed member of an older template is not the current template's failure"
+        );
+        assert_eq!(
+            seen.gate(),
+            CreateGate::Backoff {
+                until: at(15),
+                since: at(10)
+            }
+        );
+
+        let again = look(std::slice::from_ref(&a), 12);
+        assert!(again.new.is_empty(), "seen once only");
+        assert_eq!(again.streak.as_ref().map(|s| s.count), Some(1));
+
+        let c = member("c", "t2", 16, true, false);
+        let seen = look(&[a.clone(), c.clone()], 17);
+        assert_eq!(seen.streak.as_ref().map(|s| s.count), Some(2));
+        assert!(seen.streak.unwrap().last.ends_with(": failed"));
+
+        // A member made before the last failure serving proves nothing.
+        let early = member("e", "t2", 5, false, true);
+        let kept = look(&[a.clone(), c.clone(), early.clone()], 30);
+        assert!(kept.streak.is_some() && !kept.cleared);
+        // One made after it does; the failed members still there are not counted again.
+        let proven = member("d", "t2", 28, false, true);
+        let cleared = look(&[a.clone(), c.clone(), early.clone(), proven.clone()], 40);
+        assert!(cleared.cleared);
+        assert_eq!(cleared.gate(), CreateGate::Open);
+        let later = look(&[a, c, early, proven], 41);
+        assert!(later.streak.is_none() && later.new.is_empty(), "{later:?}");
+    }
+
+    #[test]
+    fn a_new_template_or_a_whole_pool_ends_the_streak() {
+        let book = FailureBook::default();
+        let b = CreateBackoff::default();
+        let none = BTreeMap::new();
+        let a = member("a", "t2", 0, true, false);
+        assert!(
+            book.observe("p", "t2", 2, std::slice::from_ref(&a), &none, at(1), b)
+                .streak
+                .is_some()
+        );
+        let fixed = book.observe("p", "t3", 2, std::slice::from_ref(&a), &none, at(2), b);
+        assert!(fixed.streak.is_none(), "the template changed: {fixed:?}");
+
+        let book = FailureBook::default();
+        assert!(
+            book.observe("q", "t2", 2, std::slice::from_ref(&a), &none, at(1), b)
+                .streak
+                .is_some()
+        );
+        // The failed one is gone and two made before the failure serve: nothing waits.
+        let up = [
+            member("x", "t2", 0, false, true),
+            member("y", "t2", 0, false, true),
+        ];
+        let whole = book.observe("q", "t2", 2, &up, &none, at(3), b);
+        assert!(whole.cleared && whole.streak.is_none(), "{whole:?}");
+        // An empty pool is not whole.
+        assert!(
+            book.observe("r", "t2", 2, std::slice::from_ref(&a), &none, at(1), b)
+                .streak
+                .is_some()
+        );
+        let empty = book.observe("r", "t2", 2, &[], &none, at(3), b);
+        assert!(empty.streak.is_some(), "{empty:?}");
+    }
+}
