@@ -129,6 +129,10 @@ pub struct ControlPlane {
     tokens: Mutex<Vec<(String, PathBuf)>>,
     /// Where ServiceAccount kubeconfigs of an external cluster go.
     scratch: TempDir,
+    /// Whether this process applied the CRDs already: each test calls
+    /// [`ControlPlane::install_crds`], and applying them again while another test has
+    /// changed a CRD on purpose (a newer version's field) would undo that mid-test.
+    crds_installed: tokio::sync::Mutex<bool>,
 }
 
 #[derive(Debug)]
@@ -165,6 +169,7 @@ impl ControlPlane {
                 kubectl,
                 local: None,
                 tokens: Mutex::new(Vec::new()),
+                crds_installed: tokio::sync::Mutex::new(false),
                 scratch,
             });
         }
@@ -179,6 +184,7 @@ impl ControlPlane {
                         kubectl,
                         local: Some(local),
                         tokens: Mutex::new(Vec::new()),
+                        crds_installed: tokio::sync::Mutex::new(false),
                         scratch,
                     });
                 }
@@ -232,8 +238,20 @@ impl ControlPlane {
     }
 
     /// Applies `config/crd/bases` by server-side apply, as a platform team would, and waits
-    /// until every CRD there is Established. Safe to call again.
+    /// until every CRD there is Established; once per process (later calls return at once:
+    /// see [`ControlPlane::reinstall_crds`]).
     pub async fn install_crds(&self) -> Result<()> {
+        let mut installed = self.crds_installed.lock().await;
+        if !*installed {
+            self.reinstall_crds().await?;
+            *installed = true;
+        }
+        Ok(())
+    }
+
+    /// Applies `config/crd/bases` again, even if this process did already (to put back
+    /// a CRD a test changed), and waits until they are established.
+    pub async fn reinstall_crds(&self) -> Result<()> {
         let crds = crate::workspace_root().join("config/crd/bases");
         let crds = crds.to_string_lossy();
         self.kubectl_run(&[
