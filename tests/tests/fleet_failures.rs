@@ -14,7 +14,9 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use egress_operator::api::proxy::Proxy;
-use egress_operator::api::proxy_pool::{POOL_LABEL, ProxyPool};
+use egress_operator::api::proxy_pool::{
+    DRAINING_ANNOTATION, LEASE_LABEL, POOL_LABEL, ProxyPool, TEMPLATE_HASH_LABEL,
+};
 use egress_operator::config::ValidConfig;
 use egress_operator::fleet::failures::CreateBackoff;
 use egress_operator::fleet::pool::FleetContext;
@@ -23,7 +25,7 @@ use integration_tests::harness::ControlPlane;
 use k8s_openapi::api::events::v1::Event as KubeEvent;
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::Condition;
 use kube::api::{ListParams, Patch, PatchParams, PostParams};
-use kube::{Api, Client, ResourceExt};
+use kube::{Api, Client, Resource, ResourceExt};
 use tokio::time::Instant;
 
 /// Hang guard of every wait: generous, never a performance assertion.
@@ -573,4 +575,61 @@ async fn a_skewed_crd_leaves_one_pool_out_and_drops_unknown_status_fields_visibl
     .await;
     controller.stop().await;
     cp.reinstall_crds().await.unwrap();
+}
+
+/// Issue 33, item 13: a pool whose members beyond `replicas` are all leased has nothing to
+/// do (the leases give them back), so it is not `Progressing`. Before the fix it counted
+/// every member of the current template against `replicas`, stayed `Progressing=True`
+/// (`RollingOut`) for as long as the leases held, and was looked at every 5 s.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn leased_members_beyond_replicas_are_not_a_rollout() {
+    let cp = ControlPlane::start().unwrap();
+    let (admin, operator, ns, _ns) = setup(&cp, "pool-leased").await;
+    let pool = create_pool(
+        &admin,
+        &ns,
+        serde_json::json!({"replicas": 1, "template": {"provider": "kvm2", "image": "debian-12"}}),
+    )
+    .await;
+    // Two members, both leased and serving, made as the pool controller makes them.
+    let proxies = Api::<Proxy>::namespaced(admin.clone(), &ns);
+    for name in ["office-a", "office-b"] {
+        let mut p = Proxy::new(name, pool.spec.template.proxy_spec(Some("h1".into())));
+        p.metadata.labels = Some(std::collections::BTreeMap::from([
+            (POOL_LABEL.to_string(), "office".to_string()),
+            (TEMPLATE_HASH_LABEL.to_string(), pool.spec.template.hash()),
+            (LEASE_LABEL.to_string(), format!("lease-of-{name}")),
+        ]));
+        p.metadata.owner_references = Some(vec![pool.controller_owner_ref(&()).unwrap()]);
+        proxies.create(&PostParams::default(), &p).await.unwrap();
+        serve(&admin, &ns, name, "198.51.100.7").await;
+    }
+    let controller = PoolController::start(&operator);
+    let pools = Api::<ProxyPool>::namespaced(admin.clone(), &ns);
+    let progressing = poll("the pool's status", || async {
+        let p = pools.get("office").await.ok()?;
+        p.status?
+            .conditions
+            .into_iter()
+            .find(|c| c.type_ == "Progressing")
+    })
+    .await;
+    println!("Progressing: {progressing:?}");
+    assert_eq!(progressing.status, "False", "{progressing:?}");
+    assert_eq!(progressing.reason, "Settled");
+    // Nothing was drained, deleted or created.
+    let listed = proxies.list(&ListParams::default()).await.unwrap().items;
+    assert!(
+        listed
+            .iter()
+            .all(|p| !p.annotations().contains_key(DRAINING_ANNOTATION)),
+        "{listed:?}"
+    );
+    let names: BTreeSet<String> = listed.iter().map(|p| p.name_any()).collect();
+    assert_eq!(
+        names,
+        BTreeSet::from(["office-a".into(), "office-b".into()])
+    );
+    assert_eq!(controller.metrics.actions(&ns, "office", "created"), 0);
+    controller.stop().await;
 }

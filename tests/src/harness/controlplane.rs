@@ -133,6 +133,10 @@ pub struct ControlPlane {
     /// [`ControlPlane::install_crds`], and applying them again while another test has
     /// changed a CRD on purpose (a newer version's field) would undo that mid-test.
     crds_installed: tokio::sync::Mutex<bool>,
+    /// Whether this process applied the operator's namespace and RBAC already: tests that
+    /// applied them at once raced (`kubectl apply` read, then both created the namespace,
+    /// and one got `AlreadyExists`).
+    rbac_installed: Mutex<bool>,
 }
 
 #[derive(Debug)]
@@ -170,6 +174,7 @@ impl ControlPlane {
                 local: None,
                 tokens: Mutex::new(Vec::new()),
                 crds_installed: tokio::sync::Mutex::new(false),
+                rbac_installed: Mutex::new(false),
                 scratch,
             });
         }
@@ -185,6 +190,7 @@ impl ControlPlane {
                         local: Some(local),
                         tokens: Mutex::new(Vec::new()),
                         crds_installed: tokio::sync::Mutex::new(false),
+                        rbac_installed: Mutex::new(false),
                         scratch,
                     });
                 }
@@ -272,12 +278,21 @@ impl ControlPlane {
         Ok(())
     }
 
-    /// Creates the operator's namespace and applies `config/rbac` as shipped (kustomize).
+    /// Creates the operator's namespace and applies `config/rbac` as shipped (kustomize);
+    /// once per process, the tests that call it at once wait for the first.
     pub fn install_rbac(&self) -> Result<()> {
+        let mut installed = self
+            .rbac_installed
+            .lock()
+            .map_err(|_| anyhow!("rbac flag poisoned"))?;
+        if *installed {
+            return Ok(());
+        }
         let namespace = crate::workspace_root().join("config/manager/namespace.yaml");
         self.kubectl_run(&["apply", "-f", &namespace.to_string_lossy()])?;
         let rbac = crate::workspace_root().join("config/rbac");
         self.kubectl_run(&["apply", "-k", &rbac.to_string_lossy()])?;
+        *installed = true;
         Ok(())
     }
 
