@@ -116,6 +116,9 @@ pub struct AuditedRequest {
     pub code: u16,
     /// The request URI.
     pub uri: String,
+    /// When the API server received it (the audit event's `requestReceivedTimestamp`,
+    /// RFC 3339).
+    pub received: Option<String>,
 }
 
 /// A Kubernetes API server the tests talk to: a local one we started, or the cluster of
@@ -438,6 +441,7 @@ impl ControlPlane {
                 name: str_of(&obj["name"]),
                 code: v["responseStatus"]["code"].as_u64().unwrap_or_default() as u16,
                 uri: str_of(&v["requestURI"]).unwrap_or_default(),
+                received: str_of(&v["requestReceivedTimestamp"]),
             });
         }
         Ok(Some(out))
