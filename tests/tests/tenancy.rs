@@ -35,14 +35,21 @@ async fn a_resource_quota_caps_a_namespaces_proxies_and_pools() -> Result<()> {
         }},
     }))?;
     quotas.create(&PostParams::default(), &quota).await?;
-    // Quota admission refuses every create until the quota controller has counted.
+    // Quota admission refuses every create of a resource until the quota controller has
+    // counted that resource ("status unknown for quota"), and it counts each one on its
+    // own: wait for all three.
     let start = Instant::now();
     loop {
         let q = quotas.get("egress").await?;
-        let key = "count/proxies.egress-operator.dev";
         let counted = q.status.is_some_and(|s| {
-            s.hard.is_some_and(|h| h.contains_key(key))
-                && s.used.is_some_and(|u| u.contains_key(key))
+            let (hard, used) = (s.hard.unwrap_or_default(), s.used.unwrap_or_default());
+            [
+                "count/proxies.egress-operator.dev",
+                "count/proxypools.egress-operator.dev",
+                "count/proxyleases.egress-operator.dev",
+            ]
+            .iter()
+            .all(|k| hard.contains_key(*k) && used.contains_key(*k))
         });
         if counted {
             break;
