@@ -191,11 +191,16 @@ pub fn image_heartbeat_name(sha256: &str) -> String {
     format!("{NAME_PREFIX}imghb-{}", short_digest(sha256))
 }
 
-/// The small volume in which the cluster `cluster_id` announces, on a host it shares,
-/// which images it uses there (see the image cache's `uses`): named by a digest of the
-/// cluster ID, so each cluster has its own and finds the others'.
-pub fn image_use_name(cluster_id: &str) -> String {
-    let d = Sha256::digest(format!("egress-operator/cluster/{cluster_id}").as_bytes());
+/// The small volume in which the cluster `cluster_id` (of UID `cluster_uid`, in a
+/// cluster) announces, on a host it shares, which images it uses there (see the image
+/// cache's `uses`): named by a digest of both, so each cluster has its own, twins under
+/// one `clusterId` included, and finds the others'.
+pub fn image_use_name(cluster_id: &str, cluster_uid: Option<&str>) -> String {
+    let who = match cluster_uid {
+        Some(uid) => format!("egress-operator/cluster/{cluster_id}/{uid}"),
+        None => format!("egress-operator/cluster/{cluster_id}"),
+    };
+    let d = Sha256::digest(who.as_bytes());
     format!("{NAME_PREFIX}imguse-{}", &hex::encode(d)[..48])
 }
 
@@ -311,8 +316,11 @@ pub fn name_based_uid(namespace: &str, name: &str) -> String {
 /// The ownership mark: who made a domain, for which Proxy, when.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct MetadataMark {
-    /// Cluster ID from the providers config.
+    /// Cluster ID from the providers config (or derived from the cluster UID).
     pub cluster_id: String,
+    /// The cluster's UID (its `kube-system` namespace's): what tells two clusters with one
+    /// `clusterId` apart. `None` in marks the CLI wrote, and in marks from before UIDs.
+    pub cluster_uid: Option<String>,
     /// Proxy namespace.
     pub namespace: String,
     /// Proxy name.
@@ -341,9 +349,14 @@ impl MetadataMark {
         if let Some(address) = &self.address {
             net.push_str(&format!("<eo:address>{address}</eo:address>"));
         }
+        let cluster_uid = self
+            .cluster_uid
+            .as_deref()
+            .map(|u| format!("<eo:clusterUid>{}</eo:clusterUid>", e(u)))
+            .unwrap_or_default();
         format!(
             "<eo:instance xmlns:eo=\"{METADATA_NS}\"><eo:managed>true</eo:managed>\
-             <eo:cluster>{}</eo:cluster><eo:proxy namespace=\"{}\" name=\"{}\" uid=\"{}\"/>\
+             <eo:cluster>{}</eo:cluster>{cluster_uid}<eo:proxy namespace=\"{}\" name=\"{}\" uid=\"{}\"/>\
              <eo:createdAt>{}</eo:createdAt>{net}</eo:instance>",
             e(&self.cluster_id),
             e(&self.namespace),
@@ -441,8 +454,17 @@ mod tests {
             Some(VolumeName::ImageHeartbeat { digest })
         );
         // One announcement per cluster, a DNS-1123 label, distinct per cluster ID.
-        let (a, b) = (image_use_name("prod"), image_use_name("staging"));
+        let (a, b) = (
+            image_use_name("prod", None),
+            image_use_name("staging", None),
+        );
         assert_ne!(a, b);
+        let twins = (
+            image_use_name("prod", Some("0b7c3c1e-9a43-4f5e-a1d2-3c4b5a697887")),
+            image_use_name("prod", Some("7f00aa01-0000-4000-8000-000000000001")),
+        );
+        assert_ne!(twins.0, twins.1, "twins under one clusterId announce apart");
+        assert_ne!(twins.0, a);
         assert!(a.len() <= 63, "{a}");
         assert!(matches!(
             VolumeName::parse(&a),
@@ -476,6 +498,7 @@ mod tests {
     fn mark_escapes_values() {
         let m = MetadataMark {
             cluster_id: "c".into(),
+            cluster_uid: None,
             namespace: "ns".into(),
             name: "a\"<b>&".into(),
             uid: "u".into(),

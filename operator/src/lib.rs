@@ -7,6 +7,7 @@ pub mod allocator;
 pub mod api;
 pub mod authoring;
 pub mod cli;
+pub mod cluster_identity;
 pub mod config;
 pub mod controller;
 pub mod error;

@@ -144,8 +144,10 @@ pub fn inputs_with(
     let meta = owner;
     let uid = owner.uid.clone();
     let identity = InstanceIdentity::for_uid(&uid).map_err(|e| format!("metadata.uid: {e}"))?;
+    let me = config.identity().get().map_err(|e| e.to_string())?;
     let mark = MetadataMark {
-        cluster_id: config.cluster_id.clone(),
+        cluster_id: me.id.clone(),
+        cluster_uid: me.uid.clone(),
         namespace: meta.namespace.clone(),
         name: meta.name.clone(),
         uid: uid.clone(),

@@ -177,7 +177,7 @@ impl Rig {
         vec![
             image_volume_name(&self.image_sha),
             image_marker_name(&self.image_sha),
-            egress_operator::instance::image_use_name("test"),
+            egress_operator::instance::image_use_name("test", None),
         ]
     }
 }

@@ -149,7 +149,7 @@ impl FakeWorld {
         names([
             image_volume_name(&self.sha),
             image_marker_name(&self.sha),
-            egress_operator::instance::image_use_name("test"),
+            egress_operator::instance::image_use_name("test", None),
         ])
     }
 

@@ -1147,6 +1147,12 @@ async fn calls_the_code_makes() -> Vec<Call> {
     let (client, recorded) = recording_api(vec![
         (proxy_path.clone(), serde_json::to_value(&proxy).unwrap()),
         (format!("/api/v1/namespaces/{NS}/secrets/ud"), secret),
+        (
+            "/api/v1/namespaces/kube-system".to_string(),
+            json!({"apiVersion": "v1", "kind": "Namespace",
+                   "metadata": {"name": "kube-system",
+                                "uid": "0b7c3c1e-9a43-4f5e-a1d2-3c4b5a697887"}}),
+        ),
         (format!("{pool_base}/proxypools/office"), pool),
         (
             format!("{pool_base}/proxies/office-a"),
@@ -1246,6 +1252,12 @@ async fn calls_the_code_makes() -> Vec<Call> {
     );
     reconcile(&proxy).await.unwrap();
     assert!(fake.instances().is_empty(), "the delete ran");
+
+    // The cluster identity, read once at start: the kube-system namespace's UID.
+    let uid = egress_operator::cluster_identity::read_cluster_uid(&client)
+        .await
+        .unwrap();
+    assert_eq!(uid, "0b7c3c1e-9a43-4f5e-a1d2-3c4b5a697887");
 
     // The garbage collector's index: a paged list and a fresh read before a delete.
     let index = KubeProxyIndex::new(client.clone());

@@ -124,6 +124,9 @@ async fn the_operator_runs_as_its_service_account_and_is_never_refused() {
         max_size_mib: None,
     }];
     let mut yaml = provider_config_yaml(&sshd, &libvirtd, "h1", &images, &[]).unwrap();
+    // As shipped: no clusterId, so the operator derives it from the cluster's UID.
+    assert!(yaml.contains("clusterId: test\n"), "{yaml}");
+    yaml = yaml.replacen("clusterId: test\n", "", 1);
     yaml = yaml.replacen(
         "disableKvm: true}",
         &format!(
@@ -195,6 +198,26 @@ async fn the_operator_runs_as_its_service_account_and_is_never_refused() {
         "Ready without a probe answered by the stand-in proxy"
     );
     println!("Proxy {}/office Ready at {address} on h1", ns.name());
+
+    // Its mark names this cluster by the derived clusterId and the kube-system UID.
+    let cluster_uid = Api::<k8s_openapi::api::core::v1::Namespace>::all(client.clone())
+        .get("kube-system")
+        .await
+        .unwrap()
+        .metadata
+        .uid
+        .unwrap();
+    let domain_xml = libvirtd
+        .virsh(&libvirtd.qemu_uri(), &["dumpxml", &format!("egress-{uid}")])
+        .unwrap();
+    let mark = egress_operator::provider::kvm2::metadata::mark_from_domain_xml(&domain_xml)
+        .unwrap()
+        .expect("the domain carries the mark");
+    assert_eq!(mark.cluster_uid.as_deref(), Some(cluster_uid.as_str()));
+    assert_eq!(
+        mark.cluster_id,
+        egress_operator::cluster_identity::derive_id(&cluster_uid)
+    );
 
     // The health monitor wrote ProviderHealth for kvm2.
     let health: Api<ProviderHealth> = Api::all(client.clone());

@@ -476,7 +476,7 @@ fn a_crashed_uploaders_leftover_is_taken_over_after_the_stale_window() {
         let mut expected = vec![
             data.clone(),
             marker.clone(),
-            egress_operator::instance::image_use_name("test"),
+            egress_operator::instance::image_use_name("test", None),
             id.root_volume.clone(),
             id.seed_volume.clone(),
         ];

@@ -169,7 +169,7 @@ impl Env {
         names([
             image_volume_name(&self.sha),
             image_marker_name(&self.sha),
-            egress_operator::instance::image_use_name("test"),
+            egress_operator::instance::image_use_name("test", None),
         ])
     }
 
@@ -274,6 +274,7 @@ fn request(uid: &str, name: &str, host: Option<&str>) -> CreateRequest {
 fn mark(cluster: &str, name: &str, uid: &str) -> MetadataMark {
     MetadataMark {
         cluster_id: cluster.into(),
+        cluster_uid: None,
         namespace: "default".into(),
         name: name.into(),
         uid: uid.into(),
@@ -2562,11 +2563,12 @@ mod lifecycle {
         });
     }
 
-    /// Issue 19, finding 5: a host shared with another cluster (a domain carries its mark)
-    /// shares its images by content: a base this cluster retired may be the other's, so it
-    /// is never collected here.
+    /// Issue 35, item 6: a host shared with another cluster (a domain carries its mark)
+    /// no longer keeps every retired base. A base their overlay is backed by is kept (the
+    /// backing-store check), as is one their fresh announcement lists (below); any other
+    /// retired base is collected as on a host of our own.
     #[test]
-    fn retired_images_are_not_collected_on_a_host_shared_with_another_cluster() {
+    fn a_shared_host_keeps_only_the_bases_the_other_cluster_uses() {
         let env = Env::new();
         run(async {
             let clock = Clock::default();
@@ -2574,10 +2576,11 @@ mod lifecycle {
             let index = Arc::new(FakeProxyIndex::new());
             let gc = gc_over(vec![p.clone()], index.clone(), &clock, 0)
                 .with_volumes(vec![p.clone() as Arc<dyn VolumeCollector>]);
-            let (data, marker, _, _) = retired("shared base");
-            for host in ["h1", "h2"] {
-                env.fake.put_volume(host, &data, b"base");
-                env.fake.put_volume(host, &marker, b"");
+            let (used, used_marker, _, _) = retired("their base");
+            let (unused, unused_marker, _, _) = retired("nobody's base");
+            for (data, marker) in [(&used, &used_marker), (&unused, &unused_marker)] {
+                env.fake.put_volume("h1", data, b"base");
+                env.fake.put_volume("h1", marker, b"");
             }
             let theirs = uid(0x40);
             env.fake.put_domain(
@@ -2586,22 +2589,155 @@ mod lifecycle {
                 &domain_xml(&dom(&theirs), Some(&mark("other-cluster", "p", &theirs))),
                 InstanceState::Running,
             );
+            let overlay = format!("egress-{theirs}-root");
+            env.fake.put_overlay("h1", "default", &overlay, &used);
             for _ in 0..3 {
                 gc.sweep_once().await;
                 clock.advance(7200);
             }
-            assert!(env.volumes("h1").contains(&data), "shared: kept");
-            assert!(!env.volumes("h2").contains(&data), "ours alone: collected");
+            let volumes = env.volumes("h1");
+            assert!(volumes.contains(&used), "backs their overlay: kept");
+            assert!(volumes.contains(&overlay), "their overlay: untouched");
+            assert!(!volumes.contains(&unused), "used by nobody: collected");
+            assert!(!volumes.contains(&unused_marker));
+        });
+    }
+
+    /// Issue 35, item 5: two clusters that share hosts and a `clusterId` (a config
+    /// copied from one to the other) tell their VMs apart by the cluster UID in the mark.
+    /// Neither collects the other's VMs, though each one's index knows none of the
+    /// other's Proxies; the host they share is not collected at all (nor our own orphan
+    /// there) and each says so, in the sweep's report, an event and a gauge; a host only
+    /// one of them uses is collected as usual.
+    #[test]
+    fn twins_under_one_cluster_id_collect_nothing_of_each_other() {
+        use egress_operator::gc::events::GcEvents;
+        const UID_A: &str = "0b7c3c1e-9a43-4f5e-a1d2-3c4b5a697887";
+        const UID_B: &str = "7f00aa01-0000-4000-8000-000000000001";
+
+        /// Hosts refused, with why.
+        type Refusals = Vec<(String, String)>;
+        #[derive(Default)]
+        struct Recorded(std::sync::Mutex<Vec<(String, Refusals)>>);
+        impl GcEvents for Recorded {
+            fn refused<'a>(
+                &'a self,
+                provider: &'a str,
+                hosts: &'a [(String, String)],
+            ) -> futures_util::future::BoxFuture<'a, ()> {
+                self.0
+                    .lock()
+                    .unwrap()
+                    .push((provider.to_string(), hosts.to_vec()));
+                Box::pin(async {})
+            }
+        }
+
+        let env = Env::new();
+        run(async {
+            let clock = Clock::default();
+            // Two parses of one config: two clusters, each with its own UID.
+            let a_config = env.config.clone();
+            let b_config = test_config(&env.http.url("/img"), &env.sha, 32);
+            a_config.identity().resolve_in_cluster(UID_A).unwrap();
+            b_config.identity().resolve_in_cluster(UID_B).unwrap();
+            assert_eq!(a_config.identity().get().unwrap().id, "test");
+            assert_eq!(b_config.identity().get().unwrap().id, "test");
+            let clocked = |config: &Arc<ValidConfig>| {
+                let mut options = logic_options(HealthBoard::default());
+                options.clock = clock.stamp();
+                Arc::new(fake_rig::provider_with(config, env.ops(), options))
+            };
+            let (a, b) = (clocked(&a_config), clocked(&b_config));
+            let (ua, ua_orphan, ua2, ub) = (uid(0x51), uid(0x52), uid(0x53), uid(0x54));
+            a.create(&request(&ua, "a", Some("h1"))).await.unwrap();
+            a.create(&request(&ua_orphan, "a-gone", Some("h1")))
+                .await
+                .unwrap();
+            a.create(&request(&ua2, "a-gone-2", Some("h2")))
+                .await
+                .unwrap();
+            b.create(&request(&ub, "b", Some("h1"))).await.unwrap();
+            let listed = env.ops().list_domains("h1").await.unwrap();
+            let mark_of = |u: &str| {
+                listed
+                    .iter()
+                    .find(|d| d.name == dom(u))
+                    .and_then(|d| d.mark.clone())
+                    .expect("marked")
+            };
+            assert_eq!(mark_of(&ua).cluster_uid.as_deref(), Some(UID_A));
+            assert_eq!(mark_of(&ub).cluster_uid.as_deref(), Some(UID_B));
+
+            // Each index knows its own live Proxy only.
+            let a_index = Arc::new(FakeProxyIndex::new());
+            a_index.insert(&ua, owner("a", Some(id_on("h1", &ua)), false));
+            let b_index = Arc::new(FakeProxyIndex::new());
+            b_index.insert(&ub, owner("b", Some(id_on("h1", &ub)), false));
+            let events = Arc::new(Recorded::default());
+            let a_gc = gc_over(vec![a.clone()], a_index, &clock, 0)
+                .with_volumes(vec![a.clone() as Arc<dyn VolumeCollector>])
+                .with_events(events.clone());
+            let b_gc = gc_over(vec![b.clone()], b_index, &clock, 0)
+                .with_volumes(vec![b.clone() as Arc<dyn VolumeCollector>]);
+            let mut reports = Vec::new();
+            for _ in 0..3 {
+                clock.advance(7200);
+                reports.push(a_gc.sweep_once().await);
+                b_gc.sweep_once().await;
+            }
+            for u in [&ua, &ua_orphan, &ub] {
+                assert!(
+                    env.fake.domains("h1").contains(&dom(u)),
+                    "{u} on the shared host: kept"
+                );
+            }
+            assert!(
+                !env.fake.domains("h2").contains(&dom(&ua2)),
+                "a's orphan on a host no twin shares: collected"
+            );
+            let last = reports.last().unwrap();
+            let skipped: Vec<_> = last
+                .skipped_targets
+                .iter()
+                .map(|s| (s.target.as_str(), s.class))
+                .collect();
+            assert_eq!(skipped, vec![("h1", ErrorClass::Permanent)], "{last:?}");
+            let message = &last.skipped_targets[0].message;
+            assert!(
+                message.contains("two clusters share a clusterId") && message.contains(UID_B),
+                "{message}"
+            );
+            assert!(
+                last.volume_targets_skipped.iter().any(|s| s.target == "h1"),
+                "the volumes of the shared host are not collected either: {last:?}"
+            );
+            assert_eq!(a.sharing().twins("h1"), 1);
+            assert_eq!(a.sharing().twins("h2"), 0);
+            assert_eq!(b.sharing().twins("h1"), 2, "b sees both of a's domains");
+            let raised = events.0.lock().unwrap().clone();
+            assert_eq!(raised.len(), 3, "one event per sweep: {raised:?}");
+            assert!(
+                raised
+                    .iter()
+                    .all(|(p, hosts)| p == "kvm2" && hosts.len() == 1 && hosts[0].0 == "h1"),
+                "{raised:?}"
+            );
+            // Neither can delete the other's VM by id, either.
+            let err = a.delete(&id_on("h1", &ub)).await.unwrap_err();
+            assert!(env.fake.domains("h1").contains(&dom(&ub)), "{err}");
         });
     }
 
     /// Issue 19, finding 5: a host shared with another cluster that has no domain there
     /// yet. What it announced it uses (its Creates write the announcement once the base is
     /// sure) is kept while the announcement is fresh; once it has not changed for the
-    /// stale window, the retired base goes. The announcement itself is never collected.
+    /// stale window, the retired base goes; once unchanged for six windows, the
+    /// announcement goes too.
     #[test]
     fn retired_images_another_cluster_announced_are_kept_while_it_is_fresh() {
-        use egress_operator::provider::kvm2::image::uses::ImageUses;
+        use egress_operator::cluster_identity::Resolved;
+        use egress_operator::provider::kvm2::image::uses::{COLLECT_AFTER_WINDOWS, ImageUses};
         let env = Env::new();
         run(async {
             let clock = Clock::default();
@@ -2616,21 +2752,31 @@ mod lifecycle {
                 env.fake.put_volume(host, &marker, b"");
             }
             // The other cluster, on h1 only, as its Create would after making sure of it.
+            let other = Resolved {
+                id: "other-cluster".into(),
+                uid: Some("7f00aa01-0000-4000-8000-000000000001".into()),
+            };
             let theirs = ImageUses::new(
-                "other-cluster",
                 vec![egress_operator::instance::image_digest(&sha)],
                 STALE_AFTER,
             );
             theirs
-                .announce(env.ops().as_ref(), "h1", "default")
+                .announce(&other, env.ops().as_ref(), "h1", "default")
                 .await
                 .unwrap();
+            let announcement = egress_operator::provider::kvm2::image::uses::name_of(&other);
             for _ in 0..3 {
                 gc.sweep_once().await;
                 clock.advance(7200);
             }
             assert!(env.volumes("h1").contains(&data), "announced: kept");
             assert!(!env.volumes("h2").contains(&data), "ours alone: collected");
+            assert_eq!(
+                p.sharing().kept_shared("h1"),
+                1,
+                "kept for the other cluster"
+            );
+            assert_eq!(p.sharing().kept_shared("h2"), 0);
 
             // Their announcement goes stale: no Create of theirs made sure of it since.
             tokio::time::sleep(STALE_AFTER * 2).await;
@@ -2640,8 +2786,24 @@ mod lifecycle {
             }
             assert!(!env.volumes("h1").contains(&data), "stale: collected");
             assert!(
-                env.volumes("h1").contains(theirs.name()),
-                "an announcement is never collected"
+                env.volumes("h1").contains(&announcement),
+                "a stale announcement stays until its cluster has been gone for {COLLECT_AFTER_WINDOWS} windows"
+            );
+            assert_eq!(
+                p.sharing().kept_shared("h1"),
+                0,
+                "nothing is kept for the other cluster any more"
+            );
+
+            // Unchanged for six windows: that cluster left the host; its record goes.
+            tokio::time::sleep(STALE_AFTER * COLLECT_AFTER_WINDOWS).await;
+            for _ in 0..2 {
+                gc.sweep_once().await;
+                clock.advance(7200);
+            }
+            assert!(
+                !env.volumes("h1").contains(&announcement),
+                "an abandoned announcement is collected"
             );
         });
     }
@@ -2656,7 +2818,7 @@ mod lifecycle {
             let p = env.provider();
             let u = uid(0x41);
             p.create(&request(&u, "web", Some("h1"))).await.unwrap();
-            let name = egress_operator::instance::image_use_name("test");
+            let name = egress_operator::instance::image_use_name("test", None);
             let record = env.fake.volume_data("h1", &name).expect("announced");
             let digests = listed(&record).expect("a whole record");
             assert_eq!(

@@ -53,6 +53,12 @@ async fn fake_api(
             "buildDate": "", "goVersion": "", "compiler": "", "platform": "linux/amd64"
         }));
     }
+    if path == "/api/v1/namespaces/kube-system" && method == Method::GET {
+        return json(serde_json::json!({
+            "apiVersion": "v1", "kind": "Namespace",
+            "metadata": {"name": "kube-system", "uid": "0b7c3c1e-9a43-4f5e-a1d2-3c4b5a697887"}
+        }));
+    }
     if path.ends_with("/proxies") && method == Method::GET {
         if query.contains("watch=true") {
             tokio::time::sleep(Duration::from_secs(600)).await;
@@ -360,6 +366,11 @@ fn runs_serves_probes_and_stops_cleanly_on_sigterm() {
         assert!(v.get("level").is_some(), "{line}");
     }
     assert!(stderr.contains("SIGTERM"), "{stderr}");
+    assert!(
+        stderr.lines().any(|l| l.contains("cluster identity")
+            && l.contains("0b7c3c1e-9a43-4f5e-a1d2-3c4b5a697887")),
+        "the cluster identity read from kube-system: {stderr}"
+    );
     assert!(stderr.contains("\"stopped\""), "{stderr}");
     assert!(
         !stderr.contains("not-a-secret"),

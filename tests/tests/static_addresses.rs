@@ -265,6 +265,7 @@ fn a_restart_recovers_allocations_and_delete_frees_one() {
         let foreign = uid(0x99);
         let mark = MetadataMark {
             cluster_id: "other".into(),
+            cluster_uid: None,
             namespace: "default".into(),
             name: "theirs".into(),
             uid: foreign.clone(),
@@ -421,6 +422,7 @@ fn detection_drops_stale_entries_and_a_shared_mac_publishes_nothing() {
         let twin = uid(2);
         let mark = MetadataMark {
             cluster_id: "test".into(),
+            cluster_uid: None,
             namespace: "default".into(),
             name: "twin".into(),
             uid: twin.clone(),

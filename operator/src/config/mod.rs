@@ -9,9 +9,11 @@ pub mod validate;
 
 use std::ops::Deref;
 use std::path::{Path, PathBuf};
+use std::sync::Arc;
 
 pub use types::*;
 
+use crate::cluster_identity::ClusterIdentity;
 use crate::error::{Classified, ErrorClass};
 use crate::validation::Problem;
 
@@ -87,9 +89,16 @@ impl Classified for ConfigError {
     }
 }
 
-/// A providers config that passed every rule, with relative file paths resolved.
-#[derive(Debug, Clone, PartialEq)]
-pub struct ValidConfig(ProvidersConfig);
+/// A providers config that passed every rule, with relative file paths resolved, and the
+/// cluster identity built from it (shared by every clone, so it is resolved once for all).
+#[derive(Debug, Clone)]
+pub struct ValidConfig(ProvidersConfig, Arc<ClusterIdentity>);
+
+impl PartialEq for ValidConfig {
+    fn eq(&self, other: &Self) -> bool {
+        self.0 == other.0
+    }
+}
 
 impl Deref for ValidConfig {
     type Target = ProvidersConfig;
@@ -99,6 +108,11 @@ impl Deref for ValidConfig {
 }
 
 impl ValidConfig {
+    /// Who this cluster is in the marks and announcements it writes: resolved from the
+    /// `kube-system` UID by the operator, or the configured `clusterId` alone by the CLI.
+    pub fn identity(&self) -> &ClusterIdentity {
+        &self.1
+    }
     /// The host of that name.
     pub fn host(&self, name: &str) -> Option<&HostConfig> {
         self.0.kvm2.hosts.iter().find(|h| h.name == name)
@@ -115,8 +129,11 @@ impl ValidConfig {
     pub fn summary(&self) -> String {
         let k = &self.0.kvm2;
         format!(
-            "cluster {:?}: {} host(s), {} image(s), {} machine type(s)",
-            self.0.cluster_id,
+            "cluster {}: {} host(s), {} image(s), {} machine type(s)",
+            match &self.0.cluster_id {
+                Some(id) => format!("{id:?}"),
+                None => "(clusterId derived from the cluster UID)".to_string(),
+            },
             k.hosts.len(),
             k.images.len(),
             k.machine_types.len()
@@ -188,7 +205,8 @@ pub fn parse(text: &str, source: &str, base_dir: &Path) -> Result<ValidConfig, C
     let ssh = &mut config.kvm2.ssh;
     ssh.private_key_file = resolve(base_dir, &ssh.private_key_file);
     ssh.known_hosts_file = resolve(base_dir, &ssh.known_hosts_file);
-    Ok(ValidConfig(config))
+    let identity = Arc::new(ClusterIdentity::new(config.cluster_id.clone()));
+    Ok(ValidConfig(config, identity))
 }
 
 /// Deserialises YAML into `T`, reporting the path of the field that failed.

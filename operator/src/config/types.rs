@@ -25,10 +25,15 @@ pub const DEFAULT_SSH_PORT: u16 = 22;
 #[serde(rename_all = "camelCase", deny_unknown_fields)]
 #[schemars(title = "egress-operator providers config")]
 pub struct ProvidersConfig {
-    /// Identifies this operator's cluster in the mark it writes into every domain it owns,
-    /// so two clusters sharing a host never collect each other's VMs. A DNS-1123 label.
+    /// Names this operator's cluster in the mark it writes into every domain it owns (a
+    /// DNS-1123 label). Optional: when unset, the operator derives it from the
+    /// `kube-system` namespace's UID (`k8s-` and 12 hex digits), which is what a config
+    /// shipped to many clusters should do. Either way the mark also records that UID, so
+    /// two clusters that share a host and a `clusterId` never collect each other's VMs.
+    /// The CLI, which runs outside a cluster, needs it set.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
     #[schemars(length(min = 1, max = DNS1123_LABEL_MAX), pattern(DNS1123_LABEL_PATTERN))]
-    pub cluster_id: String,
+    pub cluster_id: Option<String>,
     /// The KVM/libvirt-over-SSH provider.
     pub kvm2: Kvm2Config,
     /// Garbage collection of orphaned domains.

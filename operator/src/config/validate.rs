@@ -120,7 +120,9 @@ fn range<T: PartialOrd + std::fmt::Display + Copy>(
 /// Checks the whole config and returns every problem found.
 pub fn validate(config: &ProvidersConfig) -> Problems {
     let mut p = Problems::new();
-    p.check("clusterId", rules::dns1123_label(&config.cluster_id));
+    if let Some(id) = &config.cluster_id {
+        p.check("clusterId", rules::dns1123_label(id));
+    }
     validate_kvm2(&config.kvm2, &mut p);
 
     let gc = &config.gc;
@@ -705,7 +707,7 @@ kvm2:
         let cases: &[(&str, Edit, &str, &str)] = &[
             (
                 "cluster id",
-                |c| c.cluster_id = "Prod_1".into(),
+                |c| c.cluster_id = Some("Prod_1".into()),
                 "clusterId",
                 "DNS-1123",
             ),
@@ -1307,7 +1309,7 @@ kvm2:
     #[test]
     fn collects_every_problem_not_just_the_first() {
         let got = problems_of(|c| {
-            c.cluster_id = "X".into();
+            c.cluster_id = Some("X".into());
             c.kvm2.hosts[0].bridge = "br 0".into();
             c.kvm2.hosts[1].bridge = "<b>".into();
             c.kvm2.images[0].sha256 = "nope".into();
@@ -1348,7 +1350,7 @@ kvm2:
         ];
         type Set = fn(&mut ProvidersConfig, String);
         let fields: &[(&str, Set)] = &[
-            ("clusterId", |c, v| c.cluster_id = v),
+            ("clusterId", |c, v| c.cluster_id = Some(v)),
             ("kvm2.ssh.user", |c, v| c.kvm2.ssh.user = v),
             ("kvm2.hosts[0].name", |c, v| c.kvm2.hosts[0].name = v),
             ("kvm2.hosts[0].address", |c, v| c.kvm2.hosts[0].address = v),

@@ -46,6 +46,6 @@ pub(super) fn required_age(
         VolumeKind::UnusedImage => grace.max(SignedDuration::from_secs(i64::from(
             policy.unused_for_seconds,
         ))),
-        VolumeKind::Instance | VolumeKind::Staging => grace,
+        VolumeKind::Instance | VolumeKind::Staging | VolumeKind::Announcement => grace,
     }
 }

@@ -23,6 +23,7 @@ use crate::error::{Classified, ErrorClass};
 use crate::provider::{InstanceId, ProviderError, SharedProvider};
 
 pub mod domains;
+pub mod events;
 pub mod images;
 pub mod index;
 pub mod metrics;
@@ -106,6 +107,8 @@ pub struct GarbageCollector {
     retired: RetiredImagesPolicy,
     /// When each leftover volume group was first seen, by provider, target and key.
     first_seen: Mutex<HashMap<(String, String, String), Timestamp>>,
+    /// Where hosts refused for good are reported; none in tests that do not look.
+    events: Option<Arc<dyn events::GcEvents>>,
 }
 
 impl std::fmt::Debug for GarbageCollector {
@@ -139,7 +142,14 @@ impl GarbageCollector {
             volumes: Vec::new(),
             retired: config.retired_images.clone(),
             first_seen: Mutex::new(HashMap::new()),
+            events: None,
         }
+    }
+
+    /// Reports hosts refused for a permanent reason as events.
+    pub fn with_events(mut self, events: Arc<dyn events::GcEvents>) -> Self {
+        self.events = Some(events);
+        self
     }
 
     /// Also sweeps the leftover volumes of these providers.
@@ -176,6 +186,11 @@ impl GarbageCollector {
             self.sweep_volumes(ctl, &owners, now, &mut report).await;
         }
         self.finish(&report, started);
+        if let Some(events) = &self.events {
+            for (provider, hosts) in events::refused_hosts(&report) {
+                events.refused(&provider, &hosts).await;
+            }
+        }
         report
     }
 

@@ -32,6 +32,9 @@ pub enum VolumeKind {
     Staging,
     /// The verified base of an image no longer configured, used by no volume.
     UnusedImage,
+    /// Another cluster's image announcement, unchanged for so long that the cluster has
+    /// left the host.
+    Announcement,
 }
 
 impl VolumeKind {
@@ -41,6 +44,7 @@ impl VolumeKind {
             VolumeKind::Instance => "instance",
             VolumeKind::Staging => "staging",
             VolumeKind::UnusedImage => "unused-image",
+            VolumeKind::Announcement => "announcement",
         }
     }
 }
@@ -254,7 +258,7 @@ impl GarbageCollector {
                 }
                 let age = now.duration_since(first);
                 let needed = match c.kind {
-                    VolumeKind::Instance => self.grace,
+                    VolumeKind::Instance | VolumeKind::Announcement => self.grace,
                     VolumeKind::Staging | VolumeKind::UnusedImage => {
                         images::required_age(c.kind, self.grace, &self.retired)
                     }

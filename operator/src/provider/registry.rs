@@ -58,12 +58,17 @@ impl Registry {
         options: Kvm2Options,
         registry: Option<&mut prometheus_client::registry::Registry>,
     ) -> Result<(Self, Kvm2Parts), HostError> {
+        let mut options = options;
         let (call_metrics, image_metrics, metrics) = match registry {
-            Some(r) => (
-                CallMetrics::register(r),
-                ImageMetrics::register(r),
-                ProviderMetrics::register(r),
-            ),
+            Some(r) => {
+                options.sharing =
+                    crate::provider::kvm2::domain::sharing::SharingMetrics::register(r);
+                (
+                    CallMetrics::register(r),
+                    ImageMetrics::register(r),
+                    ProviderMetrics::register(r),
+                )
+            }
             None => (
                 CallMetrics::unregistered(),
                 ImageMetrics::default(),

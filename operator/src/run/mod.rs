@@ -133,6 +133,9 @@ pub enum RunError {
     /// Leader election failed to start or stopped.
     #[error("leader election: {0}")]
     Leader(#[from] LeaderError),
+    /// The cluster identity could not be read or does not fit.
+    #[error("cluster identity: {0}")]
+    Identity(String),
     /// The lease namespace is not known.
     #[error("--lease-namespace is required when POD_NAMESPACE is not set")]
     NoLeaseNamespace,
@@ -378,7 +381,11 @@ async fn lead_until_terminated(
     term: watch::Receiver<bool>,
 ) -> Result<(), RunError> {
     let client = tokio::select! {
-        c = connect(probes, &parts.api_metrics) => c?,
+        c = async {
+            let client = connect(probes, &parts.api_metrics).await?;
+            identify(&client, &parts.config).await?;
+            Ok::<_, RunError>(client)
+        } => c?,
         () = terminated(term.clone()) => return Ok(()),
     };
     if args.no_leader_election {
@@ -452,6 +459,37 @@ async fn connect(probes: &Probes, api: &api_metrics::ApiMetrics) -> Result<kube:
             Err(e) => {
                 tracing::warn!(error = %e, retry_in = ?wait, "Kubernetes API not reachable");
                 probes.set_role(Role::Starting);
+                tokio::time::sleep(wait).await;
+                wait = (wait * 2).min(Duration::from_secs(30));
+            }
+        }
+    }
+}
+
+/// Resolves the cluster identity from the `kube-system` namespace's UID before anything
+/// can write a mark: retried while the API server fails, fatal when it refuses.
+async fn identify(client: &kube::Client, config: &ValidConfig) -> Result<(), RunError> {
+    let mut wait = Duration::from_millis(500);
+    loop {
+        match crate::cluster_identity::read_cluster_uid(client).await {
+            Ok(uid) => {
+                let me = config
+                    .identity()
+                    .resolve_in_cluster(&uid)
+                    .map_err(|e| RunError::Identity(e.to_string()))?;
+                tracing::info!(cluster = %me.describe(), "cluster identity");
+                return Ok(());
+            }
+            Err(kube::Error::Api(e)) if matches!(e.code, 401 | 403 | 404) => {
+                return Err(RunError::Identity(format!(
+                    "cannot read namespace {}: {} (the operator's ClusterRole needs get on namespaces/{})",
+                    crate::cluster_identity::SYSTEM_NAMESPACE,
+                    e.message,
+                    crate::cluster_identity::SYSTEM_NAMESPACE
+                )));
+            }
+            Err(e) => {
+                tracing::warn!(error = %e, retry_in = ?wait, "cannot read the cluster identity yet");
                 tokio::time::sleep(wait).await;
                 wait = (wait * 2).min(Duration::from_secs(30));
             }
@@ -578,6 +616,10 @@ async fn run_term(
         &parts.config.gc,
         parts.gc_metrics.clone(),
     )
+    .with_events(Arc::new(crate::gc::events::KubeGcEvents::new(
+        client.clone(),
+        Some(parts.identity.clone()),
+    )))
     .with_volumes(
         parts
             .volumes

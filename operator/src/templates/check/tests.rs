@@ -14,6 +14,7 @@ const MAC: &str = "52:54:00:1a:2b:3c";
 fn mark() -> String {
     MetadataMark {
         cluster_id: "prod-1".into(),
+        cluster_uid: None,
         namespace: "default".into(),
         name: "office".into(),
         uid: UUID.into(),
@@ -1599,6 +1600,7 @@ fn libvirts_reading_is_accepted(file: &str, firmware: Firmware) {
     let proxy = mark.child("proxy").expect("proxy element");
     input.metadata_mark = MetadataMark {
         cluster_id: field("cluster"),
+        cluster_uid: mark.child("clusterUid").map(|c| c.text.clone()),
         namespace: proxy.attr("namespace").unwrap_or_default().into(),
         name: proxy.attr("name").unwrap_or_default().into(),
         uid: proxy.attr("uid").unwrap_or_default().into(),

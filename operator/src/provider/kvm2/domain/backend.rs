@@ -28,6 +28,7 @@ use super::ippool::{AddressBook, AllocError};
 use super::ops::{Created, DomainRecord, HostOps, OpsError, VolumeEntry};
 use super::seed::{self, SeedError, SeedFiles, StaticNet};
 use super::volume;
+use crate::cluster_identity::{IdentityError, Ownership, Resolved};
 use crate::config::{HostConfig, ValidConfig};
 use crate::error::{Classified, ErrorClass};
 use crate::gc::{VolumeCandidate, VolumeCollector, VolumeDeleteOutcome, VolumeKind, VolumeListing};
@@ -172,6 +173,29 @@ pub enum Kvm2Error {
     /// [`crate::provider::Fence`]); what this Create made is removed.
     #[error("{0}")]
     LeaseLost(#[from] crate::provider::LeaseLost),
+    /// Who this cluster is is not known (yet): nothing is marked or collected.
+    #[error(transparent)]
+    Identity(#[from] IdentityError),
+    /// Another cluster writes marks under this cluster's `clusterId` on this host: the
+    /// host is not collected until one of the two is renamed.
+    #[error(
+        "host {host:?} holds {domains} domain(s) marked with this cluster's clusterId {cluster_id:?} \
+         by another cluster (kube-system UID {}; ours is {ours}): two clusters share a \
+         clusterId, so nothing on this host is collected until one of them sets another",
+        theirs.join(", ")
+    )]
+    ClusterIdShared {
+        /// Host.
+        host: String,
+        /// The shared `clusterId`.
+        cluster_id: String,
+        /// Our cluster UID.
+        ours: String,
+        /// The other clusters' UIDs.
+        theirs: Vec<String>,
+        /// How many of their domains are there.
+        domains: usize,
+    },
 }
 
 impl Classified for Kvm2Error {
@@ -181,7 +205,9 @@ impl Classified for Kvm2Error {
             | Kvm2Error::HostNotConfigured { .. }
             | Kvm2Error::Foreign { .. }
             | Kvm2Error::DefinedRefused { .. }
-            | Kvm2Error::DefinedElsewhere { .. } => ErrorClass::Permanent,
+            | Kvm2Error::DefinedElsewhere { .. }
+            | Kvm2Error::ClusterIdShared { .. } => ErrorClass::Permanent,
+            Kvm2Error::Identity(e) => e.class(),
             Kvm2Error::NoCapacity(_) | Kvm2Error::HostFull { .. } => ErrorClass::Quota,
             Kvm2Error::NotFound(_) => ErrorClass::NotFound,
             Kvm2Error::Ops { source, .. } => source.class(),
@@ -262,6 +288,8 @@ pub struct Kvm2Options {
     pub health: HealthBoard,
     /// Where the mark's `createdAt` comes from (the system clock; tests move it).
     pub clock: StampClock,
+    /// What other clusters leave on the hosts (unregistered unless the registry sets it).
+    pub sharing: super::sharing::SharingMetrics,
 }
 
 /// The wall clock that stamps a domain's mark at define time; replaceable so a test can
@@ -302,6 +330,7 @@ impl Default for Kvm2Options {
             poll_every: Duration::from_millis(250),
             health: HealthBoard::default(),
             clock: StampClock::default(),
+            sharing: Default::default(),
         }
     }
 }
@@ -438,7 +467,6 @@ impl Kvm2Provider {
             })
             .collect();
         let uses = crate::provider::kvm2::image::uses::ImageUses::new(
-            &config.cluster_id,
             config
                 .kvm2
                 .images
@@ -463,6 +491,11 @@ impl Kvm2Provider {
         }
     }
 
+    /// What other clusters leave on the hosts (its metrics are read by tests).
+    pub fn sharing(&self) -> &super::sharing::SharingMetrics {
+        &self.options.sharing
+    }
+
     /// The image cache (its metrics are read by tests).
     pub fn image_cache(&self) -> &ImageCache {
         &self.images
@@ -479,8 +512,51 @@ impl Kvm2Provider {
             .ok_or_else(|| Kvm2Error::HostNotConfigured { host: name.into() })
     }
 
+    /// This cluster's identity; an error until it is known (nothing is written before).
+    fn me(&self) -> Result<&Resolved, Kvm2Error> {
+        self.config.identity().get().map_err(Kvm2Error::Identity)
+    }
+
+    /// Whether a mark is this cluster's. Nothing is ours while the identity is unknown,
+    /// and a twin's mark (our `clusterId`, another cluster's UID) never is.
     fn is_ours(&self, mark: &MetadataMark) -> bool {
-        mark.cluster_id == self.config.cluster_id
+        self.ownership(mark) == Ownership::Ours
+    }
+
+    fn ownership(&self, mark: &MetadataMark) -> Ownership {
+        match self.me() {
+            Ok(me) => me.judge(&mark.cluster_id, mark.cluster_uid.as_deref()),
+            Err(_) => Ownership::Other,
+        }
+    }
+
+    /// Refuses a host whose domains include a twin's: two clusters under one `clusterId`
+    /// cannot tell whose images and leftovers are whose, so the host is not collected,
+    /// and the sighting is counted and reported until one of them is renamed.
+    fn refuse_twins(&self, host: &str, domains: &[DomainRecord]) -> Result<(), Kvm2Error> {
+        let twins: BTreeSet<&str> = domains
+            .iter()
+            .filter_map(|d| d.mark.as_ref())
+            .filter(|m| self.ownership(m) == Ownership::Twin)
+            .filter_map(|m| m.cluster_uid.as_deref())
+            .collect();
+        let count = domains
+            .iter()
+            .filter_map(|d| d.mark.as_ref())
+            .filter(|m| self.ownership(m) == Ownership::Twin)
+            .count();
+        self.options.sharing.observe_twins(host, count);
+        if count == 0 {
+            return Ok(());
+        }
+        let me = self.me()?;
+        Err(Kvm2Error::ClusterIdShared {
+            host: host.to_string(),
+            cluster_id: me.id.clone(),
+            ours: me.uid.clone().unwrap_or_default(),
+            theirs: twins.into_iter().map(str::to_string).collect(),
+            domains: count,
+        })
     }
 
     fn instance(&self, host: &str, rec: &DomainRecord, mark: &MetadataMark) -> Instance {
@@ -930,7 +1006,7 @@ impl Kvm2Provider {
         // a cluster sharing the host does not collect it under the overlay to come.
         let base = self.images.ensure(host, &inputs.image).await?;
         self.uses
-            .announce(self.ops.as_ref(), h, pool)
+            .announce(self.me()?, self.ops.as_ref(), h, pool)
             .await
             .map_err(step("image announcement"))?;
         let base_info = self
@@ -1034,8 +1110,10 @@ impl Kvm2Provider {
         // Create began: the GC's grace period counts from it, and the image download
         // before this point may take longer than the whole grace period.
         let mut stamped = inputs.domain.clone();
+        let me = self.me()?;
         stamped.metadata_mark = MetadataMark {
-            cluster_id: self.config.cluster_id.clone(),
+            cluster_id: me.id.clone(),
+            cluster_uid: me.uid.clone(),
             namespace: req.proxy.namespace.clone(),
             name: req.proxy.name.clone(),
             uid: req.proxy.uid.clone(),
@@ -1449,20 +1527,24 @@ impl Kvm2Provider {
                 .ops
                 .list_domains(&host.name)
                 .await
-                .map(|list| {
-                    self.book.census().note(&host.name, &list);
-                    list.iter()
-                        .filter_map(|rec| {
-                            let mark = rec.mark.as_ref().filter(|m| self.is_ours(m))?;
-                            Some(self.instance(&host.name, rec, mark))
-                        })
-                        .collect()
-                })
                 .map_err(|e| {
                     ProviderError::new(Kvm2Error::Ops {
                         step: "domain list",
                         source: e,
                     })
+                })
+                .and_then(|list| {
+                    self.book.census().note(&host.name, &list);
+                    // The listing feeds the collector: a host a twin shares is refused.
+                    self.refuse_twins(&host.name, &list)
+                        .map_err(ProviderError::new)?;
+                    Ok(list
+                        .iter()
+                        .filter_map(|rec| {
+                            let mark = rec.mark.as_ref().filter(|m| self.is_ours(m))?;
+                            Some(self.instance(&host.name, rec, mark))
+                        })
+                        .collect())
                 });
             TargetListing {
                 target: host.name.clone(),
@@ -1626,36 +1708,41 @@ impl Kvm2Provider {
             .list_volumes(h, pool)
             .await
             .map_err(step("volume list"))?;
+        self.refuse_twins(h, &domains)?;
         let mut candidates = leftover_volumes(&self.configured_digests(), &domains, &volumes);
-        // A host shared with another cluster shares its images by content: that cluster
-        // may have the image configured and be about to put an overlay on it, which no
-        // listing here can show. Retired bases are left to it.
-        if let Some(other) = domains
-            .iter()
-            .filter_map(|d| d.mark.as_ref())
-            .find(|m| !self.is_ours(m))
-        {
-            tracing::debug!(host = h, cluster = %other.cluster_id, "host shared with another cluster: its retired images are not collected");
-            candidates.retain(|c| c.kind != VolumeKind::UnusedImage);
-        }
-        // Nor does it collect what another cluster announced it uses here, while fresh.
-        if candidates.iter().any(|c| c.kind == VolumeKind::UnusedImage) {
-            let held = self
-                .uses
-                .held_by_others(self.ops.as_ref(), h, pool, &volumes)
-                .await
-                .map_err(step("image announcements read"))?;
-            let image_prefix = format!("{}image-", crate::instance::NAME_PREFIX);
-            candidates.retain(|c| {
-                let keep = c.kind == VolumeKind::UnusedImage
-                    && held.keeps(c.key.strip_prefix(&image_prefix).unwrap_or(&c.key));
-                if keep {
-                    tracing::debug!(host = h, image = %c.key,
-                        "another cluster announced it uses this image here; not collected");
-                }
-                !keep
-            });
-        }
+        // A host shared with other clusters shares its images by content: another cluster
+        // may have a retired image configured and be about to put an overlay on it,
+        // which no listing here can show (an overlay already there keeps its base by
+        // the backing-store check above). What another cluster announced it uses here,
+        // while fresh, is not collected; an announcement abandoned for long is.
+        let me = self.me()?;
+        let others = self
+            .uses
+            .others(me, self.ops.as_ref(), h, pool, &volumes)
+            .await
+            .map_err(step("image announcements read"))?;
+        let image_prefix = format!("{}image-", crate::instance::NAME_PREFIX);
+        let before = candidates.len();
+        candidates.retain(|c| {
+            let keep = c.kind == VolumeKind::UnusedImage
+                && others
+                    .held
+                    .keeps(c.key.strip_prefix(&image_prefix).unwrap_or(&c.key));
+            if keep {
+                tracing::debug!(host = h, image = %c.key,
+                    "another cluster announced it uses this image here; not collected");
+            }
+            !keep
+        });
+        self.options
+            .sharing
+            .observe_kept_shared(h, before - candidates.len());
+        candidates.extend(others.abandoned.into_iter().map(|name| VolumeCandidate {
+            key: name.clone(),
+            kind: VolumeKind::Announcement,
+            owner_uid: None,
+            volumes: vec![name],
+        }));
         // Start (or go on) watching the heartbeats of staging leftovers.
         for c in candidates.iter().filter(|c| c.kind == VolumeKind::Staging) {
             if let Some(beat) = heartbeat_of(c) {
@@ -1731,7 +1818,7 @@ impl Kvm2Provider {
                 }
                 return Ok(VolumeDeleteOutcome::Deleted);
             }
-            VolumeKind::Staging | VolumeKind::UnusedImage => {
+            VolumeKind::Staging | VolumeKind::UnusedImage | VolumeKind::Announcement => {
                 // Judge again on a fresh listing: an overlay made since over this base
                 // (by a replica whose config still has the image) keeps it.
                 let fresh = self.volume_candidates_on(&host).await?;
@@ -1825,7 +1912,7 @@ fn leftover_volumes(
             Some(VolumeName::ImageHeartbeat { digest }) => {
                 images.entry(digest).or_default().heartbeat = Some(&v.name);
             }
-            // A cluster's image-use announcement: read by the collector, never collected.
+            // A cluster's image-use announcement: judged by its record (`uses`), not here.
             Some(VolumeName::ImageUse { .. }) | None => {}
         }
     }

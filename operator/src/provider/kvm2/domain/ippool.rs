@@ -377,6 +377,7 @@ mod tests {
     fn mark_xml(uid: &str, mac: Option<&str>, address: Option<&str>) -> String {
         let m = MetadataMark {
             cluster_id: "test".into(),
+            cluster_uid: None,
             namespace: "default".into(),
             name: "p".into(),
             uid: uid.into(),

@@ -90,6 +90,7 @@ pub fn mark_from_domain_xml(domain_xml: &str) -> Result<Option<MetadataMark>, Ma
 struct RawMark {
     managed: String,
     cluster: String,
+    cluster_uid: Option<String>,
     namespace: String,
     name: String,
     uid: String,
@@ -110,6 +111,9 @@ fn validate(raw: RawMark) -> Result<MetadataMark, MarkError> {
         outcome.map_err(|reason| MarkError::new(format!("{name}: {reason}")))
     };
     field("cluster", rules::dns1123_label(&raw.cluster))?;
+    if let Some(uid) = &raw.cluster_uid {
+        field("clusterUid", instance::check_uid(uid))?;
+    }
     field("proxy namespace", rules::dns1123_label(&raw.namespace))?;
     field("proxy name", rules::dns1123_label(&raw.name))?;
     field("proxy uid", instance::check_uid(&raw.uid))?;
@@ -133,6 +137,7 @@ fn validate(raw: RawMark) -> Result<MetadataMark, MarkError> {
         .transpose()?;
     Ok(MetadataMark {
         cluster_id: raw.cluster,
+        cluster_uid: raw.cluster_uid,
         namespace: raw.namespace,
         name: raw.name,
         uid: raw.uid,
@@ -341,6 +346,7 @@ fn read_instance(reader: &mut Reader<'_>, start: &BytesStart<'_>) -> Result<RawM
     only_namespace_declarations(reader, start)?;
     let mut managed = None;
     let mut cluster = None;
+    let mut cluster_uid = None;
     let mut proxy = None;
     let mut created_at = None;
     let mut mac = None;
@@ -359,6 +365,9 @@ fn read_instance(reader: &mut Reader<'_>, start: &BytesStart<'_>) -> Result<RawM
                 match e.local_name().as_ref() {
                     b"managed" => set_once(&mut managed, "managed", read_text(reader, empty)?)?,
                     b"cluster" => set_once(&mut cluster, "cluster", read_text(reader, empty)?)?,
+                    b"clusterUid" => {
+                        set_once(&mut cluster_uid, "clusterUid", read_text(reader, empty)?)?
+                    }
                     b"createdAt" => {
                         set_once(&mut created_at, "createdAt", read_text(reader, empty)?)?
                     }
@@ -394,6 +403,7 @@ fn read_instance(reader: &mut Reader<'_>, start: &BytesStart<'_>) -> Result<RawM
     Ok(RawMark {
         managed: managed.ok_or_else(|| missing("managed"))?,
         cluster: cluster.ok_or_else(|| missing("cluster"))?,
+        cluster_uid,
         namespace,
         name,
         uid,
@@ -547,6 +557,7 @@ mod tests {
     fn mark() -> MetadataMark {
         MetadataMark {
             cluster_id: "prod-1".into(),
+            cluster_uid: None,
             namespace: "default".into(),
             name: "office-egress".into(),
             uid: UID.into(),
@@ -644,6 +655,7 @@ mod tests {
         // raw values, then that validation refuses them with the field named.
         let m = MetadataMark {
             cluster_id: "c<&>'\"".into(),
+            cluster_uid: None,
             namespace: "ns \"q\" & <t>".into(),
             name: "a\"<b>&'".into(),
             uid: "u&amp;".into(),
@@ -657,6 +669,7 @@ mod tests {
             RawMark {
                 managed: "true".into(),
                 cluster: m.cluster_id.clone(),
+                cluster_uid: None,
                 namespace: m.namespace.clone(),
                 name: m.name.clone(),
                 uid: m.uid.clone(),
@@ -1125,6 +1138,31 @@ mod tests {
     }
 
     #[test]
+    fn the_cluster_uid_round_trips_and_is_checked() {
+        let m = MetadataMark {
+            cluster_uid: Some("7f00aa01-0000-4000-8000-000000000001".into()),
+            ..mark()
+        };
+        assert_eq!(parse_mark(&m.to_xml()).unwrap(), m);
+        assert_eq!(
+            mark_from_domain_xml(&domain(&m.to_xml())).unwrap(),
+            Some(m.clone())
+        );
+        let bad = MetadataMark {
+            cluster_uid: Some("not a uid".into()),
+            ..mark()
+        };
+        let err = parse_mark(&bad.to_xml()).unwrap_err();
+        assert!(err.reason.starts_with("clusterUid:"), "{err}");
+        let twice = m.to_xml().replace(
+            "<eo:proxy",
+            "<eo:clusterUid>7f00aa01-0000-4000-8000-000000000001</eo:clusterUid><eo:proxy",
+        );
+        let err = parse_mark(&twice).unwrap_err();
+        assert!(err.reason.contains("more than one clusterUid"), "{err}");
+    }
+
+    #[test]
     fn error_reasons_are_bounded_and_escaped() {
         let long = format!("{}\n\u{0}", "x".repeat(10_000));
         let m = MetadataMark {
@@ -1161,11 +1199,22 @@ mod tests {
             ),
             proptest::option::of("[0-9a-f][02468ace](:[0-9a-f]{2}){5}"),
             proptest::option::of(any::<[u8; 4]>()),
+            proptest::option::of("[0-9a-f]{8}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{12}"),
         )
             .prop_map(
-                |(cluster_id, namespace, name, uid, (y, mo, d, h, mi, s), mac, address)| {
+                |(
+                    cluster_id,
+                    namespace,
+                    name,
+                    uid,
+                    (y, mo, d, h, mi, s),
+                    mac,
+                    address,
+                    cluster_uid,
+                )| {
                     MetadataMark {
                         cluster_id,
+                        cluster_uid,
                         namespace,
                         name,
                         uid,

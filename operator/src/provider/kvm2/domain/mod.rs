@@ -14,6 +14,7 @@ pub mod ippool;
 pub mod metadata;
 pub mod ops;
 pub mod seed;
+pub mod sharing;
 pub mod state;
 pub mod streamless;
 pub mod volume;
