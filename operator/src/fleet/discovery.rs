@@ -775,6 +775,7 @@ where
         .owns_stream(service_events)
         .owns_stream(slice_events)
         .reconcile_all_on(board_changes(&board))
+        .with_config(super::controller_config())
         .graceful_shutdown_on(shutdown)
         .run(reconcile, error_policy, discovery)
         .for_each(|r| async move {

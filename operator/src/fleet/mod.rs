@@ -49,6 +49,19 @@ pub use metrics::FleetMetrics;
 /// Field manager of the fleet's server-side applies (Services, EndpointSlices).
 pub const FIELD_MANAGER: &str = "egress-operator-fleet";
 
+/// Reconciles each fleet controller (pools, discovery, leases) runs at once. A change of
+/// a fast-probe verdict wakes every pool and every live lease, and each reconcile reads
+/// the API server; unbounded, one flapping proxy in a namespace with 1000 leases would
+/// put 1000 reads in flight at once, for every tenant. Objects beyond the bound wait in
+/// the controller's queue (one entry per object, however often it is woken), so a burst
+/// costs time, not memory or API server load.
+pub const RECONCILE_CONCURRENCY: u16 = 8;
+
+/// The controller settings the fleet controllers share: see [`RECONCILE_CONCURRENCY`].
+pub fn controller_config() -> kube::runtime::controller::Config {
+    kube::runtime::controller::Config::default().concurrency(RECONCILE_CONCURRENCY)
+}
+
 /// Why a fleet reconcile failed.
 #[derive(Debug, thiserror::Error)]
 pub enum FleetError {

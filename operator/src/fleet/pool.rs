@@ -794,6 +794,7 @@ where
             super::lease::surge::pool_of,
         )
         .reconcile_all_on(board_changes(&ctx.board))
+        .with_config(super::controller_config())
         .graceful_shutdown_on(shutdown)
         .run(reconcile, error_policy, ctx)
         .for_each(|r| async move {

@@ -924,6 +924,7 @@ where
                 .any_semantic(),
         )
         .reconcile_on(verdicts)
+        .with_config(super::super::controller_config())
         .graceful_shutdown_on(shutdown)
         .run(reconcile, error_policy, ctx)
         .for_each(|r| async move {
