@@ -672,6 +672,53 @@ async fn an_error_over_2_kb_still_produces_an_event() -> Result<()> {
     Ok(())
 }
 
+/// Issue 35, item 5: the collector's refusal of a host (two clusters under one
+/// `clusterId`) reaches the API server as a Warning event on the provider's
+/// ProviderHealth object, which is cluster-scoped (so the event lands in `default`), its
+/// note cut to what events.k8s.io accepts.
+#[tokio::test]
+async fn a_refused_host_is_an_event_on_the_provider_health_object() -> Result<()> {
+    use egress_operator::gc::events::{COLLECTION_REFUSED, GcEvents, KubeGcEvents};
+    let cp = plane().await?;
+    let client = cp.client().await?;
+    // A name of this run's own: events of earlier runs stay in `default`.
+    let provider = format!(
+        "kvm2-{}-{}",
+        std::process::id(),
+        jiff::Timestamp::now().as_millisecond()
+    );
+    let sink = KubeGcEvents::new(client.clone(), Some("cluster-api-test".into()));
+    let why = format!("two clusters share a clusterId; {}", "x".repeat(3000));
+    sink.refused(&provider, &[("h1".to_string(), why)]).await;
+    let events: Api<KubeEvent> = Api::namespaced(client, "default");
+    let found = guard("the CollectionRefused event", async {
+        loop {
+            let list = events.list(&ListParams::default()).await.unwrap();
+            if let Some(e) = list.items.into_iter().find(|e| {
+                e.reason.as_deref() == Some(COLLECTION_REFUSED)
+                    && e.regarding.as_ref().and_then(|r| r.name.as_deref())
+                        == Some(provider.as_str())
+            }) {
+                return e;
+            }
+            tokio::time::sleep(Duration::from_millis(100)).await;
+        }
+    })
+    .await;
+    assert_eq!(found.type_.as_deref(), Some("Warning"));
+    let regarding = found.regarding.unwrap_or_default();
+    assert_eq!(regarding.kind.as_deref(), Some("ProviderHealth"));
+    let note = found.note.unwrap_or_default();
+    assert!(note.len() <= controller::MAX_EVENT_NOTE, "{}", note.len());
+    assert!(
+        note.starts_with(
+            "garbage collection refused on 1 host(s): h1: two clusters share a clusterId"
+        ),
+        "{note}"
+    );
+    Ok(())
+}
+
 // ---- Skew ----------------------------------------------------------------------------
 
 #[tokio::test]

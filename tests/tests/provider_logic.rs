@@ -2729,6 +2729,56 @@ mod lifecycle {
         });
     }
 
+    /// Issue 35, item 5: with no `clusterId` configured and the cluster UID not read yet,
+    /// the provider knows no domain as its own. It creates nothing (no mark could be
+    /// written) and its listing fails rather than read as empty, so a collector skips
+    /// every host. Once the UID is known, the derived `clusterId` is marked.
+    #[test]
+    fn an_unknown_identity_creates_nothing_and_never_lists_as_empty() {
+        const UID: &str = "0b7c3c1e-9a43-4f5e-a1d2-3c4b5a697887";
+        let env = Env::new();
+        run(async {
+            let yaml = FakeConfig::new(&env.http.url("/img"), &env.sha)
+                .host("h1", "")
+                .host("h2", "")
+                .yaml();
+            assert!(yaml.contains("clusterId: test\n"), "{yaml}");
+            let yaml = yaml.replacen("clusterId: test\n", "", 1);
+            let config =
+                Arc::new(config::parse(&yaml, "no-cluster-id", std::path::Path::new("/")).unwrap());
+            let p = provider(&config, env.ops());
+            let u = uid(0x61);
+            let err = p.create(&request(&u, "x", Some("h1"))).await.unwrap_err();
+            assert_eq!(err.class(), ErrorClass::Permanent, "{err}");
+            assert!(
+                err.to_string().contains("the cluster identity is unknown"),
+                "{err}"
+            );
+            assert!(env.fake.domains("h1").is_empty());
+            for listing in p.list().await {
+                assert!(
+                    listing.result.is_err(),
+                    "{}: {:?}",
+                    listing.target,
+                    listing.result
+                );
+            }
+            config.identity().resolve_in_cluster(UID).unwrap();
+            p.create(&request(&u, "x", Some("h1"))).await.unwrap();
+            let mark = env
+                .ops()
+                .list_domains("h1")
+                .await
+                .unwrap()
+                .into_iter()
+                .find_map(|d| d.mark)
+                .expect("marked");
+            assert_eq!(mark.cluster_id, "k8s-0b7c3c1e9a43");
+            assert_eq!(mark.cluster_uid.as_deref(), Some(UID));
+            assert!(p.list().await.iter().all(|l| l.result.is_ok()));
+        });
+    }
+
     /// Issue 19, finding 5: a host shared with another cluster that has no domain there
     /// yet. What it announced it uses (its Creates write the announcement once the base is
     /// sure) is kept while the announcement is fresh; once it has not changed for the

@@ -533,28 +533,29 @@ impl Kvm2Provider {
     /// Refuses a host whose domains include a twin's: two clusters under one `clusterId`
     /// cannot tell whose images and leftovers are whose, so the host is not collected,
     /// and the sighting is counted and reported until one of them is renamed.
+    /// Unknown identity is an error too: a listing that cannot judge ownership is
+    /// "unknown", never "none of ours".
     fn refuse_twins(&self, host: &str, domains: &[DomainRecord]) -> Result<(), Kvm2Error> {
-        let twins: BTreeSet<&str> = domains
+        let me = self.me()?;
+        let twins: Vec<&MetadataMark> = domains
             .iter()
             .filter_map(|d| d.mark.as_ref())
-            .filter(|m| self.ownership(m) == Ownership::Twin)
-            .filter_map(|m| m.cluster_uid.as_deref())
+            .filter(|m| me.judge(&m.cluster_id, m.cluster_uid.as_deref()) == Ownership::Twin)
             .collect();
-        let count = domains
-            .iter()
-            .filter_map(|d| d.mark.as_ref())
-            .filter(|m| self.ownership(m) == Ownership::Twin)
-            .count();
+        let count = twins.len();
         self.options.sharing.observe_twins(host, count);
         if count == 0 {
             return Ok(());
         }
-        let me = self.me()?;
+        let theirs: BTreeSet<&str> = twins
+            .iter()
+            .filter_map(|m| m.cluster_uid.as_deref())
+            .collect();
         Err(Kvm2Error::ClusterIdShared {
             host: host.to_string(),
             cluster_id: me.id.clone(),
             ours: me.uid.clone().unwrap_or_default(),
-            theirs: twins.into_iter().map(str::to_string).collect(),
+            theirs: theirs.into_iter().map(str::to_string).collect(),
             domains: count,
         })
     }
