@@ -520,14 +520,9 @@ impl Kvm2Provider {
     /// Whether a mark is this cluster's. Nothing is ours while the identity is unknown,
     /// and a twin's mark (our `clusterId`, another cluster's UID) never is.
     fn is_ours(&self, mark: &MetadataMark) -> bool {
-        self.ownership(mark) == Ownership::Ours
-    }
-
-    fn ownership(&self, mark: &MetadataMark) -> Ownership {
-        match self.me() {
-            Ok(me) => me.judge(&mark.cluster_id, mark.cluster_uid.as_deref()),
-            Err(_) => Ownership::Other,
-        }
+        self.me().is_ok_and(|me| {
+            me.judge(&mark.cluster_id, mark.cluster_uid.as_deref()) == Ownership::Ours
+        })
     }
 
     /// Refuses a host whose domains include a twin's: two clusters under one `clusterId`
