@@ -59,13 +59,23 @@ async fn fake_api(
             "metadata": {"name": "kube-system", "uid": "0b7c3c1e-9a43-4f5e-a1d2-3c4b5a697887"}
         }));
     }
-    if path.ends_with("/proxies") && method == Method::GET {
+    // Every collection the operator watches is served empty: a 404 on any of them turns
+    // `/readyz` to "watch: degraded" now and then, and the checks below read it.
+    let watched = [
+        ("/proxies", "egress-operator.dev/v1alpha1", "ProxyList"),
+        ("/proxypools", "egress-operator.dev/v1alpha1", "ProxyPoolList"),
+        ("/proxyleases", "egress-operator.dev/v1alpha1", "ProxyLeaseList"),
+    ];
+    if let Some((_, api_version, kind)) = watched
+        .iter()
+        .find(|(suffix, _, _)| path.ends_with(suffix) && method == Method::GET)
+    {
         if query.contains("watch=true") {
             tokio::time::sleep(Duration::from_secs(600)).await;
             return (StatusCode::OK, String::new());
         }
         return json(serde_json::json!({
-            "apiVersion": "egress-operator.dev/v1alpha1", "kind": "ProxyList",
+            "apiVersion": api_version, "kind": kind,
             "metadata": {"resourceVersion": "1"}, "items": []
         }));
     }
