@@ -30,7 +30,7 @@ use k8s_openapi::api::core::v1::{ObjectReference, Service, ServicePort, ServiceS
 use k8s_openapi::api::discovery::v1::{Endpoint, EndpointConditions, EndpointPort, EndpointSlice};
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::{Condition, OwnerReference};
 use kube::api::{
-    DeleteParams, ListParams, ObjectMeta, Patch, PatchParams, PostParams, Preconditions,
+    DeleteParams, ObjectMeta, Patch, PatchParams, PostParams, Preconditions,
 };
 use kube::runtime::controller::{Action, Controller};
 use kube::runtime::events::EventType;
@@ -45,7 +45,7 @@ use crate::controller::status::set_condition;
 use super::membership::made_by;
 use super::pool::{FleetContext, board_changes, publish};
 use super::split;
-use super::{FIELD_MANAGER, FleetError, Member, pool_selector};
+use super::{FIELD_MANAGER, FleetError, Member};
 
 /// `endpointslice.kubernetes.io/managed-by` of our slices.
 pub const MANAGED_BY: &str = "discovery.egress-operator.dev";
@@ -338,6 +338,9 @@ pub struct Discovery {
     fleet: Arc<FleetContext>,
     services: Store<Service>,
     slices: Store<EndpointSlice>,
+    /// The pool-labelled Proxies: a reconcile reads them here, not from the API server
+    /// (every verdict change reconciles every pool).
+    proxies: super::cache::Cache<Proxy>,
 }
 
 impl Discovery {
@@ -506,15 +509,16 @@ async fn reconcile(pool: Arc<ProxyPool>, discovery: Arc<Discovery>) -> Result<Ac
     }
     check_name(&name)?;
     let owner = owner_of(&pool).ok_or(FleetError::Incomplete("metadata.uid"))?;
-    let proxies = Api::<Proxy>::namespaced(ctx.client.clone(), &ns)
-        .list(&ListParams::default().labels(&pool_selector(&name)))
-        .await?;
+    // Not listed yet: an empty store must not empty the pool's slices.
+    let Some(proxies) = discovery.proxies.labelled_for(&ns, &name) else {
+        return Ok(Action::requeue(super::cache::NOT_FILLED_RETRY));
+    };
     // Only Proxies the operator made for this pool: anyone allowed to create Proxies can
     // copy the label and the owner reference.
     let listed_now = discovery.listed_uids(&ns, &name, &owner.uid);
     let members: Vec<Member> = proxies
-        .items
         .iter()
+        .map(AsRef::as_ref)
         .filter(|p| made_by(&pool, p, &listed_now))
         .map(|p| Member::of(p, &ctx.board))
         .collect();
@@ -757,21 +761,20 @@ where
     .default_backoff()
     .reflect(slices_writer)
     .touched_objects();
+    let (proxies, proxy_events) = super::cache::pool_proxies(client.clone());
     let board = ctx.board.clone();
     let discovery = Arc::new(Discovery {
         fleet: ctx,
         services,
         slices,
+        proxies,
     });
     let (reader, writer) = reflector::store();
     let pools = super::pool_events(client.clone(), discovery.fleet.metrics.watch.clone())
         .reflect(writer)
         .applied_objects();
     Controller::for_stream(pools, reader)
-        .owns(
-            Api::<Proxy>::all(client.clone()),
-            watcher::Config::default().labels(POOL_LABEL).any_semantic(),
-        )
+        .owns_stream(proxy_events)
         .owns_stream(service_events)
         .owns_stream(slice_events)
         .reconcile_all_on(board_changes(&board))

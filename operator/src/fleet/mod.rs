@@ -21,6 +21,7 @@
 //! One view of a pool member ([`Member`]) is shared by the pool and discovery, so what the
 //! pool counts as serving is exactly what the EndpointSlices list.
 
+pub mod cache;
 pub mod discovery;
 pub mod failures;
 pub mod lease;
