@@ -877,7 +877,8 @@ fn is_write(r: &integration_tests::harness::controlplane::AuditedRequest) -> boo
 /// Issue 33 item 13: 200 leases at rest (150 bound with a Service each, 25 waiting for a
 /// proxy, 25 expired) write nothing, and a change of a probe verdict wakes only the leases
 /// that have not ended: before, every expired lease was reconciled on every verdict change,
-/// forever (a GET of its Service each time). Prints what rest and a verdict change cost in
+/// forever (a GET of its Service each time). At rest no lease reads the API server (issue
+/// 35, item 4: it plans from its caches). Prints what rest and a verdict change cost in
 /// reads, for the README.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn two_hundred_leases_at_rest_write_nothing() {
@@ -987,6 +988,22 @@ async fn two_hundred_leases_at_rest_write_nothing() {
         egress_operator::fleet::lease::controller::RESYNC,
     );
     assert!(writes.is_empty(), "writes at rest: {writes:#?}");
+    // Issue 35 item 4: a resync plans from the controller's caches, so at rest no lease
+    // reads the API server; only the orphan sweep (2 LISTs a period) may fall in the
+    // window. Before, each live lease read 5 objects per resync (about 1750 here).
+    let lease_reads: Vec<_> = rest
+        .iter()
+        .filter(|r| matches!(r.verb.as_str(), "get" | "list"))
+        // The sweep's LISTs are cluster-wide; a lease's reads are all in its namespace.
+        .filter(|r| !(r.verb == "list" && r.namespace.is_none()))
+        .collect();
+    assert!(
+        lease_reads.is_empty(),
+        "reads at rest beyond the orphan sweep's: {} (e.g. {:?})",
+        lease_reads.len(),
+        lease_reads.first()
+    );
+    assert!(reads <= 4, "{reads} reads at rest, more than two orphan sweeps'");
 
     // Verdict changes (a proxy of another pool comes and goes on the board): the expired
     // leases are not woken.

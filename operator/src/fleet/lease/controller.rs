@@ -32,8 +32,9 @@ use crate::api::proxy_pool::{DRAINING_ANNOTATION, POOL_LABEL, ProxyPool};
 use crate::controller::status::set_condition;
 
 use super::super::pool::FleetContext;
-use super::super::{Member, pool_selector};
-use super::binding::{self, Seen};
+use super::super::Member;
+use super::binding;
+use super::view::{LeaseCaches, PoolView, Read, listed_by_others, mark_others, read_pool};
 use super::service::{self, ServiceState};
 use super::{LeaseError, LeaseMetrics};
 
@@ -67,6 +68,8 @@ pub struct LeaseContext {
     pub orphan_sweep: Duration,
     /// Period of a lease's resync ([`RESYNC`]).
     pub resync: Duration,
+    /// The controller's reflected watches, once [`run`] has made them.
+    caches: std::sync::OnceLock<LeaseCaches>,
 }
 
 impl LeaseContext {
@@ -77,7 +80,13 @@ impl LeaseContext {
             metrics,
             orphan_sweep: ORPHAN_SWEEP,
             resync: RESYNC,
+            caches: std::sync::OnceLock::new(),
         }
+    }
+
+    /// The reflected watches a reconcile plans from first (see [`super::view`]).
+    pub(super) fn caches(&self) -> Option<&LeaseCaches> {
+        self.caches.get()
     }
 }
 
@@ -113,104 +122,6 @@ async fn publish(
     {
         tracing::warn!(error = %e, reason, "could not publish event");
     }
-}
-
-/// The pool's Proxies, fresh, as the lease sees them; the pool's recycle policy.
-struct PoolView {
-    seen: Vec<Seen>,
-    proxies: Vec<Proxy>,
-    recycle: RecyclePolicy,
-    exists: bool,
-}
-
-async fn read_pool(ctx: &LeaseContext, ns: &str, pool: &str) -> Result<PoolView, LeaseError> {
-    let client = ctx.fleet.client.clone();
-    let found = Api::<ProxyPool>::namespaced(client.clone(), ns)
-        .get_opt(pool)
-        .await?;
-    let proxies = Api::<Proxy>::namespaced(client, ns)
-        .list(&ListParams::default().labels(&pool_selector(pool)))
-        .await?
-        .items;
-    let pool_uid = found.as_ref().and_then(|p| p.uid());
-    let seen = proxies
-        .iter()
-        .map(|p| Seen {
-            member: Member::of(p, &ctx.fleet.board),
-            holder: p
-                .labels()
-                .get(LEASE_LABEL)
-                .filter(|v| !v.is_empty())
-                .cloned(),
-            in_pool: pool_uid.as_ref().is_some_and(|uid| {
-                p.owner_references()
-                    .iter()
-                    .any(|o| o.controller == Some(true) && &o.uid == uid)
-            }),
-            listed_elsewhere: false,
-        })
-        .collect();
-    Ok(PoolView {
-        seen,
-        proxies,
-        recycle: found
-            .as_ref()
-            .map(|p| p.spec.lease_recycle)
-            .unwrap_or_default(),
-        exists: found.is_some(),
-    })
-}
-
-/// Marks the proxies of `view` that another lease of the namespace lists in its status
-/// (fresh from the API server), when planning needs to know: see
-/// [`binding::needs_others`].
-async fn mark_others(
-    ctx: &LeaseContext,
-    ns: &str,
-    lease: &ProxyLease,
-    uid: &str,
-    view: &mut PoolView,
-    may_take: bool,
-) -> Result<(), LeaseError> {
-    let status = lease.status.clone().unwrap_or_default();
-    if !binding::needs_others(uid, &lease.spec, &status, &view.seen, may_take) {
-        return Ok(());
-    }
-    // Each lease decoded on its own; what one this binary cannot read holds stays held.
-    let leases = crate::controller::watch::list_decoded::<ProxyLease>(
-        ctx.fleet.client.clone(),
-        Some(ns),
-        &ListParams::default(),
-    )
-    .await?;
-    let mut listed = listed_by_others(&leases.items, uid);
-    listed.extend(
-        leases
-            .undecodable
-            .iter()
-            .filter(|l| l.metadata.uid.as_deref() != Some(uid))
-            .flat_map(super::surge::held_uids),
-    );
-    for s in &mut view.seen {
-        s.listed_elsewhere = listed.contains(&s.member.uid);
-    }
-    Ok(())
-}
-
-/// The proxy UIDs that the statuses of `leases`, except the one with UID `except`, list
-/// as bound or claimed.
-fn listed_by_others(leases: &[ProxyLease], except: &str) -> std::collections::HashSet<String> {
-    leases
-        .iter()
-        .filter(|l| l.uid().as_deref() != Some(except))
-        .filter_map(|l| l.status.as_ref())
-        .flat_map(|s| {
-            s.proxies
-                .iter()
-                .map(|p| p.uid.clone())
-                .chain(s.claims.iter().map(|c| c.uid.clone()))
-        })
-        .collect()
 }
 
 /// The members of `view` that `status` lists as bound.
@@ -468,7 +379,7 @@ async fn finalize(
         return Ok(Action::await_change());
     }
     let status = lease.status.clone().unwrap_or_default();
-    let mut view = read_pool(ctx, ns, &lease.spec.pool).await?;
+    let mut view = read_pool(ctx, ns, &lease.spec.pool, Read::Fresh).await?;
     mark_others(ctx, ns, lease, uid, &mut view, false).await?;
     let names = binding::to_release(uid, &status, &view.seen);
     let mut lease = lease.clone();
@@ -528,9 +439,31 @@ async fn bind(
             .patch(&name, &PatchParams::default(), &Patch::Merge(&body))
             .await?;
     }
+    // Planned on the caches first: at rest that is all. Anything to write is planned again
+    // on fresh reads (see `super::view`).
+    if let Some(done) = bind_with(ctx, api, lease.clone(), ns, uid, Read::Cached).await? {
+        return Ok(done);
+    }
+    let done = bind_with(ctx, api, lease, ns, uid, Read::Fresh).await?;
+    // A fresh view always decides; were it not to, looking again soon is the safe answer.
+    Ok(done.unwrap_or(Action::requeue(CONFLICT_RETRY)))
+}
+
+/// One pass of [`bind`] on what `read` says. `None`: the cached view calls for a write, so
+/// the caller plans again on fresh reads (nothing was written).
+async fn bind_with(
+    ctx: &LeaseContext,
+    api: &Api<ProxyLease>,
+    mut lease: ProxyLease,
+    ns: &str,
+    uid: &str,
+    read: Read,
+) -> Result<Option<Action>, LeaseError> {
+    let name = lease.name_any();
     let generation = lease.metadata.generation;
     let status = lease.status.clone().unwrap_or_default();
-    let mut view = read_pool(ctx, ns, &lease.spec.pool).await?;
+    let mut view = read_pool(ctx, ns, &lease.spec.pool, read).await?;
+    let cached = view.read == Read::Cached;
     let now = ctx.fleet.now();
     let created = lease
         .metadata
@@ -546,14 +479,20 @@ async fn bind(
     if ended {
         // Final. Anything still naming the lease (a release cut short) goes back.
         let names = binding::to_release(uid, &ProxyLeaseStatus::default(), &view.seen);
+        if cached && !names.is_empty() {
+            return Ok(None);
+        }
         sync_service(ctx, lease, ns, &owner, &[]).await?;
         release_all(ctx, ns, &names, uid, view.recycle).await?;
         ctx.metrics.phase(ns, &name, Some(LeasePhase::Expired));
-        return Ok(Action::await_change());
+        return Ok(Some(Action::await_change()));
     }
 
     let (expiry, observed_renew) = binding::expiry(&lease.spec, &status, created, now);
     if now >= expiry {
+        if cached {
+            return Ok(None);
+        }
         let mut next = binding::ended(&status, true, generation, now);
         next.expiry_time = Some(Time(expiry));
         next.observed_renew_time = observed_renew;
@@ -579,7 +518,7 @@ async fn bind(
             ),
         )
         .await;
-        return Ok(Action::await_change());
+        return Ok(Some(Action::await_change()));
     }
 
     let port = i32::from(ctx.fleet.port);
@@ -610,6 +549,14 @@ async fn bind(
     step.status.expiry_time = Some(Time(expiry));
     step.status.observed_renew_time = observed_renew;
     let before = status.phase;
+    let writes = step.status != status
+        || !step.lost.is_empty()
+        || !step.release.is_empty()
+        || !step.take.is_empty()
+        || !step.restore.is_empty();
+    if cached && writes {
+        return Ok(None);
+    }
 
     // 1. Record: losses, drops and the chosen proxies.
     if step.status != status {
@@ -653,7 +600,7 @@ async fn bind(
             continue;
         };
         if !ctx.fleet.leading() {
-            return Ok(Action::await_change());
+            return Ok(Some(Action::await_change()));
         }
         let found = holder_of(p).unwrap_or("none").to_string();
         if take(&proxies, p, uid, &name).await? {
@@ -677,7 +624,7 @@ async fn bind(
             continue;
         };
         if !ctx.fleet.leading() {
-            return Ok(Action::await_change());
+            return Ok(Some(Action::await_change()));
         }
         if take(&proxies, p, uid, &name).await? {
             taken.push(c.uid.clone());
@@ -712,7 +659,7 @@ async fn bind(
     if let Some(r) = step.requeue {
         next = next.min(r + Duration::from_millis(50));
     }
-    Ok(Action::requeue(next))
+    Ok(Some(Action::requeue(next)))
 }
 
 /// Metrics and events of a phase change.
@@ -778,7 +725,16 @@ async fn sync_service(
     }
     let name = lease.name_any();
     super::check_name(&name)?;
-    let state = service::sync(&ctx.fleet.client, &name, ns, owner, ctx.fleet.port, bound).await?;
+    let state = service::sync(
+        &ctx.fleet.client,
+        &name,
+        ns,
+        owner,
+        ctx.fleet.port,
+        bound,
+        ctx.caches(),
+    )
+    .await?;
     let (ok, reason, message) = match &state {
         ServiceState::Ready => (
             true,
@@ -877,10 +833,55 @@ where
         super::super::pool::board_changes(&ctx.fleet.board)
             .flat_map(move |()| futures_util::stream::iter(woken_by_verdicts(&leases)))
     };
+    // Reflected, so a reconcile at rest reads them here (see `super::view`).
+    let (proxies, proxy_events) = crate::fleet::cache::pool_proxies(client.clone());
+    let (services, service_events) = crate::fleet::cache::reflected(
+        Api::<Service>::all(client.clone()),
+        watcher::Config::default()
+            .labels(LEASE_SERVICE_LABEL)
+            .any_semantic(),
+    );
+    let (slices, slice_events) = crate::fleet::cache::reflected(
+        Api::<EndpointSlice>::all(client.clone()),
+        watcher::Config::default()
+            .labels(LEASE_SERVICE_LABEL)
+            .any_semantic(),
+    );
+    // Decoded one by one (a pool this binary cannot read is left out, and a lease of it
+    // then plans on fresh reads); its watch health is the pool controller's to report.
+    let (pools, pool_writer) = kube::runtime::reflector::store();
+    let pool_events = kube::runtime::WatchStreamExt::touched_objects(
+        kube::runtime::WatchStreamExt::reflect(
+            super::super::pool_events(
+                client.clone(),
+                crate::controller::watch::WatchHealth::default(),
+            ),
+            pool_writer,
+        ),
+    );
+    let _ = ctx.caches.set(LeaseCaches {
+        proxies,
+        pools: crate::fleet::cache::Cache::new(pools),
+        services,
+        slices,
+        leases: controller.store(),
+    });
+    let of_pool = {
+        let leases = controller.store();
+        move |p: ProxyPool| {
+            let (ns, name) = (p.namespace(), p.name_any());
+            leases
+                .state()
+                .into_iter()
+                .filter(|l| l.namespace() == ns && l.spec.pool == name)
+                .map(|l| ObjectRef::from_obj(&*l))
+                .collect::<Vec<_>>()
+        }
+    };
     let controller = controller
-        .watches(
-            Api::<Proxy>::all(client.clone()),
-            watcher::Config::default().labels(POOL_LABEL).any_semantic(),
+        .watches_stream(pool_events, of_pool)
+        .watches_stream(
+            proxy_events,
             move |p: Proxy| {
                 let ns = p.namespace();
                 let pool = p.labels().get(POOL_LABEL).cloned();
@@ -911,18 +912,8 @@ where
                     .collect::<Vec<_>>()
             },
         )
-        .owns(
-            Api::<Service>::all(client.clone()),
-            watcher::Config::default()
-                .labels(LEASE_SERVICE_LABEL)
-                .any_semantic(),
-        )
-        .owns(
-            Api::<EndpointSlice>::all(client.clone()),
-            watcher::Config::default()
-                .labels(LEASE_SERVICE_LABEL)
-                .any_semantic(),
-        )
+        .owns_stream(service_events)
+        .owns_stream(slice_events)
         .reconcile_on(verdicts)
         .with_config(super::super::controller_config())
         .graceful_shutdown_on(shutdown)

@@ -7,6 +7,7 @@
 //!   each Proxy's resourceVersion), so racing reconciles (two replicas around a handover,
 //!   stale caches) never bind one proxy twice (invariant F1).
 //! - [`service`]: the lease's own selector-less Service and EndpointSlices.
+//! - [`view`]: what a reconcile reads, from the caches at rest and fresh before a write.
 //! - [`metrics`]: leases by phase, time to bind, pending time, rebinds, expiries.
 //!
 //! Like the rest of the fleet, this writes only Kubernetes objects. A released proxy is
@@ -18,6 +19,7 @@ pub mod controller;
 pub mod metrics;
 pub mod service;
 pub mod surge;
+pub mod view;
 
 pub use controller::{LeaseContext, SweepReport, reconcile, run, sweep_orphans};
 pub use metrics::LeaseMetrics;

@@ -73,9 +73,15 @@ pub async fn sync(
     owner: &OwnerReference,
     port: u16,
     bound: &[Member],
+    caches: Option<&super::view::LeaseCaches>,
 ) -> Result<ServiceState, kube::Error> {
     let services = Api::<Service>::namespaced(client.clone(), namespace);
-    let existing = services.get_opt(lease).await?;
+    // Ours as the watch last saw it, else read: the name may be held by an object without
+    // our label, which the watch does not see.
+    let existing = match super::view::cached(caches.map(|c| &c.services), namespace, lease) {
+        Some(s) => Some((*s).clone()),
+        None => services.get_opt(lease).await?,
+    };
     if let Some(existing) = &existing {
         let ours = existing
             .metadata
@@ -100,7 +106,10 @@ pub async fn sync(
     let slice_api = Api::<EndpointSlice>::namespaced(client.clone(), namespace);
     for s in slices(lease, namespace, owner, port, bound) {
         let name = s.metadata.name.clone().unwrap_or_default();
-        let seen = slice_api.get_opt(&name).await?;
+        let seen = match super::view::cached(caches.map(|c| &c.slices), namespace, &name) {
+            Some(s) => Some((*s).clone()),
+            None => slice_api.get_opt(&name).await?,
+        };
         if !discovery::slice_current(seen.as_ref(), &s) {
             slice_api.patch(&name, &params, &Patch::Apply(&s)).await?;
         }
