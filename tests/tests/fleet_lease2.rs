@@ -1003,7 +1003,10 @@ async fn two_hundred_leases_at_rest_write_nothing() {
         lease_reads.len(),
         lease_reads.first()
     );
-    assert!(reads <= 4, "{reads} reads at rest, more than two orphan sweeps'");
+    assert!(
+        reads <= 4,
+        "{reads} reads at rest, more than two orphan sweeps'"
+    );
 
     // Verdict changes (a proxy of another pool comes and goes on the board): the expired
     // leases are not woken.

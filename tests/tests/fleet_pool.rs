@@ -353,9 +353,25 @@ async fn a_pool_converges_rolls_surge_first_keeps_its_slices_and_scales() {
                 .count()
         })
     };
+    // And reads nothing (issue 35, item 4): the pool controller and discovery judge a pool
+    // at rest from their caches. Before, each look listed the pool's Proxies (both) and
+    // the namespace's leases (the pool controller).
+    let fleet_lists = || {
+        cp.audit().unwrap().map_or(0, |a| {
+            a.iter()
+                .filter(|r| {
+                    r.user == user
+                        && ["proxies", "proxyleases"].contains(&r.resource.as_str())
+                        && r.verb == "list"
+                        && r.namespace.as_deref() == Some(ns.as_str())
+                })
+                .count()
+        })
+    };
     // Let the last reconcile of the convergence land first.
     tokio::time::sleep(Duration::from_secs(6)).await;
     let before = status_writes();
+    let lists_before = fleet_lists();
     pools
         .patch(
             POOL,
@@ -369,6 +385,11 @@ async fn a_pool_converges_rolls_surge_first_keeps_its_slices_and_scales() {
         status_writes(),
         before,
         "a settled pool's reconcile wrote its unchanged status, Service or slices"
+    );
+    assert_eq!(
+        fleet_lists(),
+        lists_before,
+        "a settled pool's reconcile listed its Proxies or leases instead of reading its caches"
     );
     let svc = Api::<Service>::namespaced(admin.clone(), &ns)
         .get(POOL)

@@ -63,8 +63,16 @@ async fn fake_api(
     // `/readyz` to "watch: degraded" now and then, and the checks below read it.
     let watched = [
         ("/proxies", "egress-operator.dev/v1alpha1", "ProxyList"),
-        ("/proxypools", "egress-operator.dev/v1alpha1", "ProxyPoolList"),
-        ("/proxyleases", "egress-operator.dev/v1alpha1", "ProxyLeaseList"),
+        (
+            "/proxypools",
+            "egress-operator.dev/v1alpha1",
+            "ProxyPoolList",
+        ),
+        (
+            "/proxyleases",
+            "egress-operator.dev/v1alpha1",
+            "ProxyLeaseList",
+        ),
     ];
     if let Some((_, api_version, kind)) = watched
         .iter()

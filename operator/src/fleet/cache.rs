@@ -20,9 +20,9 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use futures_util::{FutureExt, Stream};
+use kube::runtime::WatchStreamExt;
 use kube::runtime::reflector::{self, Store};
 use kube::runtime::watcher;
-use kube::runtime::WatchStreamExt;
 use kube::{Api, Resource, ResourceExt};
 
 use crate::api::proxy::Proxy;

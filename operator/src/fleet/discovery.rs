@@ -29,9 +29,7 @@ use futures_util::StreamExt;
 use k8s_openapi::api::core::v1::{ObjectReference, Service, ServicePort, ServiceSpec};
 use k8s_openapi::api::discovery::v1::{Endpoint, EndpointConditions, EndpointPort, EndpointSlice};
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::{Condition, OwnerReference};
-use kube::api::{
-    DeleteParams, ObjectMeta, Patch, PatchParams, PostParams, Preconditions,
-};
+use kube::api::{DeleteParams, ObjectMeta, Patch, PatchParams, PostParams, Preconditions};
 use kube::runtime::controller::{Action, Controller};
 use kube::runtime::events::EventType;
 use kube::runtime::reflector::{self, ObjectRef, Store};

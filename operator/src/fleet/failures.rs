@@ -171,6 +171,14 @@ impl FailureBook {
         out
     }
 
+    /// Whether the pool `pool_uid` has a streak running (read only: a look from the
+    /// caches must not count anything).
+    pub fn in_streak(&self, pool_uid: &str) -> bool {
+        self.pools
+            .lock()
+            .is_ok_and(|pools| pools.get(pool_uid).is_some_and(|m| m.streak.is_some()))
+    }
+
     /// Forgets every pool whose UID is not in `live`.
     pub fn retain(&self, live: &std::collections::HashSet<String>) {
         if let Ok(mut pools) = self.pools.lock() {

@@ -21,6 +21,7 @@
 //! One view of a pool member ([`Member`]) is shared by the pool and discovery, so what the
 //! pool counts as serving is exactly what the EndpointSlices list.
 
+pub mod at_rest;
 pub mod cache;
 pub mod discovery;
 pub mod failures;
@@ -51,11 +52,11 @@ pub use metrics::FleetMetrics;
 pub const FIELD_MANAGER: &str = "egress-operator-fleet";
 
 /// Reconciles each fleet controller (pools, discovery, leases) runs at once. A change of
-/// a fast-probe verdict wakes every pool and every live lease, and each reconcile reads
-/// the API server; unbounded, one flapping proxy in a namespace with 1000 leases would
-/// put 1000 reads in flight at once, for every tenant. Objects beyond the bound wait in
-/// the controller's queue (one entry per object, however often it is woken), so a burst
-/// costs time, not memory or API server load.
+/// a fast-probe verdict wakes every pool and every live lease; a reconcile with work to do
+/// reads the API server ([`cache`]), so unbounded, one flapping proxy in a namespace with
+/// 1000 leases could put 1000 reads in flight at once, for every tenant. Objects beyond
+/// the bound wait in the controller's queue (one entry per object, however often it is
+/// woken), so a burst costs time, not memory or API server load.
 pub const RECONCILE_CONCURRENCY: u16 = 8;
 
 /// The controller settings the fleet controllers share: see [`RECONCILE_CONCURRENCY`].

@@ -4,8 +4,10 @@
 //! Proxy (owned by the pool, pinned to the chosen host), annotate one to drain it, delete
 //! one. The Proxy controller makes and removes the VMs.
 //!
-//! Members are listed from the API server at every reconcile (not from a cache), so a
-//! Proxy created by the previous reconcile is always counted and never created twice.
+//! A pool at rest is judged from the controller's caches and nothing is read
+//! ([`super::at_rest`]). Whenever there is anything to do, the members are listed from the
+//! API server and the plan is made again on that, so a Proxy created by the previous
+//! reconcile is always counted and never created twice.
 
 use std::collections::BTreeMap;
 use std::sync::Arc;
@@ -71,6 +73,8 @@ pub struct FleetContext {
     /// UIDs of the pools whose `InsufficientHosts` event is written (once per shortage;
     /// the condition alone could be read stale from the cache).
     short: std::sync::Mutex<std::collections::HashSet<String>>,
+    /// The pool controller's reflected watches, once [`run`] has made them.
+    pool_caches: std::sync::OnceLock<super::at_rest::PoolCaches>,
 }
 
 impl std::fmt::Debug for FleetContext {
@@ -112,7 +116,13 @@ impl FleetContext {
             failures: FailureBook::default(),
             create_backoff: CreateBackoff::default(),
             short: std::sync::Mutex::default(),
+            pool_caches: std::sync::OnceLock::new(),
         }
+    }
+
+    /// The pool controller's caches (see [`super::at_rest`]).
+    pub(super) fn pool_caches(&self) -> Option<&super::at_rest::PoolCaches> {
+        self.pool_caches.get()
     }
 
     /// The same context with another create backoff (tests shorten it).
@@ -145,7 +155,7 @@ impl FleetContext {
     }
 
     /// Records whether the pool `uid` is short of hosts now (after its event was told).
-    fn set_shortage(&self, uid: &str, short: bool) {
+    pub(super) fn set_shortage(&self, uid: &str, short: bool) {
         if let Ok(mut known) = self.short.lock() {
             if short {
                 known.insert(uid.to_string());
@@ -278,6 +288,10 @@ pub async fn reconcile(pool: Arc<ProxyPool>, ctx: Arc<FleetContext>) -> Result<A
     let owner = pool
         .controller_owner_ref(&())
         .ok_or(FleetError::Incomplete("metadata.uid"))?;
+    // At rest the caches say so, and nothing is read (issue 35, item 4).
+    if let Some(action) = super::at_rest::look(&ctx, &pool, &ns, &name, &owner.uid) {
+        return Ok(action);
+    }
     let proxies = Api::<Proxy>::namespaced(ctx.client.clone(), &ns);
     let mine = proxies
         .list(&ListParams::default().labels(&pool_selector(&name)))
@@ -369,7 +383,7 @@ pub async fn reconcile(pool: Arc<ProxyPool>, ctx: Arc<FleetContext>) -> Result<A
 /// When to look at a pool again if nothing wakes it sooner. A pool under way is looked at
 /// every few seconds; one that only waits for host room is not (issue 33, item 13): every
 /// look lists the cluster's Proxies, and ProviderHealth and member changes wake it anyway.
-fn next_look(p: &Plan) -> Duration {
+pub(super) fn next_look(p: &Plan) -> Duration {
     let acting = !p.create.is_empty() || !p.drain.is_empty() || !p.delete.is_empty();
     match p.requeue {
         Some(r) => r.min(PROGRESS_RESYNC),
@@ -381,7 +395,7 @@ fn next_look(p: &Plan) -> Duration {
 
 /// What failed, by Proxy UID, for the failed ones: the `Ready` condition's reason and
 /// message, as the Proxy controller wrote them.
-fn failure_messages(proxies: &[Proxy]) -> BTreeMap<String, String> {
+pub(super) fn failure_messages(proxies: &[Proxy]) -> BTreeMap<String, String> {
     proxies
         .iter()
         .filter(|p| {
@@ -601,9 +615,56 @@ async fn write_status(
     p: &Plan,
     failures: &Observed,
 ) -> Result<(), FleetError> {
+    let next = next_status(pool, name, shape, p, failures, ctx.now());
+    // A settled pool is reconciled every minute and on every liveness change: write only
+    // what changed, so a fleet at rest makes no status writes (the endpoints and
+    // `EndpointsHeld` are discovery's, and compared there).
+    if status_current(pool, &next) {
+        return Ok(());
+    }
+    let body = serde_json::json!({
+        "apiVersion": ProxyPool::api_version(&()),
+        "kind": ProxyPool::kind(&()),
+        "metadata": { "name": name, "namespace": ns },
+        "status": {
+            "replicas": next.replicas,
+            "readyReplicas": next.ready_replicas,
+            "updatedReplicas": next.updated_replicas,
+            "availableReplicas": next.available_replicas,
+            "selector": next.selector,
+            "hosts": next.hosts,
+            "observedGeneration": next.observed_generation,
+            "conditions": next.conditions,
+        },
+    });
+    let api = Api::<ProxyPool>::namespaced(ctx.client.clone(), ns);
+    let applied = crate::status_apply::apply_status(&api, name, STATUS_MANAGER, &body).await?;
+    skewed(ctx, pool, &applied).await;
+    Ok(())
+}
+
+/// Whether the pool's status already says `next` in the fields the pool controller owns.
+pub(super) fn status_current(pool: &ProxyPool, next: &ProxyPoolStatus) -> bool {
+    pool.status.as_ref().is_some_and(|seen| {
+        let mut seen = seen.clone();
+        seen.conditions.retain(is_pool_condition);
+        seen.endpoints.clear();
+        &seen == next
+    })
+}
+
+/// The status the pool controller owns, for the plan `p` made now (the endpoints and
+/// `EndpointsHeld` are discovery's: left out).
+pub(super) fn next_status(
+    pool: &ProxyPool,
+    name: &str,
+    shape: &PoolShape,
+    p: &Plan,
+    failures: &Observed,
+    now: jiff::Timestamp,
+) -> ProxyPoolStatus {
     let c = &p.counts;
     let generation = pool.metadata.generation;
-    let now = ctx.now();
     let mut conditions: Vec<Condition> = pool
         .status
         .as_ref()
@@ -679,47 +740,17 @@ async fn write_status(
             replicas: n(*k),
         })
         .collect();
-    // A settled pool is reconciled every minute and on every liveness change: write only
-    // what changed, so a fleet at rest makes no status writes (the endpoints and
-    // `EndpointsHeld` are discovery's, and compared there).
-    let next = ProxyPoolStatus {
+    ProxyPoolStatus {
         replicas: n(c.replicas),
         ready_replicas: n(c.ready),
         updated_replicas: n(c.updated),
         available_replicas: n(c.available),
         selector: Some(pool_selector(name)),
-        hosts: hosts.clone(),
+        hosts,
         observed_generation: generation,
-        conditions: conditions.clone(),
+        conditions,
         endpoints: Vec::new(),
-    };
-    if let Some(seen) = &pool.status {
-        let mut seen = seen.clone();
-        seen.conditions.retain(is_pool_condition);
-        seen.endpoints.clear();
-        if seen == next {
-            return Ok(());
-        }
     }
-    let body = serde_json::json!({
-        "apiVersion": ProxyPool::api_version(&()),
-        "kind": ProxyPool::kind(&()),
-        "metadata": { "name": name, "namespace": ns },
-        "status": {
-            "replicas": n(c.replicas),
-            "readyReplicas": n(c.ready),
-            "updatedReplicas": n(c.updated),
-            "availableReplicas": n(c.available),
-            "selector": pool_selector(name),
-            "hosts": hosts,
-            "observedGeneration": generation,
-            "conditions": conditions,
-        },
-    });
-    let api = Api::<ProxyPool>::namespaced(ctx.client.clone(), ns);
-    let applied = crate::status_apply::apply_status(&api, name, STATUS_MANAGER, &body).await?;
-    skewed(ctx, pool, &applied).await;
-    Ok(())
 }
 
 /// Tells of a status written without fields the installed CRD lacks (issue 33, item 12).
@@ -770,29 +801,33 @@ where
         state.set_pools(controller.store());
     }
     let prune = prune_gone_pools(ctx.clone(), controller.store());
+    // Reflected, so a pool at rest is judged from them (see `super::at_rest`).
+    let (proxies, proxy_events) = super::cache::pool_proxies(client.clone());
+    let (health, health_events) = super::cache::reflected(
+        Api::<ProviderHealth>::all(client.clone()),
+        watcher::Config::default().any_semantic(),
+    );
+    let (leases, lease_writer) = kube::runtime::reflector::store();
+    let lease_events =
+        kube::runtime::WatchStreamExt::touched_objects(kube::runtime::WatchStreamExt::reflect(
+            super::lease_events(client.clone(), ctx.metrics.watch.clone()),
+            lease_writer,
+        ));
+    let _ = ctx.pool_caches.set(super::at_rest::PoolCaches {
+        proxies,
+        health,
+        leases: super::cache::Cache::new(leases),
+    });
     let run = controller
-        .owns(
-            Api::<Proxy>::all(client.clone()),
-            watcher::Config::default().labels(POOL_LABEL).any_semantic(),
-        )
-        .watches(
-            Api::<ProviderHealth>::all(client.clone()),
-            watcher::Config::default().any_semantic(),
-            move |_| {
-                pools
-                    .state()
-                    .into_iter()
-                    .map(|p| ObjectRef::from_obj(&*p))
-                    .collect::<Vec<_>>()
-            },
-        )
-        .watches_stream(
-            kube::runtime::WatchStreamExt::touched_objects(super::lease_events(
-                client.clone(),
-                ctx.metrics.watch.clone(),
-            )),
-            super::lease::surge::pool_of,
-        )
+        .owns_stream(proxy_events)
+        .watches_stream(health_events, move |_| {
+            pools
+                .state()
+                .into_iter()
+                .map(|p| ObjectRef::from_obj(&*p))
+                .collect::<Vec<_>>()
+        })
+        .watches_stream(lease_events, super::lease::surge::pool_of)
         .reconcile_all_on(board_changes(&ctx.board))
         .with_config(super::controller_config())
         .graceful_shutdown_on(shutdown)

@@ -1,6 +1,7 @@
-//! The `ProxyLease` controller: reads the lease, its pool and the pool's Proxies (fresh
-//! from the API server, never from a cache: a stale view is what let Metal3 bind one host
-//! twice), asks [`binding`] what to do, and does it with guarded writes:
+//! The `ProxyLease` controller: reads the lease, its pool and the pool's Proxies, asks
+//! [`binding`] what to do, and does it with guarded writes. It plans from its caches
+//! first, and a plan that writes anything is made again on fresh reads from the API
+//! server ([`super::view`]): a stale view is what let Metal3 bind one host twice. And:
 //!
 //! - every lease status write is a replace carrying the lease's resourceVersion;
 //! - every write that takes or gives back a Proxy is a patch carrying the Proxy's
@@ -31,11 +32,11 @@ use crate::api::proxy_lease::{
 use crate::api::proxy_pool::{DRAINING_ANNOTATION, POOL_LABEL, ProxyPool};
 use crate::controller::status::set_condition;
 
-use super::super::pool::FleetContext;
 use super::super::Member;
+use super::super::pool::FleetContext;
 use super::binding;
-use super::view::{LeaseCaches, PoolView, Read, listed_by_others, mark_others, read_pool};
 use super::service::{self, ServiceState};
+use super::view::{LeaseCaches, PoolView, Read, listed_by_others, mark_others, read_pool};
 use super::{LeaseError, LeaseMetrics};
 
 /// Condition type of the lease's Service.
@@ -850,15 +851,14 @@ where
     // Decoded one by one (a pool this binary cannot read is left out, and a lease of it
     // then plans on fresh reads); its watch health is the pool controller's to report.
     let (pools, pool_writer) = kube::runtime::reflector::store();
-    let pool_events = kube::runtime::WatchStreamExt::touched_objects(
-        kube::runtime::WatchStreamExt::reflect(
+    let pool_events =
+        kube::runtime::WatchStreamExt::touched_objects(kube::runtime::WatchStreamExt::reflect(
             super::super::pool_events(
                 client.clone(),
                 crate::controller::watch::WatchHealth::default(),
             ),
             pool_writer,
-        ),
-    );
+        ));
     let _ = ctx.caches.set(LeaseCaches {
         proxies,
         pools: crate::fleet::cache::Cache::new(pools),
@@ -880,38 +880,35 @@ where
     };
     let controller = controller
         .watches_stream(pool_events, of_pool)
-        .watches_stream(
-            proxy_events,
-            move |p: Proxy| {
-                let ns = p.namespace();
-                let pool = p.labels().get(POOL_LABEL).cloned();
-                let holder = p.annotations().get(LEASE_NAME_ANNOTATION).cloned();
-                let uid = p.uid().unwrap_or_default();
-                leases
-                    .state()
-                    .into_iter()
-                    // The holder (by the name annotation, and by its status: a label or
-                    // annotation changed by hand must still wake the lease that holds
-                    // the proxy), and the leases of the pool that still want a proxy (a
-                    // Bound or Expired one has nothing to gain from another proxy's change).
-                    .filter(|l| {
-                        let wants = !matches!(
-                            l.status.as_ref().and_then(|s| s.phase),
-                            Some(LeasePhase::Bound | LeasePhase::Expired)
-                        );
-                        let lists = l.status.as_ref().is_some_and(|s| {
-                            s.proxies.iter().any(|b| b.uid == uid)
-                                || s.claims.iter().any(|c| c.uid == uid)
-                        });
-                        l.namespace() == ns
-                            && ((wants && Some(&l.spec.pool) == pool.as_ref())
-                                || lists
-                                || holder.as_deref() == Some(l.name_any().as_str()))
-                    })
-                    .map(|l| ObjectRef::from_obj(&*l))
-                    .collect::<Vec<_>>()
-            },
-        )
+        .watches_stream(proxy_events, move |p: Proxy| {
+            let ns = p.namespace();
+            let pool = p.labels().get(POOL_LABEL).cloned();
+            let holder = p.annotations().get(LEASE_NAME_ANNOTATION).cloned();
+            let uid = p.uid().unwrap_or_default();
+            leases
+                .state()
+                .into_iter()
+                // The holder (by the name annotation, and by its status: a label or
+                // annotation changed by hand must still wake the lease that holds
+                // the proxy), and the leases of the pool that still want a proxy (a
+                // Bound or Expired one has nothing to gain from another proxy's change).
+                .filter(|l| {
+                    let wants = !matches!(
+                        l.status.as_ref().and_then(|s| s.phase),
+                        Some(LeasePhase::Bound | LeasePhase::Expired)
+                    );
+                    let lists = l.status.as_ref().is_some_and(|s| {
+                        s.proxies.iter().any(|b| b.uid == uid)
+                            || s.claims.iter().any(|c| c.uid == uid)
+                    });
+                    l.namespace() == ns
+                        && ((wants && Some(&l.spec.pool) == pool.as_ref())
+                            || lists
+                            || holder.as_deref() == Some(l.name_any().as_str()))
+                })
+                .map(|l| ObjectRef::from_obj(&*l))
+                .collect::<Vec<_>>()
+        })
         .owns_stream(service_events)
         .owns_stream(slice_events)
         .reconcile_on(verdicts)

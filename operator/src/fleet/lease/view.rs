@@ -100,7 +100,12 @@ pub async fn read_pool(
     Ok(view(ctx, found.as_ref(), proxies, Read::Fresh))
 }
 
-fn view(ctx: &LeaseContext, found: Option<&ProxyPool>, proxies: Vec<Proxy>, read: Read) -> PoolView {
+fn view(
+    ctx: &LeaseContext,
+    found: Option<&ProxyPool>,
+    proxies: Vec<Proxy>,
+    read: Read,
+) -> PoolView {
     let pool_uid = found.and_then(ResourceExt::uid);
     let seen = proxies
         .iter()
