@@ -113,7 +113,8 @@ impl KubeSink {
         // Without the fields an older installed CRD lacks, when it must (issue 33, item
         // 12): a ProviderHealth has no events of its own, so the warn log tells of it.
         if let crate::status_apply::Applied::Dropped(what) =
-            crate::status_apply::apply_status(&self.api, provider, FIELD_MANAGER, &body).await?
+            crate::status_apply::apply_status(&self.api, provider, FIELD_MANAGER, &body, None)
+                .await?
         {
             tracing::warn!(%provider, unknown = %what, "ProviderHealth status written without fields the installed CRD does not know");
         }

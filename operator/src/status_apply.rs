@@ -31,6 +31,72 @@ pub enum Applied {
     /// Written without the fields the installed CRD does not know; the API server's
     /// words for them.
     Dropped(String),
+    /// Not sent: the same body went through the fallback last time, and the object's
+    /// status is still what that write left (see [`FallbackMemory`]).
+    AsBefore,
+}
+
+/// Most objects [`FallbackMemory`] remembers; past that it starts again (a write more
+/// per object, once).
+const FALLBACK_MEMORY_MAX: usize = 10_000;
+
+/// What the fallback wrote last, by object: the body's digest and the digest of the status
+/// the write left. The stored status lacks the dropped fields, so a caller that compares its
+/// status with the object finds a difference on every reconcile; without this memory each
+/// reconcile under a lagging CRD made two writes (strict, refused; merge) and a Warning
+/// event, forever.
+#[derive(Debug, Default)]
+pub struct FallbackMemory {
+    written: std::sync::Mutex<std::collections::HashMap<String, (u64, u64)>>,
+}
+
+impl FallbackMemory {
+    fn digest(v: &serde_json::Value) -> u64 {
+        use std::hash::{Hash, Hasher};
+        let mut h = std::collections::hash_map::DefaultHasher::new();
+        v.to_string().hash(&mut h);
+        h.finish()
+    }
+
+    /// Whether `body` is what the fallback last wrote to `key`, and the object's status
+    /// `seen` is still what that write left.
+    fn repeats(
+        &self,
+        key: &str,
+        body: &serde_json::Value,
+        seen: Option<&serde_json::Value>,
+    ) -> bool {
+        let Some(seen) = seen else {
+            return false;
+        };
+        self.written.lock().is_ok_and(|m| {
+            m.get(key)
+                .is_some_and(|(d, left)| *d == Self::digest(body) && *left == Self::digest(seen))
+        })
+    }
+
+    fn remember(&self, key: &str, body: &serde_json::Value, left: Option<&serde_json::Value>) {
+        if let Ok(mut m) = self.written.lock() {
+            match left {
+                Some(left) => {
+                    if m.len() >= FALLBACK_MEMORY_MAX && !m.contains_key(key) {
+                        m.clear();
+                    }
+                    m.insert(key.to_string(), (Self::digest(body), Self::digest(left)));
+                }
+                None => {
+                    m.remove(key);
+                }
+            }
+        }
+    }
+}
+
+/// The process's memory of fallback writes (objects are named by their API path, so one
+/// memory serves every caller).
+fn memory() -> &'static FallbackMemory {
+    static MEMORY: std::sync::OnceLock<FallbackMemory> = std::sync::OnceLock::new();
+    MEMORY.get_or_init(FallbackMemory::default)
 }
 
 /// The API server's words for fields a strict write named as unknown to the installed
@@ -50,18 +116,38 @@ pub fn unknown_fields(e: &kube::Error) -> Option<String> {
 /// Applies `body` to `name`'s status as `manager`, forced (the caller owns every status
 /// field it writes) and strict; on a refusal for fields the installed CRD does not know,
 /// writes it as a merge patch with field validation off, so the API server drops them.
+/// `seen` is the status (as JSON) the caller compared `body` with: when the fallback
+/// already wrote this very body and left the status as `seen` says, nothing is sent.
 pub async fn apply_status<K>(
     api: &Api<K>,
     name: &str,
     manager: &str,
     body: &serde_json::Value,
+    seen: Option<&serde_json::Value>,
 ) -> Result<Applied, kube::Error>
 where
-    K: Clone + DeserializeOwned + Debug,
+    K: Clone + DeserializeOwned + Debug + serde::Serialize + kube::Resource,
 {
+    // By object, manager and the fields written: two writers of one status (the pool
+    // controller and discovery) are remembered apart.
+    let fields: Vec<&str> = body["status"]
+        .as_object()
+        .map(|o| o.keys().map(String::as_str).collect())
+        .unwrap_or_default();
+    let key = format!(
+        "{}/{name}/status:{manager}:{}",
+        api.resource_url(),
+        fields.join(",")
+    );
+    if memory().repeats(&key, body, seen) {
+        return Ok(Applied::AsBefore);
+    }
     let strict = PatchParams::apply(manager).force().validation_strict();
     match api.patch_status(name, &strict, &Patch::Apply(body)).await {
-        Ok(_) => Ok(Applied::Whole),
+        Ok(_) => {
+            memory().remember(&key, body, None);
+            Ok(Applied::Whole)
+        }
         Err(e) => {
             let Some(unknown) = unknown_fields(&e) else {
                 return Err(e);
@@ -71,7 +157,11 @@ where
                 ..PatchParams::default()
             }
             .validation_ignore();
-            api.patch_status(name, &lax, &Patch::Merge(body)).await?;
+            let written = api.patch_status(name, &lax, &Patch::Merge(body)).await?;
+            let left = serde_json::to_value(&written)
+                .ok()
+                .map(|v| v["status"].clone());
+            memory().remember(&key, body, left.as_ref());
             Ok(Applied::Dropped(unknown))
         }
     }
@@ -166,5 +256,25 @@ mod tests {
             unknown_fields(&kube::Error::Service("connection refused".into())),
             None
         );
+    }
+
+    #[test]
+    fn a_fallback_write_is_not_repeated_on_the_object_it_left() {
+        let m = FallbackMemory::default();
+        let body = serde_json::json!({"status": {"replicas": 1, "hosts": []}});
+        let other = serde_json::json!({"status": {"replicas": 2, "hosts": []}});
+        let left = serde_json::json!({"replicas": 1});
+        let changed = serde_json::json!({"replicas": 3});
+        assert!(!m.repeats("k", &body, Some(&left)), "nothing written yet");
+        m.remember("k", &body, Some(&left));
+        assert!(m.repeats("k", &body, Some(&left)));
+        // Another body, a status changed since, an unknown status, another object: written.
+        assert!(!m.repeats("k", &other, Some(&left)));
+        assert!(!m.repeats("k", &body, Some(&changed)));
+        assert!(!m.repeats("k", &body, None));
+        assert!(!m.repeats("j", &body, Some(&left)));
+        // A whole write (the CRD upgraded) forgets.
+        m.remember("k", &body, None);
+        assert!(!m.repeats("k", &body, Some(&left)));
     }
 }

@@ -1031,9 +1031,23 @@ async fn write_status(
     let uid = proxy.uid().unwrap_or_default();
     // Server-side apply of the whole status, forced (the controller owns every status
     // field), strict, and without the fields an older installed CRD lacks when it must.
-    match crate::status_apply::apply_status(&api, &proxy.name_any(), FIELD_MANAGER, &body).await {
+    let seen = serde_json::to_value(&proxy.status).ok();
+    match crate::status_apply::apply_status(
+        &api,
+        &proxy.name_any(),
+        FIELD_MANAGER,
+        &body,
+        seen.as_ref(),
+    )
+    .await
+    {
         Ok(crate::status_apply::Applied::Whole) => {
             ctx.serving.written(&uid, Some(status));
+            Ok(())
+        }
+        // Written so before, and told then: the object is as that write left it.
+        Ok(crate::status_apply::Applied::AsBefore) => {
+            ctx.serving.written(&uid, None);
             Ok(())
         }
         Ok(crate::status_apply::Applied::Dropped(what)) => {

@@ -703,7 +703,14 @@ async fn reconcile(pool: Arc<ProxyPool>, discovery: Arc<Discovery>) -> Result<Ac
             "status": { "endpoints": after, "conditions": conditions },
         });
         let api = Api::<ProxyPool>::namespaced(ctx.client.clone(), &ns);
-        let applied = crate::status_apply::apply_status(&api, &name, STATUS_MANAGER, &body).await?;
+        let applied = crate::status_apply::apply_status(
+            &api,
+            &name,
+            STATUS_MANAGER,
+            &body,
+            serde_json::to_value(&pool.status).ok().as_ref(),
+        )
+        .await?;
         super::pool::skewed(ctx, &pool, &applied).await;
     }
     for (proxy, what) in membership_changes(&before, &after) {

@@ -638,7 +638,14 @@ async fn write_status(
         },
     });
     let api = Api::<ProxyPool>::namespaced(ctx.client.clone(), ns);
-    let applied = crate::status_apply::apply_status(&api, name, STATUS_MANAGER, &body).await?;
+    let applied = crate::status_apply::apply_status(
+        &api,
+        name,
+        STATUS_MANAGER,
+        &body,
+        serde_json::to_value(&pool.status).ok().as_ref(),
+    )
+    .await?;
     skewed(ctx, pool, &applied).await;
     Ok(())
 }
