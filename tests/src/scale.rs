@@ -32,7 +32,7 @@ use kube::api::{Api, DeleteParams, ListParams, PostParams};
 
 use crate::connect_responder::ConnectResponder;
 use crate::harness::TestNamespace;
-use crate::harness::controlplane::{OPERATOR_NAMESPACE, OPERATOR_SERVICE_ACCOUNT};
+use crate::harness::controlplane::OPERATOR_NAMESPACE;
 use crate::harness::{ControlPlane, Libvirtd, Sshd};
 use crate::http::{HttpServer, Route};
 use crate::operator_process::{OperatorOptions, OperatorProcess};
@@ -505,7 +505,7 @@ serving: {{{serving}}}
     /// Ends a phase begun at `mark`.
     fn phase(&self, mark: &Mark) -> Result<Phase> {
         let wall = mark.at.elapsed();
-        let user = format!("system:serviceaccount:{OPERATOR_NAMESPACE}:{OPERATOR_SERVICE_ACCOUNT}");
+        let user = crate::harness::controlplane::operator_user();
         let mut requests = Requests::new();
         let mut refused = 0;
         if let Some(audit) = self.plane.audit()? {

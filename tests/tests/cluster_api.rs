@@ -829,7 +829,6 @@ async fn a_proxy_using_a_field_of_a_newer_crd_is_named_and_the_others_still_deco
 #[tokio::test]
 async fn the_gc_index_pages_past_500_proxies() -> Result<()> {
     use egress_operator::gc::{KubeProxyIndex, ProxyIndex};
-    use integration_tests::harness::controlplane::{OPERATOR_NAMESPACE, OPERATOR_SERVICE_ACCOUNT};
 
     const N: usize = 505;
     let cp = plane().await?;
@@ -859,7 +858,7 @@ async fn the_gc_index_pages_past_500_proxies() -> Result<()> {
     let ours = owners.values().filter(|o| o.namespace == ns.name()).count();
     assert_eq!(ours, N, "the index missed Proxies past the first page");
 
-    let user = format!("system:serviceaccount:{OPERATOR_NAMESPACE}:{OPERATOR_SERVICE_ACCOUNT}");
+    let user = integration_tests::harness::controlplane::operator_user();
     if let Some(audit) = cp.audit()? {
         let lists: Vec<&str> = audit
             .iter()

@@ -22,7 +22,6 @@ use egress_operator::fleet::failures::CreateBackoff;
 use egress_operator::fleet::pool::FleetContext;
 use egress_operator::fleet::{FleetMetrics, LivenessBoard};
 use integration_tests::harness::ControlPlane;
-use integration_tests::harness::controlplane::{OPERATOR_NAMESPACE, OPERATOR_SERVICE_ACCOUNT};
 use k8s_openapi::api::events::v1::Event as KubeEvent;
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::Condition;
 use kube::api::{ListParams, Patch, PatchParams, PostParams};
@@ -551,18 +550,13 @@ async fn a_skewed_crd_leaves_one_pool_out_and_drops_unknown_status_fields_visibl
     // Told once, written once: the stored status lacks `hosts`, so every look finds it
     // different, but the same fallback write is not made again on the object it left.
     // Before, each look wrote twice (refused, then merged) and sent another event.
-    let user = format!("system:serviceaccount:{OPERATOR_NAMESPACE}:{OPERATOR_SERVICE_ACCOUNT}");
     let status_writes = || {
-        cp.audit().unwrap().map_or(0, |a| {
-            a.iter()
-                .filter(|r| {
-                    r.user == user
-                        && r.resource == "proxypools/status"
-                        && r.namespace.as_deref() == Some(ns.as_str())
-                        && r.name.as_deref() == Some("office")
-                })
-                .count()
+        cp.operator_requests(|r| {
+            r.resource == "proxypools/status"
+                && r.namespace.as_deref() == Some(ns.as_str())
+                && r.name.as_deref() == Some("office")
         })
+        .unwrap()
     };
     let (writes, dropped) = (
         status_writes(),

@@ -37,7 +37,6 @@ use egress_operator::fleet::lease::{LeaseContext, LeaseMetrics};
 use egress_operator::fleet::pool::FleetContext;
 use egress_operator::fleet::{FleetMetrics, LivenessBoard};
 use integration_tests::harness::ControlPlane;
-use integration_tests::harness::controlplane::{OPERATOR_NAMESPACE, OPERATOR_SERVICE_ACCOUNT};
 use k8s_openapi::api::core::v1::Service;
 use k8s_openapi::api::discovery::v1::EndpointSlice;
 use kube::api::{DeleteParams, ListParams, Patch, PatchParams, PostParams};
@@ -821,7 +820,7 @@ async fn a_lost_proxy_is_given_up_and_the_lease_and_its_service_rebind_to_a_spar
     inst.shutdown().await;
     // The shipped RBAC covered every call of the lease controller: the API server
     // refused none of the ServiceAccount's requests.
-    let user = format!("system:serviceaccount:{OPERATOR_NAMESPACE}:{OPERATOR_SERVICE_ACCOUNT}");
+    let user = integration_tests::harness::controlplane::operator_user();
     if let Some(audit) = s.cp.audit().unwrap() {
         let refused: Vec<_> = audit
             .iter()

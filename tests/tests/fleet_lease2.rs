@@ -26,7 +26,7 @@ use egress_operator::fleet::lease::{LeaseContext, LeaseMetrics};
 use egress_operator::fleet::pool::FleetContext;
 use egress_operator::fleet::{FleetMetrics, LivenessBoard};
 use integration_tests::harness::ControlPlane;
-use integration_tests::harness::controlplane::{OPERATOR_NAMESPACE, OPERATOR_SERVICE_ACCOUNT};
+use integration_tests::harness::controlplane::operator_user;
 use k8s_openapi::api::discovery::v1::EndpointSlice;
 use kube::api::{DeleteParams, ListParams, Patch, PatchParams, PostParams};
 use kube::{Api, Client, Resource, ResourceExt};
@@ -489,11 +489,6 @@ async fn a_relabelled_proxy_never_leaves_its_lease() {
 
     delete_leases(&admin, &ns).await;
     inst.shutdown().await;
-}
-
-/// The operator's ServiceAccount as the audit log names it.
-fn operator_user() -> String {
-    format!("system:serviceaccount:{OPERATOR_NAMESPACE}:{OPERATOR_SERVICE_ACCOUNT}")
 }
 
 /// The audit log so far (a local plane always has one).

@@ -38,7 +38,6 @@ use egress_operator::provider::{
 };
 use egress_operator::serving::{Dialer, ProbeStream};
 use integration_tests::harness::ControlPlane;
-use integration_tests::harness::controlplane::{OPERATOR_NAMESPACE, OPERATOR_SERVICE_ACCOUNT};
 use k8s_openapi::api::core::v1::Service;
 use k8s_openapi::api::discovery::v1::EndpointSlice;
 use kube::api::{DeleteParams, ListParams, Patch, PatchParams, PostParams};
@@ -339,34 +338,24 @@ async fn a_pool_converges_rolls_surge_first_keeps_its_slices_and_scales() {
     // At rest, a reconcile writes nothing: an annotation (no generation bump, a watch
     // event all the same) makes the pool controller and discovery look again, and they
     // leave the pool's status, Service and slices as they are.
-    let user = format!("system:serviceaccount:{OPERATOR_NAMESPACE}:{OPERATOR_SERVICE_ACCOUNT}");
     let status_writes = || {
-        cp.audit().unwrap().map_or(0, |a| {
-            a.iter()
-                .filter(|r| {
-                    r.user == user
-                        && ["proxypools/status", "services", "endpointslices"]
-                            .contains(&r.resource.as_str())
-                        && r.verb == "patch"
-                        && r.namespace.as_deref() == Some(ns.as_str())
-                })
-                .count()
+        cp.operator_requests(|r| {
+            ["proxypools/status", "services", "endpointslices"].contains(&r.resource.as_str())
+                && r.verb == "patch"
+                && r.namespace.as_deref() == Some(ns.as_str())
         })
+        .unwrap()
     };
     // And reads nothing (issue 35, item 4): the pool controller and discovery judge a pool
     // at rest from their caches. Before, each look listed the pool's Proxies (both) and
     // the namespace's leases (the pool controller).
     let fleet_lists = || {
-        cp.audit().unwrap().map_or(0, |a| {
-            a.iter()
-                .filter(|r| {
-                    r.user == user
-                        && ["proxies", "proxyleases"].contains(&r.resource.as_str())
-                        && r.verb == "list"
-                        && r.namespace.as_deref() == Some(ns.as_str())
-                })
-                .count()
+        cp.operator_requests(|r| {
+            ["proxies", "proxyleases"].contains(&r.resource.as_str())
+                && r.verb == "list"
+                && r.namespace.as_deref() == Some(ns.as_str())
         })
+        .unwrap()
     };
     // Let the last reconcile of the convergence land first.
     tokio::time::sleep(Duration::from_secs(6)).await;
@@ -574,7 +563,7 @@ async fn a_pool_converges_rolls_surge_first_keeps_its_slices_and_scales() {
 
     // The shipped RBAC covered every call of the pool, discovery and liveness controllers:
     // the API server refused none of the ServiceAccount's requests.
-    let user = format!("system:serviceaccount:{OPERATOR_NAMESPACE}:{OPERATOR_SERVICE_ACCOUNT}");
+    let user = integration_tests::harness::controlplane::operator_user();
     if let Some(audit) = cp.audit().unwrap() {
         let refused: Vec<_> = audit
             .iter()

@@ -79,7 +79,7 @@ async fn wait_for<T, Fut: std::future::Future<Output = Option<T>>>(
 /// How many times the operator's ServiceAccount listed Proxies (a watcher relists after
 /// its watch expired); 0 against an external cluster (no audit log).
 fn proxy_lists(plane: &ControlPlane) -> usize {
-    let user = format!("system:serviceaccount:{OPERATOR_NAMESPACE}:{OPERATOR_SERVICE_ACCOUNT}");
+    let user = integration_tests::harness::controlplane::operator_user();
     plane.audit().unwrap().map_or(0, |audit| {
         audit
             .iter()
@@ -377,7 +377,7 @@ async fn the_operator_runs_as_its_service_account_and_is_never_refused() {
     );
 
     // ---- Never refused ----------------------------------------------------------------
-    let user = format!("system:serviceaccount:{OPERATOR_NAMESPACE}:{OPERATOR_SERVICE_ACCOUNT}");
+    let user = integration_tests::harness::controlplane::operator_user();
     if let Some(audit) = plane.audit().unwrap() {
         let ours: Vec<_> = audit.iter().filter(|r| r.user == user).collect();
         assert!(!ours.is_empty(), "the audit log shows no request of {user}");

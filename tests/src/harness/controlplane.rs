@@ -64,6 +64,11 @@ pub const OPERATOR_NAMESPACE: &str = "egress-system";
 /// See [`OPERATOR_NAMESPACE`].
 pub const OPERATOR_SERVICE_ACCOUNT: &str = "egress-operator";
 
+/// The operator's ServiceAccount as the API server names it in its audit log.
+pub fn operator_user() -> String {
+    format!("system:serviceaccount:{OPERATOR_NAMESPACE}:{OPERATOR_SERVICE_ACCOUNT}")
+}
+
 /// Kills the daemons and removes the plane's directory once the test process is gone,
 /// whatever way it ended. `setsid` keeps it out of a Ctrl-C to the test's process group,
 /// and it ignores the signals that end a session, so the daemons (kube-apiserver hangs in
@@ -408,6 +413,15 @@ impl ControlPlane {
         local.stop_apiserver()?;
         local.spawn_apiserver()?;
         local.wait_ready(&self.kubectl, &self.kubeconfig)
+    }
+
+    /// How many requests of the operator's ServiceAccount so far `keep` holds for (0 on an
+    /// external cluster, whose audit log is not ours to read).
+    pub fn operator_requests(&self, keep: impl Fn(&AuditedRequest) -> bool) -> Result<usize> {
+        let user = operator_user();
+        Ok(self.audit()?.map_or(0, |log| {
+            log.iter().filter(|r| r.user == user && keep(r)).count()
+        }))
     }
 
     /// Every request the API server answered so far, from its audit log; `None` for an
