@@ -244,11 +244,11 @@ fn unreachable(kind: &TemplateErrorKind, options: &ValidateOptions) -> Option<St
         }
         TemplateErrorKind::Download { url, reason } => {
             let cache = match &options.plugin_cache_dir {
-                Some(dir) => format!("not in the plugin cache {}", dir.display()),
-                None => "no --plugin-cache-dir was given".into(),
+                Some(dir) => format!("it is not in the plugin cache {}", dir.display()),
+                None => "no --plugin-cache-dir was given to look in".into(),
             };
             Some(format!(
-                "{url} cannot be downloaded from here ({reason}) and is {cache}"
+                "{url} cannot be downloaded from here ({reason}), and {cache}"
             ))
         }
         _ => None,
@@ -310,6 +310,30 @@ mod tests {
             source: std::io::Error::from(std::io::ErrorKind::PermissionDenied),
         };
         assert!(unreachable(&denied, &ValidateOptions::default()).is_none());
+    }
+
+    /// The download refusal reads as a sentence both ways (issue 34: it read "... and is
+    /// no --plugin-cache-dir was given").
+    #[test]
+    fn an_unreachable_url_says_where_else_it_was_looked_for() {
+        let kind = TemplateErrorKind::Download {
+            url: "https://plugins.example/d.wasm".into(),
+            reason: "io: connection refused".into(),
+        };
+        assert_eq!(
+            unreachable(&kind, &ValidateOptions::default()).unwrap(),
+            "https://plugins.example/d.wasm cannot be downloaded from here (io: connection \
+             refused), and no --plugin-cache-dir was given to look in"
+        );
+        let cached = ValidateOptions {
+            plugin_cache_dir: Some("/var/cache/p".into()),
+            ..ValidateOptions::default()
+        };
+        assert_eq!(
+            unreachable(&kind, &cached).unwrap(),
+            "https://plugins.example/d.wasm cannot be downloaded from here (io: connection \
+             refused), and it is not in the plugin cache /var/cache/p"
+        );
     }
 
     #[test]

@@ -605,10 +605,87 @@ fn issues_of(document: &Value, e: &jsonschema::ValidationError<'_>) -> Vec<Setti
                 })
                 .collect()
         }
+        jsonschema::error::ValidationErrorKind::OneOfNotValid { .. }
+        | jsonschema::error::ValidationErrorKind::AnyOf { .. }
+        | jsonschema::error::ValidationErrorKind::Enum { .. }
+        | jsonschema::error::ValidationErrorKind::Constant { .. } => {
+            // The keyword's schema object, whose alternatives may all be fixed values (an
+            // enum as schemars writes it: `oneOf` of `const`s, maybe behind a `$ref` and
+            // an `anyOf` with null for an `Option`).
+            let keyword = e.schema_path().to_string();
+            let holder = keyword.rsplit_once('/').map_or("", |(p, _)| p);
+            let allowed = document
+                .pointer(holder)
+                .and_then(|node| allowed_values(document, node, 0));
+            let message = match allowed {
+                Some(values) => format!(
+                    "{} is not allowed; expected {}",
+                    e.instance(),
+                    one_of(&values)
+                ),
+                None => e.to_string(),
+            };
+            vec![SettingsIssue {
+                pointer: at,
+                message,
+            }]
+        }
         _ => vec![SettingsIssue {
             pointer: at,
             message: e.to_string(),
         }],
+    }
+}
+
+/// Most alternatives followed when listing what a value may be: an enum of a plugin's
+/// settings is short, and a refusal names at most this many.
+const ALLOWED_MAX: usize = 32;
+
+/// `node`, or what its local `$ref` points at (one step).
+pub(crate) fn resolve<'a>(root: &'a Value, node: &'a Value) -> &'a Value {
+    node.get("$ref")
+        .and_then(Value::as_str)
+        .and_then(|r| r.strip_prefix('#'))
+        .and_then(|p| root.pointer(p))
+        .unwrap_or(node)
+}
+
+/// The values `node` allows when they are a finite list (`const`, `enum`, `null`, and
+/// `oneOf`/`anyOf` of those, through local `$ref`s), in schema order; `None` when the
+/// node allows more than a list can say.
+pub(crate) fn allowed_values(root: &Value, node: &Value, depth: usize) -> Option<Vec<Value>> {
+    if depth > 4 {
+        return None;
+    }
+    let node = resolve(root, node);
+    if let Some(v) = node.get("const") {
+        return Some(vec![v.clone()]);
+    }
+    if let Some(values) = node.get("enum").and_then(Value::as_array) {
+        return Some(values.iter().take(ALLOWED_MAX).cloned().collect());
+    }
+    for key in ["oneOf", "anyOf"] {
+        if let Some(options) = node.get(key).and_then(Value::as_array) {
+            let mut out: Vec<Value> = Vec::new();
+            for o in options {
+                for v in allowed_values(root, o, depth + 1)? {
+                    if !out.contains(&v) && out.len() < ALLOWED_MAX {
+                        out.push(v);
+                    }
+                }
+            }
+            return Some(out);
+        }
+    }
+    (node.get("type").and_then(Value::as_str) == Some("null")).then(|| vec![Value::Null])
+}
+
+/// `one of "a", "b"` (or the single value), as JSON.
+fn one_of(values: &[Value]) -> String {
+    let shown: Vec<String> = values.iter().map(ToString::to_string).collect();
+    match shown.as_slice() {
+        [one] => one.clone(),
+        _ => format!("one of {}", shown.join(", ")),
     }
 }
 
@@ -814,6 +891,45 @@ mod tests {
                 &"/nics/0/brige: unknown key \"brige\"; did you mean `bridge`?".to_string()
             ),
             "{shown:?}"
+        );
+    }
+
+    /// An enum setting refused names what it may be (issue 34): schemars writes a Rust
+    /// enum as a `oneOf` of `const`s, and an `Option` of it as an `anyOf` with null behind
+    /// a `$ref`; the validator alone says only "is not valid under any of the schemas".
+    #[test]
+    fn a_refused_enum_value_names_the_allowed_ones() {
+        let schema = compile(
+            &json!({
+                "type": "object",
+                "properties": {
+                    "diskCache": {"oneOf": [{"const": "none", "type": "string"}, {"const": "writeback", "type": "string"}]},
+                    "cpuMode": {"anyOf": [{"$ref": "#/$defs/CpuMode"}, {"type": "null"}]},
+                    "bus": {"enum": ["virtio", "sata"]},
+                    "port": {"anyOf": [{"type": "integer"}, {"type": "null"}]}
+                },
+                "$defs": {"CpuMode": {"oneOf": [{"const": "host-passthrough"}, {"const": "host-model"}]}}
+            })
+            .to_string(),
+        )
+        .unwrap();
+        let settings =
+            json!({"diskCache": "unsafe", "cpuMode": "custom", "bus": "ide", "port": "x"});
+        let (kept, _, _) = evaluate(&schema, &settings, 10);
+        let shown: Vec<String> = kept.iter().map(ToString::to_string).collect();
+        for want in [
+            "/diskCache: \"unsafe\" is not allowed; expected one of \"none\", \"writeback\"",
+            "/cpuMode: \"custom\" is not allowed; expected one of \"host-passthrough\", \"host-model\", null",
+            "/bus: \"ide\" is not allowed; expected one of \"virtio\", \"sata\"",
+        ] {
+            assert!(shown.contains(&want.to_string()), "{want}\n{shown:#?}");
+        }
+        // Not a list of values: the validator's own words.
+        assert!(
+            shown
+                .iter()
+                .any(|s| s.starts_with("/port: ") && !s.contains("expected")),
+            "{shown:#?}"
         );
     }
 

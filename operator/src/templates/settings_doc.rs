@@ -7,6 +7,8 @@
 
 use serde_json::Value;
 
+use super::schema::resolve;
+
 /// A Markdown table of the settings `schema` (JSON text) describes.
 pub fn markdown(schema: &str) -> Result<String, serde_json::Error> {
     let root: Value = serde_json::from_str(schema)?;
@@ -81,15 +83,6 @@ fn collect(
             collect(root, target, &full, &default, rows, depth + 1);
         }
     }
-}
-
-/// `node`, or what its local `$ref` points at.
-fn resolve<'a>(root: &'a Value, node: &'a Value) -> &'a Value {
-    node.get("$ref")
-        .and_then(Value::as_str)
-        .and_then(|r| r.strip_prefix('#'))
-        .and_then(|p| root.pointer(p))
-        .unwrap_or(node)
 }
 
 /// A short type: `string`, `integer (≤ 3)`, `"q35" \| "pc"`, `list of string`, ...

@@ -975,6 +975,42 @@ fn is_emulator(s: &str) -> bool {
         })
 }
 
+/// What `v` allows, for a refusal: the fix in the plugin author's terms (the rules page
+/// says the same in Markdown, [`describe`]).
+pub(super) fn expected(v: Value) -> String {
+    let quoted = |o: &[&str]| {
+        o.iter()
+            .map(|s| format!("\"{s}\""))
+            .collect::<Vec<_>>()
+            .join(", ")
+    };
+    match v {
+        Value::Enum([one]) | Value::Model([one]) => format!("expected \"{one}\""),
+        Value::Enum(o) | Value::Model(o) => format!("expected one of {}", quoted(o)),
+        Value::MemoryUnit => {
+            let units: Vec<&str> = MEMORY_UNITS.iter().map(|(u, _)| *u).collect();
+            format!("expected one of {}", quoted(&units))
+        }
+        Value::Uint => "expected decimal digits only".into(),
+        Value::HexOrUint => {
+            "expected decimal digits without a leading zero, or 0x and at most 8 hex digits".into()
+        }
+        Value::Ident => "expected at most 64 letters, digits, `_`, `.`, `+` or `-`".into(),
+        Value::CpuSet => "expected digits, `,`, `-` and `^` only (a CPU or node set)".into(),
+        Value::Mac => "expected a unicast MAC address written xx:xx:xx:xx:xx:xx".into(),
+        Value::Machine => "expected \"q35\", \"pc\", or pc-q35-* or pc-i440fx-*".into(),
+        Value::Emulator => {
+            "expected /usr/bin/ or /usr/libexec/ qemu-kvm, kvm or qemu-system-<arch>".into()
+        }
+        Value::Prose => {
+            format!(
+                "expected text of at most {VALUE_MAX} bytes without control characters but line feeds"
+            )
+        }
+        Value::Tied(t) => format!("expected {} (rule {})", t.to, t.rule),
+    }
+}
+
 pub(super) fn describe(v: Value) -> String {
     match v {
         Value::Enum(o) => o

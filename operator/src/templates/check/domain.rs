@@ -160,9 +160,10 @@ fn walk(
                     "value"
                 },
                 format!(
-                    "{shown}/@{} is {}, not an allowed value",
+                    "{shown}/@{} is {}, not an allowed value; {}",
                     a.name,
-                    show(&a.value)
+                    show(&a.value),
+                    allow::expected(*form)
                 ),
             ));
         }
@@ -193,7 +194,11 @@ fn walk(
             } else {
                 Err(refuse(
                     "value",
-                    format!("{shown} holds {}, not an allowed value", show(&node.text)),
+                    format!(
+                        "{shown} holds {}, not an allowed value; {}",
+                        show(&node.text),
+                        allow::expected(form)
+                    ),
                 ))
             }
         }
@@ -662,10 +667,22 @@ fn tie_interfaces(
             (0, Some(_), _) => {}
             // Any other MAC a plugin writes could be another VM's on the same bridge;
             // libvirt generates one when none is given.
+            (0, None, Some(_)) if reading == Reading::Plugin => {
+                return Err(refuse(
+                    "mac-assigned",
+                    format!(
+                        "{at}/mac is set; only the operator assigns the first NIC's MAC \
+                         address: leave <mac> out"
+                    ),
+                ));
+            }
             (_, _, Some(_)) if reading == Reading::Plugin => {
                 return Err(refuse(
                     "mac-assigned",
-                    format!("{at}/mac is set; only the operator assigns MAC addresses"),
+                    format!(
+                        "{at}/mac is set; libvirt makes a unique MAC address for every NIC \
+                         after the first: leave <mac> out"
+                    ),
                 ));
             }
             _ => {}

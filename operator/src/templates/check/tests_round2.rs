@@ -980,3 +980,41 @@ fn every_non_virtio_model_is_justified() {
         assert!(on_list, "{at} {model} is justified but not on the list");
     }
 }
+
+/// A refused value names what is allowed, and a MAC address on a NIC says who makes it
+/// (issue 34: "not an allowed value" alone, and "only the operator assigns MAC addresses"
+/// on a second NIC, where libvirt makes the address).
+#[test]
+fn refusals_name_the_fix() {
+    let p = policy(None, None, None);
+    let refused = |xml: String| verdict_on(&xml, &input(), &p, Reading::Plugin).unwrap_err();
+    let (rule, detail) = refused(with(
+        "<on_crash>destroy</on_crash>",
+        "<on_crash>coredump-destroy</on_crash>",
+    ));
+    assert_eq!(rule, "value");
+    assert!(
+        detail.contains("not an allowed value; expected ") && detail.contains("\"destroy\""),
+        "{detail}"
+    );
+    let (rule, detail) = refused(with(
+        "<target dev=\"vda\" bus=\"virtio\"/>",
+        "<target dev=\"vda\" bus=\"virtio\"/><address type=\"pci\" domain=\"0\" bus=\"0\" slot=\"010\" function=\"0\"/>",
+    ));
+    assert_eq!(rule, "value");
+    assert!(
+        detail.ends_with(
+            "/@slot is \"010\", not an allowed value; expected decimal digits without a \
+             leading zero, or 0x and at most 8 hex digits"
+        ),
+        "{detail}"
+    );
+    let (rule, detail) = refused(device(
+        "<interface type=\"bridge\"><source bridge=\"br0\"/><mac address=\"52:54:00:00:00:09\"/></interface>",
+    ));
+    assert_eq!(rule, "mac-assigned");
+    assert!(
+        detail.contains("libvirt makes a unique MAC address for every NIC after the first"),
+        "{detail}"
+    );
+}
