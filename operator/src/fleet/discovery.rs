@@ -775,7 +775,7 @@ where
         proxies,
     });
     let (reader, writer) = reflector::store();
-    let pools = super::pool_events(client.clone(), discovery.fleet.metrics.watch.clone())
+    let pools = super::events::<ProxyPool>(client.clone(), discovery.fleet.metrics.watch.clone())
         .reflect(writer)
         .applied_objects();
     Controller::for_stream(pools, reader)

@@ -199,59 +199,50 @@ pub fn floor_count(active: &[&Member], max_unavailable: usize) -> usize {
     serving + leased.saturating_sub(max_unavailable)
 }
 
-/// A pool with only `meta`: what a deleted pool the watch could not decode leaves the
-/// cache as (the cache drops it by name).
-pub(crate) fn pool_stub(meta: kube::api::ObjectMeta) -> crate::api::proxy_pool::ProxyPool {
-    let mut p = crate::api::proxy_pool::ProxyPool::new("", Default::default());
-    p.metadata = meta;
-    p
+/// A fleet object watched one object at a time (issue 33, item 10): one this binary
+/// cannot decode is reported on `/readyz` and left out; the others are reconciled.
+pub(crate) trait Watched:
+    kube::Resource<DynamicType = ()> + serde::de::DeserializeOwned + Send + 'static
+{
+    /// How logs, metrics and `/readyz` name it.
+    const RESOURCE: &'static str;
+    /// The object with only `meta`: what a deleted object the watch could not decode
+    /// leaves the cache as (the cache drops it by name).
+    fn stub(meta: kube::api::ObjectMeta) -> Self;
 }
 
-/// A lease with only `meta` (as [`pool_stub`]).
-pub(crate) fn lease_stub(meta: kube::api::ObjectMeta) -> crate::api::proxy_lease::ProxyLease {
-    let mut l = crate::api::proxy_lease::ProxyLease::new("", Default::default());
-    l.metadata = meta;
-    l
+impl Watched for crate::api::proxy_pool::ProxyPool {
+    const RESOURCE: &'static str = "proxypool";
+    fn stub(meta: kube::api::ObjectMeta) -> Self {
+        let mut p = Self::new("", Default::default());
+        p.metadata = meta;
+        p
+    }
 }
 
-/// The pools, watched one object at a time (issue 33, item 10): a pool this binary cannot
-/// decode is reported on `/readyz` and left out; the others are reconciled.
-pub(crate) fn pool_events(
+impl Watched for crate::api::proxy_lease::ProxyLease {
+    const RESOURCE: &'static str = "proxylease";
+    fn stub(meta: kube::api::ObjectMeta) -> Self {
+        let mut l = Self::new("", Default::default());
+        l.metadata = meta;
+        l
+    }
+}
+
+/// Every `K` of the cluster, watched as [`Watched`] says; `health` is told of failures.
+pub(crate) fn events<K: Watched>(
     client: kube::Client,
     health: crate::controller::watch::WatchHealth,
 ) -> impl futures_util::Stream<
-    Item = Result<
-        kube::runtime::watcher::Event<crate::api::proxy_pool::ProxyPool>,
-        kube::runtime::watcher::Error,
-    >,
+    Item = Result<kube::runtime::watcher::Event<K>, kube::runtime::watcher::Error>,
 > + Send
 + 'static {
     crate::controller::watch::decoded(
         client,
         kube::runtime::watcher::Config::default().any_semantic(),
         health,
-        "proxypool",
-        pool_stub,
-    )
-}
-
-/// The leases, watched one object at a time (as [`pool_events`]).
-pub(crate) fn lease_events(
-    client: kube::Client,
-    health: crate::controller::watch::WatchHealth,
-) -> impl futures_util::Stream<
-    Item = Result<
-        kube::runtime::watcher::Event<crate::api::proxy_lease::ProxyLease>,
-        kube::runtime::watcher::Error,
-    >,
-> + Send
-+ 'static {
-    crate::controller::watch::decoded(
-        client,
-        kube::runtime::watcher::Config::default().any_semantic(),
-        health,
-        "proxylease",
-        lease_stub,
+        K::RESOURCE,
+        K::stub,
     )
 }
 

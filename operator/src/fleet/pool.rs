@@ -796,7 +796,7 @@ where
     let client = ctx.client.clone();
     let (reader, writer) = kube::runtime::reflector::store();
     let pool_events = kube::runtime::WatchStreamExt::reflect(
-        super::pool_events(client.clone(), ctx.metrics.watch.clone()),
+        super::events::<ProxyPool>(client.clone(), ctx.metrics.watch.clone()),
         writer,
     );
     let controller = Controller::for_stream(
@@ -817,7 +817,10 @@ where
     let (leases, lease_writer) = kube::runtime::reflector::store();
     let lease_events =
         kube::runtime::WatchStreamExt::touched_objects(kube::runtime::WatchStreamExt::reflect(
-            super::lease_events(client.clone(), ctx.metrics.watch.clone()),
+            super::events::<crate::api::proxy_lease::ProxyLease>(
+                client.clone(),
+                ctx.metrics.watch.clone(),
+            ),
             lease_writer,
         ));
     let _ = ctx.pool_caches.set(super::at_rest::PoolCaches {

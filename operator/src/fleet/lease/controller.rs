@@ -818,7 +818,7 @@ where
     };
     let (reader, writer) = kube::runtime::reflector::store();
     let lease_events = kube::runtime::WatchStreamExt::reflect(
-        super::super::lease_events(client.clone(), ctx.fleet.metrics.watch.clone()),
+        super::super::events::<ProxyLease>(client.clone(), ctx.fleet.metrics.watch.clone()),
         writer,
     );
     let controller = Controller::for_stream(
@@ -853,7 +853,7 @@ where
     let (pools, pool_writer) = kube::runtime::reflector::store();
     let pool_events =
         kube::runtime::WatchStreamExt::touched_objects(kube::runtime::WatchStreamExt::reflect(
-            super::super::pool_events(
+            super::super::events::<ProxyPool>(
                 client.clone(),
                 crate::controller::watch::WatchHealth::default(),
             ),
