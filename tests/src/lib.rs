@@ -4,6 +4,7 @@
 pub mod bench;
 pub mod connect_responder;
 pub mod fake_rig;
+pub mod fleet_config;
 pub mod guest_lab;
 pub mod harness;
 pub mod http;

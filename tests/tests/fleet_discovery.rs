@@ -31,29 +31,6 @@ use tokio::time::Instant;
 /// Hang guard of every wait: generous, never a performance assertion.
 const GUARD: Duration = Duration::from_secs(180);
 
-const CONFIG: &str = r#"
-clusterId: fleet
-kvm2:
-  ssh:
-    user: egress
-    privateKeyFile: /nonexistent/id_ed25519
-    knownHostsFile: /nonexistent/known_hosts
-  hosts:
-    - {name: h1, address: "192.0.2.1", storagePool: default, bridge: br0}
-    - {name: h2, address: "192.0.2.2", storagePool: default, bridge: br0}
-  images:
-    - name: debian-12
-      url: https://images.example.org/debian-12.qcow2
-      sha256: "1111111111111111111111111111111111111111111111111111111111111111"
-      format: qcow2
-  machineTypes:
-    - {name: tiny, vcpus: 1, memoryMiB: 512, diskGiB: 4}
-  defaults: {machineType: tiny, image: debian-12}
-  templates:
-    domain: {path: /nonexistent/domain.wasm}
-    vendorData: {path: /nonexistent/vendor-data.wasm}
-"#;
-
 /// Polls `probe` every 200 ms until it yields a value, under the hang guard.
 async fn poll<T, F, Fut>(what: &str, mut probe: F) -> T
 where
@@ -100,8 +77,12 @@ impl Discovery {
     /// `probe`: the fast probe's dialer and the bound of its all-fail hold.
     fn start(client: &Client, probe: Option<(Arc<dyn Dialer>, Duration)>) -> Self {
         let config: Arc<ValidConfig> = Arc::new(
-            egress_operator::config::parse(CONFIG, "fleet.yaml", std::path::Path::new("/"))
-                .unwrap(),
+            egress_operator::config::parse(
+                &integration_tests::fleet_config::fleet_config(2),
+                "fleet.yaml",
+                std::path::Path::new("/"),
+            )
+            .unwrap(),
         );
         let (stop, stop_rx) = tokio::sync::watch::channel(false);
         let stopped = move || {

@@ -39,31 +39,14 @@ const GUARD: Duration = Duration::from_secs(180);
 /// One test at a time: each starts a lease controller that watches every namespace.
 static SERIAL: tokio::sync::Mutex<()> = tokio::sync::Mutex::const_new(());
 
-const CONFIG: &str = r#"
-clusterId: fleet
-kvm2:
-  ssh:
-    user: egress
-    privateKeyFile: /nonexistent/id_ed25519
-    knownHostsFile: /nonexistent/known_hosts
-  hosts:
-    - {name: h1, address: "192.0.2.1", storagePool: default, bridge: br0}
-  images:
-    - name: debian-12
-      url: https://images.example.org/debian-12.qcow2
-      sha256: "1111111111111111111111111111111111111111111111111111111111111111"
-      format: qcow2
-  machineTypes:
-    - {name: tiny, vcpus: 1, memoryMiB: 512, diskGiB: 4}
-  defaults: {machineType: tiny, image: debian-12}
-  templates:
-    domain: {path: /nonexistent/domain.wasm}
-    vendorData: {path: /nonexistent/vendor-data.wasm}
-"#;
-
 fn config() -> Arc<ValidConfig> {
     Arc::new(
-        egress_operator::config::parse(CONFIG, "fleet.yaml", std::path::Path::new("/")).unwrap(),
+        egress_operator::config::parse(
+            &integration_tests::fleet_config::fleet_config(1),
+            "fleet.yaml",
+            std::path::Path::new("/"),
+        )
+        .unwrap(),
     )
 }
 
