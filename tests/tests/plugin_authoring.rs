@@ -164,7 +164,37 @@ fn a_new_crate_of_each_kind_builds_outside_the_repository_and_passes_plugin_test
             "{}",
             test.stdout
         );
+        // The scaffold keeps what the operator relies on (issue 34): no warning, so a
+        // domain plugin has the guest agent's channel.
+        assert!(!test.stdout.contains("warning:"), "{}", test.stdout);
     }
+}
+
+/// A domain plugin without the guest agent's channel passes, with a warning that names
+/// what the operator then cannot do (issue 34, item 3). The SDK's example plugin has no
+/// channel; the default plugin has one and gets no warning.
+#[test]
+fn plugin_test_warns_about_a_domain_without_the_agent_channel() {
+    let example = plugin_path("sdk-example").unwrap();
+    let out = operator(&["plugin", "test", example.to_str().unwrap()]);
+    assert_eq!(out.code, 0, "{}\n{}", out.stdout, out.stderr);
+    let warning = out
+        .stdout
+        .lines()
+        .find(|l| l.starts_with("warning: "))
+        .unwrap_or_else(|| panic!("no warning:\n{}", out.stdout));
+    println!("{warning}");
+    for want in [
+        "have no guest agent channel",
+        "org.qemu.guest_agent.0",
+        "reading a DHCP proxy's address through the agent (DHCP cases on sample-host",
+        "the check that a guest applied its seed",
+    ] {
+        assert!(warning.contains(want), "{want}: {warning}");
+    }
+    let domain = plugin_path("domain-default").unwrap();
+    let out = operator(&["plugin", "test", domain.to_str().unwrap()]);
+    assert!(!out.stdout.contains("warning:"), "{}", out.stdout);
 }
 
 #[test]

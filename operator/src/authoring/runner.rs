@@ -81,6 +81,8 @@ pub struct Report {
     pub sha256: String,
     /// Remarks on the matrix (an axis that does not apply, say).
     pub notes: Vec<String>,
+    /// What the plugin lacks that the operator relies on (the cases still pass).
+    pub warnings: Vec<String>,
     /// One per case.
     pub outcomes: Vec<Outcome>,
 }
@@ -258,6 +260,9 @@ pub fn run(opts: &TestOptions) -> Result<Report, AuthoringError> {
         TemplateKind::Domain => {}
     }
     let mut outcomes = Vec::new();
+    // Cases rendered without the guest agent's channel, and the hosts of the DHCP ones.
+    let mut without_agent = 0usize;
+    let mut dhcp_hosts: Vec<String> = Vec::new();
     for case in matrix::cases(kind, &config, &types, nics) {
         let inputs = matrix::inputs(&config, &case, facts)?;
         let rendered = match &loaded {
@@ -279,18 +284,54 @@ pub fn run(opts: &TestOptions) -> Result<Report, AuthoringError> {
             Ok(_) => Verdict::Pass,
             Err(e) => verdict_of(e),
         };
+        if kind == TemplateKind::Domain
+            && rendered
+                .as_ref()
+                .is_ok_and(|xml| !crate::templates::check::has_agent_channel(xml))
+        {
+            without_agent += 1;
+            if case.addressing == Some(matrix::Addressing::Dhcp) && !dhcp_hosts.contains(&case.host)
+            {
+                dhcp_hosts.push(case.host.clone());
+            }
+        }
         if let Some(dir) = &opts.snapshot {
             snapshot(dir, kind, &case, &rendered)?;
         }
         outcomes.push(Outcome { case, verdict });
+    }
+    let mut warnings = Vec::new();
+    if without_agent > 0 {
+        warnings.push(agent_warning(without_agent, &dhcp_hosts));
     }
     Ok(Report {
         kind,
         plugin,
         sha256,
         notes,
+        warnings,
         outcomes,
     })
+}
+
+/// What a domain without the agent's channel costs: the features that rely on it, and
+/// the hosts whose DHCP cases rendered without it.
+fn agent_warning(cases: usize, dhcp_hosts: &[String]) -> String {
+    let address = if dhcp_hosts.is_empty() {
+        String::new()
+    } else {
+        format!(
+            " reading a DHCP proxy's address through the agent (DHCP cases on {}; libvirt's \
+             DHCP leases and ARP remain), and",
+            dhcp_hosts.join(", ")
+        )
+    };
+    format!(
+        "{cases} rendered domain(s) have no guest agent channel (<channel> with \
+         target name {}), so these features do not work:{address} the check that a guest \
+         applied its seed (a proxy on a stale seed is not caught)",
+        crate::templates::check::AGENT_CHANNEL
+    )
 }
 
 /// Writes one case's output (`<case>.xml` or `<case>.vendor-data`) or, when it failed,

@@ -59,6 +59,9 @@ pub fn render(report: &Report) -> String {
     for note in &report.notes {
         out.push_str(&format!("note: {note}\n"));
     }
+    for warning in &report.warnings {
+        out.push_str(&format!("warning: {warning}\n"));
+    }
     out.push_str(&line([
         HEADER[0], HEADER[1], HEADER[2], HEADER[3], "REASON",
     ]));
@@ -109,6 +112,7 @@ mod tests {
             plugin: "domain:/p.wasm".into(),
             sha256: "ab".repeat(32),
             notes: vec!["only one-NIC cases".into()],
+            warnings: vec!["no guest agent channel".into()],
             outcomes: vec![
                 Outcome {
                     case: case(Firmware::Bios, Addressing::Dhcp),
@@ -132,8 +136,9 @@ mod tests {
             format!("domain plugin domain:/p.wasm (sha256 {})", "ab".repeat(32))
         );
         assert_eq!(lines[1], "note: only one-NIC cases");
+        assert_eq!(lines[2], "warning: no guest agent channel");
         assert_eq!(
-            &lines[2..],
+            &lines[3..],
             [
                 "CASE                     RESULT  RULE              PATH        REASON",
                 "kvm-a bios 1-nic dhcp    pass    -                 -",

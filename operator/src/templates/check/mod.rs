@@ -117,6 +117,23 @@ fn check_reading(
     domain::check(&doc, input, policy, reading)
 }
 
+/// The QEMU guest agent's channel name, as libvirt and QEMU know it.
+pub const AGENT_CHANNEL: &str = "org.qemu.guest_agent.0";
+
+/// Whether a domain XML has the QEMU guest agent's channel. The operator reads a DHCP
+/// proxy's address and whether the guest applied its seed through the agent, so
+/// `plugin test` warns about a plugin without one.
+pub fn has_agent_channel(xml: &str) -> bool {
+    tree::parse(xml, tree::Opaque::DomainMetadata).is_ok_and(|doc| {
+        doc.root.child("devices").is_some_and(|d| {
+            d.children_named("channel").any(|c| {
+                c.child("target")
+                    .is_some_and(|t| t.attr("name") == Some(AGENT_CHANNEL))
+            })
+        })
+    })
+}
+
 /// Checks rendered vendor-data by reading it as the guest's cloud-init will
 /// ([`read_vendor_data`]): plain `#cloud-config` YAML or a strict `multipart/mixed`
 /// document of shell-script and cloud-config parts; anything cloud-init could read
@@ -127,3 +144,20 @@ pub fn check_vendor_data(text: &str) -> Result<(), TemplateErrorKind> {
 
 #[cfg(test)]
 mod tests;
+
+#[cfg(test)]
+mod agent_channel_tests {
+    #[test]
+    fn the_agent_channel_is_found_only_where_it_is() {
+        let with =
+            |devices: &str| format!("<domain type=\"kvm\"><devices>{devices}</devices></domain>");
+        assert!(super::has_agent_channel(&with(
+            "<channel type=\"unix\"><target type=\"virtio\" name=\"org.qemu.guest_agent.0\"/></channel>"
+        )));
+        assert!(!super::has_agent_channel(&with("<serial type=\"pty\"/>")));
+        assert!(!super::has_agent_channel(&with(
+            "<channel type=\"unix\"><target type=\"virtio\" name=\"org.example.other\"/></channel>"
+        )));
+        assert!(!super::has_agent_channel("not xml"));
+    }
+}
