@@ -65,8 +65,9 @@ pub enum PluginCommand {
     /// test, a README, and a copy of the SDK.
     New(PluginNewArgs),
     /// Render a built plugin for BIOS and UEFI machine types, one and three NICs, a static
-    /// address and DHCP, on each host of a config (or a sample host), check every output as
-    /// the operator does, and print a table. Exits non-zero when any case fails.
+    /// address and DHCP, on each host of a config (or a sample host), and once more for
+    /// each value of its own enum and boolean settings; check every output as the operator
+    /// does, and print a table. Exits non-zero when any case fails.
     Test(PluginTestArgs),
 }
 

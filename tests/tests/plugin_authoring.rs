@@ -256,13 +256,17 @@ fn plugin_test_passes_the_default_plugins() {
     ]);
     assert_eq!(out.code, 0, "{}\n{}", out.stdout, out.stderr);
     assert!(
-        out.stdout.contains("8 case(s): 8 passed, 0 failed"),
+        out.stdout.contains("13 case(s): 13 passed, 0 failed"),
         "{}",
         out.stdout
     );
+    // The matrix, and each enum value and boolean of the plugin's own settings once
+    // (issue 34, item 2), labelled with the setting.
     for case in [
         "sample-host bios 1-nic static",
         "sample-host uefi 3-nic dhcp",
+        "sample-host bios 1-nic static cpuMode=host-passthrough",
+        "sample-host bios 1-nic static rng=false",
     ] {
         assert_eq!(cells(&out.stdout, case)[1], "pass", "{}", out.stdout);
     }
@@ -272,7 +276,14 @@ fn plugin_test_passes_the_default_plugins() {
         .map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
         .collect();
     files.sort();
-    assert_eq!(files.len(), 8, "{files:?}");
+    assert_eq!(files.len(), 13, "{files:?}");
+    let no_rng = std::fs::read_to_string(
+        snapshots
+            .path()
+            .join("sample-host_bios_1-nic_static_rng=false.xml"),
+    )
+    .unwrap();
+    assert!(!no_rng.contains("<rng"), "{no_rng}");
     let three =
         std::fs::read_to_string(snapshots.path().join("sample-host_uefi_3-nic_dhcp.xml")).unwrap();
     assert_eq!(three.matches("<interface ").count(), 3, "{three}");
@@ -288,7 +299,7 @@ fn plugin_test_passes_the_default_plugins() {
     ]);
     assert_eq!(out.code, 0, "{}\n{}", out.stdout, out.stderr);
     assert!(
-        out.stdout.contains("2 case(s): 2 passed, 0 failed"),
+        out.stdout.contains("3 case(s): 3 passed, 0 failed"),
         "{}",
         out.stdout
     );
@@ -305,7 +316,7 @@ fn plugin_test_passes_the_default_plugins() {
     assert_eq!(out.code, 0, "{}\n{}", out.stdout, out.stderr);
     assert_eq!(cells(&out.stdout, "kvm-b uefi 3-nic static")[1], "pass");
     assert!(
-        out.stdout.contains("16 case(s): 16 passed, 0 failed"),
+        out.stdout.contains("21 case(s): 21 passed, 0 failed"),
         "{}",
         out.stdout
     );
@@ -340,7 +351,24 @@ fn plugin_test_names_the_rule_a_hostile_plugin_breaks_and_fails() {
         "{}",
         out.stdout
     );
-    assert!(out.stdout.contains("0 passed"), "{}", out.stdout);
+    // Every case of the matrix fails; the cases that set the plugin's other modes (its
+    // own enum setting, issue 34 item 2) are labelled with them.
+    let matrix: Vec<&str> = out
+        .stdout
+        .lines()
+        .filter(|l| l.starts_with("sample-host ") && !l.contains(" mode="))
+        .collect();
+    assert!(!matrix.is_empty(), "{}", out.stdout);
+    assert!(
+        matrix.iter().all(|l| l.contains(" FAIL ")),
+        "{}",
+        out.stdout
+    );
+    assert!(
+        out.stdout.contains("sample-host bios 1-nic static mode="),
+        "{}",
+        out.stdout
+    );
 
     // Settings are checked before anything renders; a refusal names its JSON pointer.
     std::fs::write(&settings, "{\"mode\": 42}").unwrap();

@@ -85,10 +85,13 @@ pub struct Case {
     pub nics: Option<u8>,
     /// Addressing; `None` where the address does not reach the input.
     pub addressing: Option<Addressing>,
+    /// Settings of the plugin's own this case sets over the configured ones (see
+    /// [`setting_variants`]); empty for the matrix's cases.
+    pub settings: Vec<(String, serde_json::Value)>,
 }
 
 impl Case {
-    /// A short label: `host firmware [N-nic] [static|dhcp]`.
+    /// A short label: `host firmware [N-nic] [static|dhcp] [key=value]`.
     pub fn label(&self) -> String {
         let mut parts = vec![
             self.host.clone(),
@@ -105,14 +108,28 @@ impl Case {
             Some(Addressing::Dhcp) => parts.push("dhcp".into()),
             None => {}
         }
+        for (key, value) in &self.settings {
+            let shown = match value {
+                serde_json::Value::String(v) => v.clone(),
+                v => v.to_string(),
+            };
+            parts.push(format!("{key}={shown}"));
+        }
         parts.join(" ")
     }
 
-    /// The label as a file name (snapshots).
+    /// The label as a file name (snapshots): anything but letters, digits, `-`, `=` and
+    /// `.` becomes `_`.
     pub fn file_stem(&self) -> String {
         self.label()
             .chars()
-            .map(|c| if c == ' ' { '_' } else { c })
+            .map(|c| {
+                if c.is_ascii_alphanumeric() || matches!(c, '-' | '=' | '.') {
+                    c
+                } else {
+                    '_'
+                }
+            })
             .collect()
     }
 }
@@ -213,6 +230,7 @@ pub fn cases(
                 firmware,
                 nics,
                 addressing,
+                settings: Vec::new(),
             };
             match kind {
                 TemplateKind::VendorData => cases.push(case(None, None)),
@@ -230,6 +248,54 @@ pub fn cases(
         }
     }
     cases
+}
+
+/// Most values of one setting rendered (an enum longer than this is sampled from its
+/// start).
+const VARIANTS_PER_SETTING: usize = 16;
+
+/// The values of the plugin's own top-level settings worth a case each: every value of an
+/// enum (a finite list in the schema) and both booleans, except the schema's default,
+/// which the matrix's cases render already. `skip` is left out (the NIC count, an axis of
+/// its own). In key order.
+pub fn setting_variants(schema: &str, skip: &str) -> Vec<(String, serde_json::Value)> {
+    use serde_json::Value;
+    let Ok(root) = serde_json::from_str::<Value>(schema) else {
+        return Vec::new();
+    };
+    let Some(props) = root.get("properties").and_then(Value::as_object) else {
+        return Vec::new();
+    };
+    let mut keys: Vec<&String> = props.keys().filter(|k| k.as_str() != skip).collect();
+    keys.sort();
+    let mut out = Vec::new();
+    for key in keys {
+        let prop = &props[key];
+        let node = crate::templates::schema::resolve(&root, prop);
+        let default = prop
+            .get("default")
+            .or_else(|| node.get("default"))
+            .cloned()
+            .unwrap_or(Value::Null);
+        let boolean = |n: &Value| match n.get("type") {
+            Some(Value::String(t)) => t == "boolean",
+            Some(Value::Array(ts)) => ts.iter().any(|t| t == "boolean"),
+            _ => false,
+        };
+        let values = if boolean(node) {
+            vec![Value::Bool(false), Value::Bool(true)]
+        } else {
+            crate::templates::schema::allowed_values(&root, prop, 0).unwrap_or_default()
+        };
+        out.extend(
+            values
+                .into_iter()
+                .filter(|v| !v.is_null() && *v != default)
+                .take(VARIANTS_PER_SETTING)
+                .map(|v| (key.clone(), v)),
+        );
+    }
+    out
 }
 
 /// The inputs of `case`, as the provider assembles them for a Create on that host.
@@ -274,6 +340,48 @@ pub fn inputs(config: &ValidConfig, case: &Case, facts: &Facts) -> Result<Inputs
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// Every enum value and both booleans, except the default and null, in key order; the
+    /// NIC setting and settings without a finite list are left out; labels and snapshot
+    /// names carry the setting.
+    #[test]
+    fn setting_variants_cover_each_value_but_the_default() {
+        let schema = serde_json::json!({
+            "type": "object",
+            "properties": {
+                "rng": {"type": "boolean", "default": true},
+                "cpuMode": {"anyOf": [{"$ref": "#/$defs/CpuMode"}, {"type": "null"}], "default": null},
+                "cache": {"enum": ["none", "writeback"], "default": "none"},
+                "extraNics": {"type": "integer"},
+                "name": {"type": "string"}
+            },
+            "$defs": {"CpuMode": {"oneOf": [{"const": "host-model"}, {"const": "host-passthrough"}]}}
+        })
+        .to_string();
+        let v = setting_variants(&schema, "extraNics");
+        let shown: Vec<String> = v.iter().map(|(k, v)| format!("{k}={v}")).collect();
+        assert_eq!(
+            shown,
+            [
+                "cache=\"writeback\"",
+                "cpuMode=\"host-model\"",
+                "cpuMode=\"host-passthrough\"",
+                "rng=false"
+            ]
+        );
+        let (config, types) = sample();
+        let mut case = cases(TemplateKind::Domain, &config, &types, false)[0].clone();
+        case.settings = vec![v[1].clone()];
+        assert_eq!(
+            case.label(),
+            "sample-host bios 1-nic static cpuMode=host-model"
+        );
+        assert_eq!(
+            case.file_stem(),
+            "sample-host_bios_1-nic_static_cpuMode=host-model"
+        );
+        assert!(setting_variants("not json", "x").is_empty());
+    }
 
     fn sample() -> (ValidConfig, MachineTypes) {
         prepare(None).unwrap()

@@ -117,12 +117,19 @@ pub fn read_settings(path: &Path) -> Result<Value, AuthoringError> {
 }
 
 /// The template entry `plugin test` loads: the file, the settings, the defaults of every
-/// limit, and [`NICS_SETTING`] overridable so the matrix can set it per case.
-fn template_config(plugin: &Path, settings: Value) -> Result<TemplateConfig, AuthoringError> {
+/// limit, and [`NICS_SETTING`] and `overridable` overridable so the matrix can set them
+/// per case.
+fn template_config(
+    plugin: &Path,
+    settings: Value,
+    overridable: &[&str],
+) -> Result<TemplateConfig, AuthoringError> {
+    let mut keys = vec![NICS_SETTING];
+    keys.extend(overridable.iter().filter(|k| **k != NICS_SETTING));
     serde_json::from_value(json!({
         "path": plugin.display().to_string(),
         "settings": settings,
-        "overridableSettings": [NICS_SETTING],
+        "overridableSettings": keys,
     }))
     .map_err(|e| AuthoringError::Matrix {
         reason: format!("cannot make the template entry: {e}"),
@@ -230,8 +237,8 @@ pub fn run(opts: &TestOptions) -> Result<Report, AuthoringError> {
     };
     let (config, types) = matrix::prepare(config)?;
     let engine = TemplateEngine::new(opts.cache_dir.as_deref())?;
-    let t = template_config(&opts.plugin, settings)?;
-    let loaded = load(&engine, &t, opts.kind)?;
+    let t = template_config(&opts.plugin, settings.clone(), &[])?;
+    let mut loaded = load(&engine, &t, opts.kind)?;
     let facts = &opts.facts;
     let (kind, plugin, sha256, schema) = match &loaded {
         Loaded::Domain(d) => (
@@ -259,26 +266,53 @@ pub fn run(opts: &TestOptions) -> Result<Report, AuthoringError> {
         ),
         TemplateKind::Domain => {}
     }
+    // Every enum value and boolean of the plugin's own settings once, on the first case.
+    let mut cases = matrix::cases(kind, &config, &types, nics);
+    let variants = matrix::setting_variants(&schema, NICS_SETTING);
+    if !variants.is_empty() {
+        // Loaded again with those settings overridable, as a config could list them.
+        let mut keys: Vec<&str> = variants.iter().map(|(k, _)| k.as_str()).collect();
+        keys.dedup();
+        let t = template_config(&opts.plugin, settings, &keys)?;
+        loaded = load(
+            &engine,
+            &t,
+            Some(match kind {
+                TemplateKind::Domain => Kind::Domain,
+                TemplateKind::VendorData => Kind::VendorData,
+            }),
+        )?;
+    }
+    if let Some(base) = cases.first().cloned().filter(|_| !variants.is_empty()) {
+        notes.push(format!(
+            "each enum value and boolean of the plugin's settings is rendered once more, on \
+             `{}` ({} case(s))",
+            base.label(),
+            variants.len()
+        ));
+        cases.extend(variants.into_iter().map(|(key, value)| Case {
+            settings: vec![(key, value)],
+            ..base.clone()
+        }));
+    }
     let mut outcomes = Vec::new();
     // Cases rendered without the guest agent's channel, and the hosts of the DHCP ones.
     let mut without_agent = 0usize;
     let mut dhcp_hosts: Vec<String> = Vec::new();
-    for case in matrix::cases(kind, &config, &types, nics) {
+    for case in cases {
         let inputs = matrix::inputs(&config, &case, facts)?;
+        let mut overrides: Map<String, Value> = case.settings.iter().cloned().collect();
+        if let Some(n) = case.nics.filter(|_| nics) {
+            overrides.insert(NICS_SETTING.into(), json!(n.saturating_sub(1)));
+        }
+        let overrides = (!overrides.is_empty()).then_some(overrides);
         let rendered = match &loaded {
-            Loaded::Domain(d) => {
-                let overrides = case.nics.filter(|_| nics).map(|n| {
-                    let mut o = Map::new();
-                    o.insert(NICS_SETTING.into(), json!(n.saturating_sub(1)));
-                    o
-                });
-                d.render_on(
-                    &inputs.domain,
-                    overrides.as_ref(),
-                    &HostPolicy::for_render(&inputs.host, &inputs.domain),
-                )
-            }
-            Loaded::VendorData(v) => v.render_with(&inputs.vendor_data, None),
+            Loaded::Domain(d) => d.render_on(
+                &inputs.domain,
+                overrides.as_ref(),
+                &HostPolicy::for_render(&inputs.host, &inputs.domain),
+            ),
+            Loaded::VendorData(v) => v.render_with(&inputs.vendor_data, overrides.as_ref()),
         };
         let verdict = match &rendered {
             Ok(_) => Verdict::Pass,
@@ -439,6 +473,7 @@ mod tests {
             firmware: crate::config::Firmware::Bios,
             nics: Some(1),
             addressing: Some(matrix::Addressing::Dhcp),
+            settings: Vec::new(),
         };
         let refused = Err(TemplateError {
             plugin: "domain:x".into(),
@@ -477,6 +512,7 @@ mod tests {
             firmware: crate::config::Firmware::Bios,
             nics: Some(1),
             addressing: Some(matrix::Addressing::Dhcp),
+            settings: Vec::new(),
         };
         let output = snapshots.join("h_bios_1-nic_dhcp.xml");
         std::os::unix::fs::symlink(&victim, &output).unwrap();

@@ -102,6 +102,7 @@ mod tests {
             firmware,
             nics: Some(1),
             addressing: Some(addressing),
+            settings: Vec::new(),
         }
     }
 
