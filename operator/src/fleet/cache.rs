@@ -84,11 +84,6 @@ where
         )
     }
 
-    /// Every object held, or `None` while not [`filled`](Self::filled).
-    pub fn all(&self) -> Option<Vec<Arc<K>>> {
-        self.filled().then(|| self.store.state())
-    }
-
     /// The object `name` in `ns` (`Some(None)`: filled, and not there).
     pub fn get(&self, ns: Option<&str>, name: &str) -> Option<Option<Arc<K>>>
     where
