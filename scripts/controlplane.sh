@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
-# Builds the test control plane: etcd, kube-apiserver, kube-controller-manager (tests run
-# only its namespace and garbage-collector controllers: namespace deletion and ownerReference
-# cascades) and kubectl, from their Go modules at the versions pinned in tests/controlplane/go.mod. No such binary can be downloaded
+# Builds the test control plane: etcd, kube-apiserver, kube-controller-manager (the cluster
+# tier runs only its namespace and garbage-collector controllers: namespace deletion and
+# ownerReference cascades) and kubectl, plus the node tier's kube-scheduler, kubelet and
+# kube-proxy (scripts/node.sh), from their Go modules at the versions pinned in tests/controlplane/go.mod. No such binary can be downloaded
 # here, and `go install k8s.io/kubernetes/...` is refused (its go.mod replaces the staging
 # modules with local paths), so tests/controlplane is a small module of ours that requires
 # k8s.io/kubernetes, points each staging module at its published release, and builds the
@@ -9,7 +10,7 @@
 # version kube-apiserver's module pins), so the two halves always match.
 #
 # The binaries are cached outside the tree, keyed by version and by the module's files:
-#   ${EGRESS_CACHE_DIR:-~/.cache/egress-operator}/controlplane/<key>/{etcd,kube-apiserver,kubectl}
+#   ${EGRESS_CACHE_DIR:-~/.cache/egress-operator}/controlplane/<key>/{etcd,kube-apiserver,...}
 # A second run finds them and returns at once. Prints the directory on its last line.
 set -euo pipefail
 
@@ -28,8 +29,10 @@ cache="${EGRESS_CACHE_DIR:-$HOME/.cache/egress-operator}/controlplane"
 out="$cache/k8s-$k8s_version-etcd-$etcd_version-$digest"
 log() { printf 'controlplane: %s\n' "$*" >&2; }
 
+binaries=(etcd kube-apiserver kube-controller-manager kubectl kube-scheduler kubelet kube-proxy)
 up_to_date() {
-  [ -x "$out/etcd" ] && [ -x "$out/kube-apiserver" ] && [ -x "$out/kube-controller-manager" ] && [ -x "$out/kubectl" ]
+  local b
+  for b in "${binaries[@]}"; do [ -x "$out/$b" ] || return 1; done
 }
 
 mkdir -p "$cache"
@@ -54,17 +57,18 @@ for pkg in k8s.io/component-base/version k8s.io/client-go/pkg/version; do
   ldflags+=" -X $pkg.gitVersion=$k8s_version -X $pkg.gitMajor=$major -X $pkg.gitMinor=$minor"
   ldflags+=" -X $pkg.gitTreeState=clean -X $pkg.buildDate=1970-01-01T00:00:00Z"
 done
-log "building kubernetes $k8s_version (kube-apiserver, kube-controller-manager, kubectl) and etcd $etcd_version with $(go version | awk '{print $3}')"
+log "building kubernetes $k8s_version (${binaries[*]:1}) and etcd $etcd_version with $(go version | awk '{print $3}')"
 start=$(date +%s)
 (
   cd "$work/src"
   export GOTOOLCHAIN=local GOFLAGS=-mod=mod
   go build -ldflags "$ldflags" -o "$work/bin/" \
     ./cmd/etcd k8s.io/kubernetes/cmd/kube-apiserver \
-    k8s.io/kubernetes/cmd/kube-controller-manager k8s.io/kubernetes/cmd/kubectl
+    k8s.io/kubernetes/cmd/kube-controller-manager k8s.io/kubernetes/cmd/kubectl \
+    k8s.io/kubernetes/cmd/kube-scheduler k8s.io/kubernetes/cmd/kubelet k8s.io/kubernetes/cmd/kube-proxy
 )
 mkdir -p "$out.tmp"
-mv "$work/bin/etcd" "$work/bin/kube-apiserver" "$work/bin/kube-controller-manager" "$work/bin/kubectl" "$out.tmp/"
+for b in "${binaries[@]}"; do mv "$work/bin/$b" "$out.tmp/"; done
 rm -rf "$out"
 mv "$out.tmp" "$out"
 # Older builds (other versions or module contents) are of no further use.

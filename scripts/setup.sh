@@ -30,9 +30,17 @@ set -euo pipefail
 #                                shellcheck, its firewall applied in a test namespace
 #   prometheus                   promtool: checks and unit-tests the alerts and the
 #                                dashboard's queries (config/prometheus)
+#   containerd runc              the node tier's container runtime (scripts/node.sh);
+#   containernetworking-plugins  its pod network (bridge + host-local); no service is
+#                                started: policy-rc.d below, and there is no init system
+#   buildah                      builds the node tier's images (pause, workload, operator)
+#                                with no daemon and no registry
+#   busybox-static gcc libc6-dev the workload image's shell and tools; the static pause
+#   debootstrap                  the images' debian:12-slim base, made here
 BOOKWORM_PKGS=(pkg-config libvirt-dev libvirt-daemon-system libvirt-clients libxml2-utils
   openssh-server netcat-openbsd socat xorriso iproute2 dnsmasq-base syslinux mtools dosfstools
-  python3 python3-yaml curl shellcheck nftables prometheus)
+  python3 python3-yaml curl shellcheck nftables prometheus containerd runc
+  containernetworking-plugins buildah busybox-static gcc libc6-dev debootstrap)
 # QEMU 10 from bookworm-backports: the emulator and qemu-img (qemu-utils) from the same
 # suite. Some machines come with qemu-utils 10 preinstalled (apt refuses to mix suites
 # then); on others libvirt-daemon-system would pull bookworm's qemu-utils 7.2 beside a

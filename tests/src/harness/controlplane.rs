@@ -841,7 +841,7 @@ pub fn binaries_dir() -> Result<PathBuf> {
     .map_err(|e| anyhow!("the control plane binaries: {e}"))
 }
 
-async fn client_for(kubeconfig: &Path) -> Result<kube::Client> {
+pub(crate) async fn client_for(kubeconfig: &Path) -> Result<kube::Client> {
     let config = kube::config::Kubeconfig::read_from(kubeconfig)
         .with_context(|| format!("reading {}", kubeconfig.display()))?;
     let config =

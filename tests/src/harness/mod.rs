@@ -25,6 +25,7 @@
 
 pub mod controlplane;
 mod libvirtd;
+pub mod node;
 mod process;
 mod route;
 mod skip;
@@ -37,6 +38,7 @@ use tempfile::TempDir;
 
 pub use controlplane::{ControlPlane, TestNamespace};
 pub use libvirtd::Libvirtd;
+pub use node::Node;
 pub use route::{NamespaceRoute, subnet_index};
 pub use skip::{Need, cannot_run, in_ci, must_run, skip, skip_reason};
 pub use sshd::Sshd;

@@ -23,6 +23,8 @@ pub enum Need {
     Libvirtd,
     /// promtool (Debian's `prometheus`), which checks and unit-tests the alerts.
     Promtool,
+    /// The node tier (`scripts/node.sh`): root, containerd, runc, the CNI plugins, buildah.
+    Node,
 }
 
 /// Binaries behind each [`Need`]; all must exist.
@@ -41,6 +43,19 @@ const LIBVIRTD_BINARIES: &[&str] = &[
 
 /// Directories searched besides `PATH`: the daemons live in sbin, which a
 /// non-login root shell does not always have on its `PATH`.
+const NODE_BINARIES: &[&str] = &[
+    "containerd",
+    "ctr",
+    "runc",
+    "buildah",
+    "busybox",
+    "gcc",
+    "nsenter",
+    "ip",
+    "nft",
+    "openssl",
+];
+
 const SBIN_DIRS: &[&str] = &["/usr/sbin", "/sbin"];
 
 /// Why tests needing `needs` cannot run here, or None when they can. The reason
@@ -51,7 +66,7 @@ pub fn skip_reason(needs: &[Need]) -> Option<String> {
     }
     let daemons = needs
         .iter()
-        .any(|n| matches!(n, Need::Sshd | Need::Libvirtd));
+        .any(|n| matches!(n, Need::Sshd | Need::Libvirtd | Need::Node));
     if daemons && !is_root() {
         return Some("needs root (network namespaces, mounts, sshd privilege separation)".into());
     }
@@ -61,6 +76,7 @@ pub fn skip_reason(needs: &[Need]) -> Option<String> {
             Need::Sshd => SSHD_BINARIES,
             Need::Libvirtd => LIBVIRTD_BINARIES,
             Need::Promtool => &["promtool"],
+            Need::Node => NODE_BINARIES,
         };
         missing.extend(
             binaries
