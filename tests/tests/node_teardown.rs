@@ -5,7 +5,7 @@
 //! listeners, paths outside the node's directory) finds nothing.
 
 use std::io::BufRead;
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
@@ -34,7 +34,7 @@ fn holder() -> (Child, PathBuf) {
 }
 
 /// Waits until the watchdog has torn the node down and nothing is left.
-fn wait_clean(dir: &PathBuf) {
+fn wait_clean(dir: &Path) {
     let start = Instant::now();
     loop {
         let left = node::leftovers(dir).unwrap();
