@@ -365,9 +365,6 @@ cmd_up() {
   if [ ! -x /usr/lib/cni/bridge ] || [ ! -x /usr/lib/cni/host-local ]; then
     die "/usr/lib/cni/{bridge,host-local} are missing (make setup installs containernetworking-plugins)"
   fi
-  for c in /sys/fs/cgroup/kubepods /sys/fs/cgroup/*/kubepods; do
-    [ -d "$c" ] && die "$c exists: this machine already runs a kubelet, or a node was not torn down (scripts/node.sh down DIR)"
-  done
   local images; images="$(build_images "${EGRESS_CACHE_DIR:-$HOME/.cache/egress-operator}/node-images")"
   take_lock
   if [ -f "$STATE/owner" ]; then
@@ -380,6 +377,9 @@ cmd_up() {
     log "clearing the node of a process that is gone ($other)"
     ( cmd_down_in "$other" ) || die "the stale node in $other could not be torn down (output above)"
   fi
+  for c in /sys/fs/cgroup/kubepods /sys/fs/cgroup/*/kubepods; do
+    [ -d "$c" ] && die "$c exists: this machine already runs a kubelet, or a node was not torn down (scripts/node.sh down DIR)"
+  done
   ip netns list | grep -qw "$NETNS" && die "netns $NETNS exists with no owner on record: remove it (ip netns del $NETNS)"
   for c in $ETCD_PORT $ETCD_PEER_PORT $API_PORT; do
     ss -Hltn "sport = :$c" | grep -q . && die "port $c is taken (etcd and kube-apiserver of the node tier use $ETCD_PORT, $ETCD_PEER_PORT, $API_PORT)"
@@ -389,7 +389,7 @@ cmd_up() {
   ln -sfn "$BIN" "$DIR/bin"
   echo "$DIR" >"$STATE/owner"
   record_baseline
-  trap 'log "start failed; tearing down"; tail_logs; cmd_down_in "$DIR" >&2 || true; exit 1' ERR
+  trap 'trap - ERR; log "start failed; tearing down"; tail_logs; cmd_down_in "$DIR" >&2 || true; exit 1' ERR
   local t0=$SECONDS
   network_up
   pki
@@ -481,6 +481,8 @@ cgroup_dirs() { ls -d /sys/fs/cgroup/kubepods /sys/fs/cgroup/*/kubepods 2>/dev/n
 owns_node() { [ ! -f "$STATE/owner" ] || [ "$(head -n1 "$STATE/owner")" = "$1" ]; }
 
 cmd_down_in() {
+  # Every step runs whatever the one before did: a teardown that stops halfway leaks.
+  set +e
   DIR="$1"
   # The namespace, cgroups, sysctls and outside paths are torn down only for the node of
   # record: a watchdog that comes late must not take down the next node.
@@ -533,8 +535,13 @@ cmd_down_in() {
 
 # Steps 6 and 7 of a teardown: what is machine-wide.
 teardown_host() {
-  local c
-  for c in $(cgroup_dirs); do find "$c" -depth -type d -exec rmdir {} \; 2>/dev/null || true; done
+  local c i
+  # A cgroup can be removed only once its killed processes are reaped: retry for a while.
+  for ((i = 0; i < 100; i++)); do
+    for c in $(cgroup_dirs); do find "$c" -depth -type d -exec rmdir {} \; 2>/dev/null || true; done
+    [ -z "$(cgroup_dirs)" ] && break
+    sleep 0.1
+  done
   if ip netns list 2>/dev/null | grep -qw "$NETNS"; then ip netns del "$NETNS"; fi
   ip link del "$HOST_IF" 2>/dev/null || true
   ip route del "$POD_NET" 2>/dev/null || true

@@ -177,11 +177,48 @@ impl Node {
         client_for(&self.kubeconfig).await
     }
 
+    /// Imports an OCI archive (from [`images`]) into the node's containerd, where the
+    /// kubelet finds it: nothing is pulled here, so pods use `imagePullPolicy: Never` or
+    /// `IfNotPresent` with an imported name.
+    pub fn import_image(&self, archive: &Path) -> Result<()> {
+        process::run(
+            Command::new("ctr")
+                .arg("--address")
+                .arg(self.dir.join("run/containerd/containerd.sock"))
+                .args(["-n", "k8s.io", "images", "import"])
+                .arg(archive),
+        )?;
+        Ok(())
+    }
+
     /// The last `lines` lines of a daemon's log (`kubelet`, `containerd`, `kube-proxy`,
     /// `kube-apiserver`, ...), for failure messages.
     pub fn log_tail(&self, daemon: &str, lines: usize) -> String {
         process::tail(&self.dir.join("logs").join(format!("{daemon}.log")), lines)
     }
+}
+
+/// The operator image (built from the Dockerfile, with `binary` as its operator) and the
+/// workload image (curl), as OCI archives: `scripts/operator-image.sh`, once per process.
+/// Returns the directory holding `egress-operator.tar` and `workload.tar`.
+pub fn images(binary: &Path) -> Result<&'static Path> {
+    static DIR: OnceLock<std::result::Result<PathBuf, String>> = OnceLock::new();
+    DIR.get_or_init(|| {
+        let out = crate::target_dir().join("node-images");
+        let script = crate::workspace_root().join("scripts/operator-image.sh");
+        process::run(
+            Command::new("bash")
+                .arg(&script)
+                .arg(&out)
+                .arg(binary)
+                .arg(crate::target_dir().join("plugins"))
+                .stderr(Stdio::inherit()),
+        )
+        .map(|_| out)
+        .map_err(|e| format!("{e:#}"))
+    })
+    .as_deref()
+    .map_err(|e| anyhow!("the node tier's images: {e}"))
 }
 
 /// `node.sh down DIR`: an error carries its report of what was left behind.

@@ -50,12 +50,21 @@ pub struct Sshd {
     child: Option<Child>,
     /// `AllowStreamLocalForwarding`: the libvirt tunnel needs it.
     streamlocal: bool,
+    /// The address sshd listens on: loopback, or the node tier's host address, which
+    /// pods reach.
+    listen: Ipv4Addr,
 }
 
 impl Sshd {
     /// Generates keys and config in a fresh temp dir and starts sshd on a free
     /// loopback port. Returns once sshd answers with its SSH banner.
     pub fn start() -> Result<Sshd> {
+        Self::start_on(Ipv4Addr::LOCALHOST)
+    }
+
+    /// [`Sshd::start`] on `listen` (the node tier's [`super::node::HOST_ADDRESS`], which
+    /// an operator in a pod reaches) instead of loopback.
+    pub fn start_on(listen: Ipv4Addr) -> Result<Sshd> {
         reap_stale();
         fs::create_dir_all(PRIVSEP_DIR).with_context(|| format!("cannot create {PRIVSEP_DIR}"))?;
         fs::set_permissions(PRIVSEP_DIR, fs::Permissions::from_mode(0o755))?;
@@ -80,12 +89,18 @@ impl Sshd {
             host_public_key,
             child: None,
             streamlocal: true,
+            listen,
         };
         let mut last_error = None;
         for _ in 0..PORT_ATTEMPTS {
-            sshd.port = free_port()?;
+            sshd.port = free_port(listen)?;
             sshd.write_config()?;
-            write_known_hosts(&sshd.known_hosts(), sshd.port, &sshd.host_public_key)?;
+            write_known_hosts(
+                &sshd.known_hosts(),
+                listen,
+                sshd.port,
+                &sshd.host_public_key,
+            )?;
             match sshd.spawn_and_wait(START_TIMEOUT) {
                 Ok(()) => return Ok(sshd),
                 Err(e) if sshd.lost_port_race() => last_error = Some(e),
@@ -98,14 +113,14 @@ impl Sshd {
         }
     }
 
-    /// The listening port on 127.0.0.1.
+    /// The listening port (on 127.0.0.1 unless started with [`Sshd::start_on`]).
     pub fn port(&self) -> u16 {
         self.port
     }
 
-    /// `127.0.0.1:PORT`, the form the providers config uses for a host address.
+    /// `ADDRESS:PORT`, the form the providers config uses for a host address.
     pub fn address(&self) -> String {
-        format!("127.0.0.1:{}", self.port)
+        format!("{}:{}", self.listen, self.port)
     }
 
     /// The login user.
@@ -118,7 +133,7 @@ impl Sshd {
         self.dir.path().join("client_ed25519")
     }
 
-    /// A known_hosts file holding the real host key as `[127.0.0.1]:PORT`.
+    /// A known_hosts file holding the real host key as `[ADDRESS]:PORT`.
     pub fn known_hosts(&self) -> PathBuf {
         self.dir.path().join("known_hosts")
     }
@@ -169,7 +184,12 @@ impl Sshd {
             keygen(&key, "eotest impostor host key")?;
         }
         let path = self.dir.path().join("known_hosts_wrong");
-        write_known_hosts(&path, self.port, &public_key(&key.with_extension("pub"))?)?;
+        write_known_hosts(
+            &path,
+            self.listen,
+            self.port,
+            &public_key(&key.with_extension("pub"))?,
+        )?;
         Ok(path)
     }
 
@@ -207,7 +227,7 @@ impl Sshd {
             ])
             .arg("-l")
             .arg(USER)
-            .arg("127.0.0.1");
+            .arg(self.listen.to_string());
         cmd
     }
 
@@ -269,7 +289,7 @@ impl Sshd {
         let dir = self.dir.path().display();
         let config = format!(
             "# Written by the integration test harness.\n\
-             ListenAddress 127.0.0.1\n\
+             ListenAddress {listen}\n\
              Port {port}\n\
              HostKey {dir}/host_ed25519\n\
              PidFile {dir}/sshd.pid\n\
@@ -298,6 +318,7 @@ impl Sshd {
              MaxStartups 100:30:200\n\
              MaxSessions 100\n",
             port = self.port,
+            listen = self.listen,
             streamlocal = if self.streamlocal { "yes" } else { "no" },
         );
         fs::write(self.dir.path().join("sshd_config"), config)?;
@@ -339,7 +360,7 @@ impl Sshd {
     }
 
     fn wait_ready(&mut self, timeout: Duration) -> Result<()> {
-        let addr = SocketAddr::from((Ipv4Addr::LOCALHOST, self.port));
+        let addr = SocketAddr::from((self.listen, self.port));
         let ready = process::wait_until(timeout, || {
             let exited = match self.child.as_mut() {
                 Some(child) => child.try_wait()?,
@@ -386,9 +407,8 @@ fn has_ssh_banner(addr: SocketAddr) -> bool {
 
 /// A port that was free a moment ago. sshd binds it right after; the rare race
 /// with another process is handled by retrying.
-fn free_port() -> Result<u16> {
-    let listener =
-        TcpListener::bind((Ipv4Addr::LOCALHOST, 0)).context("cannot find a free port")?;
+fn free_port(on: Ipv4Addr) -> Result<u16> {
+    let listener = TcpListener::bind((on, 0)).context("cannot find a free port")?;
     Ok(listener.local_addr()?.port())
 }
 
@@ -412,8 +432,8 @@ fn public_key(pub_file: &Path) -> Result<String> {
     Ok(fields.join(" "))
 }
 
-fn write_known_hosts(path: &Path, port: u16, key: &str) -> Result<()> {
-    fs::write(path, format!("[127.0.0.1]:{port} {key}\n"))
+fn write_known_hosts(path: &Path, on: Ipv4Addr, port: u16, key: &str) -> Result<()> {
+    fs::write(path, format!("[{on}]:{port} {key}\n"))
         .with_context(|| format!("cannot write {}", path.display()))
 }
 

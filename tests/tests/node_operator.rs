@@ -1,0 +1,420 @@
+#![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
+//! The operator as users run it: its image, built from the Dockerfile, runs as the
+//! Deployment that `kubectl apply -k config/default` installs, on a real node. The only
+//! changes are the lab's: the providers config (the lab's sshd and libvirtd) and the SSH
+//! Secret that config/README.md tells users to create.
+//!
+//! Checked on the running pods: both replicas start from the image and pass their probes,
+//! one leads, the root filesystem is read-only, the process is uid 65532, the SSH key the
+//! kubelet wrote (fsGroup) is readable as documented, the plugins load from the image's
+//! paths, and the leader reaches the lab's host over SSH. Deleting the leader's pod hands
+//! the Lease to the other replica; the time to a new leader and to its first health round
+//! are printed.
+
+use std::path::{Component, Path, PathBuf};
+use std::time::{Duration, Instant};
+
+use integration_tests::harness::node::{self, HOST_ADDRESS};
+use integration_tests::harness::{self, Libvirtd, Need, Node, Sshd};
+use integration_tests::{TestImage, provider_config_yaml, workspace_root};
+
+/// Hang guard of the waits below: generous, never a performance assertion.
+const GUARD: Duration = Duration::from_secs(240);
+const NAMESPACE: &str = "egress-system";
+/// Where the Deployment mounts the Secret and the image keeps the plugins.
+const SSH_DIR: &str = "/etc/egress-operator/ssh";
+const PLUGIN_DIR: &str = "/usr/lib/egress-operator/plugins";
+
+fn binary() -> PathBuf {
+    PathBuf::from(env!("CARGO_BIN_EXE_operator-under-test"))
+}
+
+/// Polls `f` until it gives a value. Fails at once, with the operator's last words, when
+/// an operator container restarted: both replicas must start right the first time.
+fn wait_for<T>(what: &str, node: &Node, mut f: impl FnMut() -> Option<T>) -> T {
+    let start = Instant::now();
+    loop {
+        if let Some(v) = f() {
+            return v;
+        }
+        let restarted = restarted_pods(node);
+        assert!(
+            restarted.is_empty(),
+            "{what}: operator containers restarted: {restarted:?}\n{}",
+            operator_logs(node, true)
+        );
+        assert!(
+            start.elapsed() < GUARD,
+            "{what}: not within {GUARD:?} (hang guard)\npods: {}\noperator: {}\nkubelet: {}",
+            node.kubectl_run(&["get", "pods", "-A", "-o", "wide"])
+                .unwrap_or_default(),
+            operator_logs(node, false),
+            node.log_tail("kubelet", 20)
+        );
+        std::thread::sleep(Duration::from_millis(250));
+    }
+}
+
+fn operator_logs(node: &Node, previous: bool) -> String {
+    let mut args = vec![
+        "logs",
+        "-n",
+        NAMESPACE,
+        "-l",
+        "app.kubernetes.io/component=operator",
+        "--tail=15",
+        "--prefix",
+    ];
+    if previous {
+        args.push("--previous");
+    }
+    let from_api = node.kubectl_run(&args).unwrap_or_else(|e| format!("{e:#}"));
+    // The kubelet's files hold what the API may no longer serve (a crashed container's log).
+    let mut files = String::new();
+    if let Ok(pods) = std::fs::read_dir(node.dir().join("pod-logs")) {
+        for pod in pods.flatten() {
+            if !pod.file_name().to_string_lossy().starts_with(NAMESPACE) {
+                continue;
+            }
+            for log in std::fs::read_dir(pod.path().join("operator"))
+                .into_iter()
+                .flatten()
+                .flatten()
+            {
+                let text = std::fs::read_to_string(log.path()).unwrap_or_default();
+                let tail: Vec<&str> = text.lines().rev().take(10).collect();
+                files.push_str(&format!("--- {}\n", log.path().display()));
+                for line in tail.into_iter().rev() {
+                    files.push_str(line);
+                    files.push('\n');
+                }
+            }
+        }
+    }
+    format!("{from_api}\n{files}")
+}
+
+/// Operator pods whose container has restarted.
+fn restarted_pods(node: &Node) -> Vec<String> {
+    let Ok(pods) = node.kubectl_run(&[
+        "get",
+        "pods",
+        "-n",
+        NAMESPACE,
+        "-l",
+        "app.kubernetes.io/component=operator",
+        "-o",
+        "jsonpath={range .items[*]}{.metadata.name} {.status.containerStatuses[0].restartCount}{\"\\n\"}{end}",
+    ]) else {
+        return Vec::new();
+    };
+    pods.lines()
+        .filter_map(|l| l.split_once(' '))
+        .filter(|(_, n)| n.trim().parse::<u32>().is_ok_and(|n| n > 0))
+        .map(|(p, _)| p.to_string())
+        .collect()
+}
+
+/// `to` relative to `from` (kustomize refuses absolute resource paths).
+fn relative(from: &Path, to: &Path) -> PathBuf {
+    let from: Vec<Component> = from.components().collect();
+    let to: Vec<Component> = to.components().collect();
+    let common = from.iter().zip(&to).take_while(|(a, b)| a == b).count();
+    let mut path = PathBuf::new();
+    for _ in common..from.len() {
+        path.push("..");
+    }
+    for c in &to[common..] {
+        path.push(c.as_os_str());
+    }
+    path
+}
+
+fn json(node: &Node, args: &[&str]) -> serde_json::Value {
+    let mut all = args.to_vec();
+    all.extend(["-o", "json"]);
+    serde_json::from_str(&node.kubectl_run(&all).unwrap()).unwrap()
+}
+
+fn lease_holder(node: &Node) -> Option<String> {
+    node.kubectl_run(&[
+        "get",
+        "lease",
+        "egress-operator",
+        "-n",
+        NAMESPACE,
+        "-o",
+        "jsonpath={.spec.holderIdentity}",
+    ])
+    .ok()
+    .filter(|h| !h.trim().is_empty())
+}
+
+/// The operator's pods that are Ready, by name.
+fn ready_pods(node: &Node) -> Vec<String> {
+    let pods = json(
+        node,
+        &[
+            "get",
+            "pods",
+            "-n",
+            NAMESPACE,
+            "-l",
+            "app.kubernetes.io/component=operator",
+        ],
+    );
+    pods["items"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .filter(|p| p["metadata"]["deletionTimestamp"].is_null())
+        .filter(|p| {
+            p["status"]["conditions"].as_array().is_some_and(|c| {
+                c.iter()
+                    .any(|c| c["type"] == "Ready" && c["status"] == "True")
+            })
+        })
+        .map(|p| p["metadata"]["name"].as_str().unwrap().to_string())
+        .collect()
+}
+
+fn exec(node: &Node, pod: &str, script: &str) -> std::process::Output {
+    node.kubectl()
+        .args(["exec", "-n", NAMESPACE, pod, "--", "sh", "-c", script])
+        .output()
+        .unwrap()
+}
+
+#[test]
+fn the_deployment_from_config_default_runs_the_image_leads_and_fails_over() {
+    if harness::skip(&[Need::Node, Need::Sshd, Need::Libvirtd]) {
+        return;
+    }
+    let node = Node::shared().unwrap_or_else(|e| panic!("{e:#}"));
+    let images = node::images(&binary()).unwrap_or_else(|e| panic!("{e:#}"));
+    node.import_image(&images.join("egress-operator.tar"))
+        .unwrap();
+
+    // ---- The lab: a host the pods reach at the node tier's host address -----------
+    let sshd = Sshd::start_on(HOST_ADDRESS).unwrap();
+    let libvirtd = Libvirtd::start().unwrap();
+    libvirtd.define_dir_pool("default").unwrap();
+    let image = TestImage {
+        name: "base".into(),
+        url: format!("http://{HOST_ADDRESS}:1/base.qcow2"),
+        sha256: "0".repeat(64),
+        max_size_mib: None,
+    };
+    let mut yaml = provider_config_yaml(&sshd, &libvirtd, "h1", &[image], &[]).unwrap();
+    // As shipped: no clusterId; the key, known_hosts and plugins at the paths the
+    // Deployment mounts and the image holds.
+    yaml = yaml
+        .replacen("clusterId: test\n", "", 1)
+        .replace(
+            &sshd.client_key().display().to_string(),
+            &format!("{SSH_DIR}/id_ed25519"),
+        )
+        .replace(
+            &sshd.known_hosts().display().to_string(),
+            &format!("{SSH_DIR}/known_hosts"),
+        )
+        .replace(
+            &integration_tests::plugin_path("domain-default")
+                .unwrap()
+                .display()
+                .to_string(),
+            &format!("{PLUGIN_DIR}/domain-default.wasm"),
+        )
+        .replace(
+            &integration_tests::plugin_path("vendor-data-default")
+                .unwrap()
+                .display()
+                .to_string(),
+            &format!("{PLUGIN_DIR}/vendor-data-default.wasm"),
+        );
+    yaml.push_str("healthCheck: {periodSeconds: 5, timeoutSeconds: 3}\n");
+
+    // ---- kubectl apply -k: config/default, with the lab's config --------------------
+    let overlay = tempfile::tempdir().unwrap();
+    std::fs::write(overlay.path().join("config.yaml"), &yaml).unwrap();
+    let base = relative(overlay.path(), &workspace_root().join("config/default"));
+    std::fs::write(
+        overlay.path().join("kustomization.yaml"),
+        format!(
+            "# The lab's overlay: config/default as shipped, with the lab's providers config.\n\
+             resources:\n  - {}\n\
+             configMapGenerator:\n  - name: egress-operator-config\n    namespace: {NAMESPACE}\n    \
+             behavior: replace\n    files: [config.yaml]\n\
+             generatorOptions:\n  disableNameSuffixHash: true\n",
+            base.display()
+        ),
+    )
+    .unwrap();
+    node.kubectl_run(&["create", "namespace", NAMESPACE])
+        .unwrap();
+    // The Secret as config/README.md has users create it.
+    node.kubectl_run(&[
+        "create",
+        "secret",
+        "generic",
+        "egress-operator-ssh",
+        "-n",
+        NAMESPACE,
+        &format!("--from-file=id_ed25519={}", sshd.client_key().display()),
+        &format!("--from-file=known_hosts={}", sshd.known_hosts().display()),
+    ])
+    .unwrap();
+    let applied = Instant::now();
+    node.kubectl_run(&["apply", "-k", &overlay.path().display().to_string()])
+        .unwrap();
+
+    // ---- Both replicas from the image, Ready (probes pass); one leads ---------------
+    let pods = wait_for("both replicas Ready", node, || {
+        let pods = ready_pods(node);
+        (pods.len() == 2).then_some(pods)
+    });
+    let leader = wait_for("a leader", node, || lease_holder(node));
+    println!(
+        "2 replicas Ready {:.1}s after apply; leader {leader}",
+        applied.elapsed().as_secs_f64()
+    );
+    assert!(pods.contains(&leader), "leader {leader} of {pods:?}");
+    let deployment = json(
+        node,
+        &["get", "deployment", "egress-operator", "-n", NAMESPACE],
+    );
+    assert_eq!(
+        deployment["spec"]["template"]["spec"]["containers"][0]["image"], "egress-operator:0.1.0",
+        "the image reference as shipped"
+    );
+    for pod in &pods {
+        let p = json(node, &["get", "pod", pod, "-n", NAMESPACE]);
+        let status = &p["status"]["containerStatuses"][0];
+        assert_eq!(status["restartCount"], 0, "{pod}: {status}");
+        assert!(
+            status["imageID"]
+                .as_str()
+                .is_some_and(|i| i.contains("sha256:")),
+            "{pod}: {status}"
+        );
+    }
+
+    // ---- What the Deployment promises, seen from inside the container -----------------
+    let out = exec(
+        node,
+        &leader,
+        &format!(
+            "id -u; id -g; stat -c '%a %u:%g' {SSH_DIR}/..data/id_ed25519; \
+             head -c 35 {SSH_DIR}/id_ed25519; echo; ls {PLUGIN_DIR}; \
+             touch /probe 2>&1 || true"
+        ),
+    );
+    let text = String::from_utf8_lossy(&out.stdout).into_owned();
+    println!("inside {leader}:\n{text}");
+    let lines: Vec<&str> = text.lines().collect();
+    assert_eq!(lines.first(), Some(&"65532"), "uid: {text}");
+    assert_eq!(lines.get(1), Some(&"65532"), "gid: {text}");
+    assert_eq!(
+        lines.get(2),
+        Some(&"440 0:65532"),
+        "the key as the README says: root-owned, group 65532 (fsGroup), 0440: {text}"
+    );
+    assert_eq!(
+        lines.get(3),
+        Some(&"-----BEGIN OPENSSH PRIVATE KEY-----"),
+        "the key is readable by the operator's user: {text}"
+    );
+    assert!(
+        text.contains("domain-default.wasm") && text.contains("vendor-data-default.wasm"),
+        "{text}"
+    );
+    assert!(
+        text.contains("Read-only file system"),
+        "root is read-only: {text}"
+    );
+
+    // ---- The leader loads the plugins from the image and reaches the lab's host ------
+    let health = wait_for("ProviderHealth: h1 reachable, plugins loaded", node, || {
+        let h = node
+            .kubectl_run(&["get", "providerhealth", "kvm2", "-o", "json"])
+            .ok()?;
+        let h: serde_json::Value = serde_json::from_str(&h).ok()?;
+        let status = &h["status"];
+        let reachable = status["targets"]
+            .as_array()?
+            .iter()
+            .any(|t| t["name"] == "h1" && t["reachable"] == true);
+        let plugins = status["plugins"].as_array()?;
+        let loaded = plugins.len() == 2 && plugins.iter().all(|p| p["state"] == "Loaded");
+        (reachable && loaded).then(|| status.clone())
+    });
+    let plugins: Vec<&str> = health["plugins"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .filter_map(|p| p["name"].as_str())
+        .collect();
+    println!(
+        "ProviderHealth kvm2: h1 reachable over SSH from the pod; plugins loaded: {plugins:?}"
+    );
+    assert!(
+        plugins.iter().all(|p| p.contains(PLUGIN_DIR)),
+        "{plugins:?}"
+    );
+
+    // ---- kubectl delete pod of the leader: the other replica takes over ------------
+    let other = pods.iter().find(|p| **p != leader).unwrap().clone();
+    let deleted = Instant::now();
+    node.kubectl_run(&["delete", "pod", &leader, "-n", NAMESPACE, "--wait=false"])
+        .unwrap();
+    let new_leader = wait_for("a new leader", node, || {
+        lease_holder(node).filter(|h| *h != leader)
+    });
+    let to_leader = deleted.elapsed();
+    assert_eq!(new_leader, other, "the standby replica leads");
+    // Its first act as leader: a health round, written to ProviderHealth after the Lease
+    // changed hands (lastChecked has whole seconds).
+    let acquired: jiff::Timestamp = node
+        .kubectl_run(&[
+            "get",
+            "lease",
+            "egress-operator",
+            "-n",
+            NAMESPACE,
+            "-o",
+            "jsonpath={.spec.acquireTime}",
+        ])
+        .unwrap()
+        .trim()
+        .parse()
+        .unwrap();
+    let acquired_second = acquired.as_second();
+    wait_for("the new leader's first health round", node, || {
+        let last = node
+            .kubectl_run(&[
+                "get",
+                "providerhealth",
+                "kvm2",
+                "-o",
+                "jsonpath={.status.lastChecked}",
+            ])
+            .ok()?;
+        let last: jiff::Timestamp = last.trim().parse().ok()?;
+        (last.as_second() >= acquired_second).then_some(())
+    });
+    let to_round = deleted.elapsed();
+    let log = node
+        .kubectl_run(&["logs", "-n", NAMESPACE, &other])
+        .unwrap();
+    assert!(log.contains("acquired leadership"), "{log}");
+    println!(
+        "leader pod deleted: new leader {new_leader} after {:.1}s, its first health round after {:.1}s",
+        to_leader.as_secs_f64(),
+        to_round.as_secs_f64()
+    );
+
+    // The Deployment replaces the pod; it starts from the image and stands by.
+    wait_for("two Ready replicas again", node, || {
+        (ready_pods(node).len() == 2).then_some(())
+    });
+}
