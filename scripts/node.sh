@@ -48,6 +48,9 @@ POD_NET=10.244.0.0/24
 NODE_IP=10.244.0.1
 SERVICE_NET=10.246.0.0/24
 SERVICE_API_IP=10.246.0.1
+# The lab's range: local to the host and routed from the node, so stand-ins for proxy VMs
+# listen where the operator's probe and the pods reach them (tests/src/harness/node.rs).
+LAB_NET=10.247.0.0/24
 NODE_NAME=eotest-node
 ETCD_PORT=23791
 ETCD_PEER_PORT=23801
@@ -350,6 +353,10 @@ network_up() {
   ip -n "$NETNS" route add "$SERVICE_NET" dev "$BRIDGE" src "$NODE_IP"
   ip route add "$POD_NET" via "$NODE_LINK_IP" dev "$HOST_IF"
   ip route add "$SERVICE_NET" via "$NODE_LINK_IP" dev "$HOST_IF"
+  # The lab: every address of LAB_NET is the host's own (as 127/8 is), reached from the
+  # node over the veth, so nothing forwards.
+  ip route add local "$LAB_NET" dev lo
+  ip -n "$NETNS" route add "$LAB_NET" via "$HOST_IP" dev "$NODE_IF"
 }
 
 cmd_up() {
@@ -546,6 +553,7 @@ teardown_host() {
   ip link del "$HOST_IF" 2>/dev/null || true
   ip route del "$POD_NET" 2>/dev/null || true
   ip route del "$SERVICE_NET" 2>/dev/null || true
+  ip route del local "$LAB_NET" dev lo table local 2>/dev/null || true
   # 7. Sysctls kubelet changed, and paths outside DIR that did not exist before.
   if [ -f "$DIR/baseline/sysctl" ]; then
     local key val
@@ -573,6 +581,7 @@ leftovers_in() {
   ip netns list 2>/dev/null | grep -qw "$NETNS" && say "netns $NETNS"
   ip link show "$HOST_IF" >/dev/null 2>&1 && say "link $HOST_IF"
   for c in "$POD_NET" "$SERVICE_NET"; do ip route show "$c" | grep -q . && say "route $c"; done
+  ip route show table local "$LAB_NET" | grep -q . && say "local route $LAB_NET"
   for c in $(cgroup_dirs); do say "cgroup $c"; done
   nft list tables 2>/dev/null | grep -q 'kube-proxy' && say "nft table kube-proxy in the host's namespace"
   if [ -f "$dir/baseline/sysctl" ]; then

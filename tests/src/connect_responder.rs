@@ -37,6 +37,32 @@ impl ConnectResponder {
                 "{a} is not a loopback address: the responder stays on loopback"
             ));
         }
+        Self::listen(addresses, None)
+    }
+
+    /// Stand-in proxies that carry traffic, for the node tier: listens on `addresses` of
+    /// the node tier's lab range ([`crate::harness::node::LAB_NET`], local to this host
+    /// and routed from the pods), and tunnels a `CONNECT` to `tunnel_to`, and only to it,
+    /// from the listening address, as a proxy VM does from its own address: the server
+    /// at `tunnel_to` sees which proxy carried a request. Any other `CONNECT` (the
+    /// operator's probe) is answered as by [`ConnectResponder::start`].
+    pub fn start_tunnelling(
+        addresses: impl IntoIterator<Item = Ipv4Addr>,
+        tunnel_to: SocketAddr,
+    ) -> Result<ConnectResponder> {
+        let addresses: Vec<Ipv4Addr> = addresses.into_iter().collect();
+        if let Some(a) = addresses
+            .iter()
+            .find(|a| !crate::harness::node::in_lab_net(**a))
+        {
+            return Err(anyhow!(
+                "{a} is not in the node tier's lab range: the responder stays on this host"
+            ));
+        }
+        Self::listen(addresses, Some(tunnel_to))
+    }
+
+    fn listen(addresses: Vec<Ipv4Addr>, tunnel_to: Option<SocketAddr>) -> Result<ConnectResponder> {
         let runtime = tokio::runtime::Builder::new_multi_thread()
             .worker_threads(1)
             .thread_name("connect-responder")
@@ -69,7 +95,7 @@ impl ConnectResponder {
                 let (tx, rx) = watch::channel(true);
                 up.insert(addr, tx);
                 let answered = answered.clone();
-                runtime.spawn(serve(addr, port, listener, rx, answered));
+                runtime.spawn(serve(addr, port, listener, rx, answered, tunnel_to));
             }
             return Ok(ConnectResponder {
                 port,
@@ -116,6 +142,7 @@ async fn serve(
     first: std::net::TcpListener,
     mut up: watch::Receiver<bool>,
     answered: Arc<AtomicU64>,
+    tunnel_to: Option<SocketAddr>,
 ) {
     let mut listener = tokio::net::TcpListener::from_std(first).ok();
     loop {
@@ -124,7 +151,7 @@ async fn serve(
                 tokio::select! {
                     accepted = l.accept() => {
                         if let Ok((stream, _)) = accepted {
-                            tokio::spawn(answer(stream, answered.clone()));
+                            tokio::spawn(answer(stream, answered.clone(), addr, tunnel_to));
                         }
                     }
                     changed = up.changed() => {
@@ -155,8 +182,14 @@ async fn serve(
 }
 
 /// Reads the request head and answers a CONNECT with 200, anything else with 405; then
-/// holds the connection until the client closes it, as a tunnel would.
-async fn answer(mut stream: tokio::net::TcpStream, answered: Arc<AtomicU64>) {
+/// holds the connection until the client closes it, as a tunnel would. A CONNECT to
+/// `tunnel_to` is a real tunnel, opened from `from`.
+async fn answer(
+    mut stream: tokio::net::TcpStream,
+    answered: Arc<AtomicU64>,
+    from: Ipv4Addr,
+    tunnel_to: Option<SocketAddr>,
+) {
     let mut head = Vec::with_capacity(512);
     let mut buf = [0u8; 512];
     while !head.windows(4).any(|w| w == b"\r\n\r\n") && head.len() < 8192 {
@@ -164,6 +197,13 @@ async fn answer(mut stream: tokio::net::TcpStream, answered: Arc<AtomicU64>) {
             Ok(0) | Err(_) => return,
             Ok(n) => head.extend_from_slice(&buf[..n]),
         }
+    }
+    if let Some(to) = tunnel_to
+        && head.starts_with(format!("CONNECT {to} ").as_bytes())
+    {
+        answered.fetch_add(1, Ordering::Relaxed);
+        tunnel(stream, &head, from, to).await;
+        return;
     }
     let reply: &[u8] = if head.starts_with(b"CONNECT ") {
         answered.fetch_add(1, Ordering::Relaxed);
@@ -180,4 +220,38 @@ async fn answer(mut stream: tokio::net::TcpStream, answered: Arc<AtomicU64>) {
             break;
         }
     }
+}
+
+/// Opens `to` from `from`, says `200` and copies both ways until either side closes.
+/// Bytes the client sent after the request head go first.
+async fn tunnel(mut client: tokio::net::TcpStream, head: &[u8], from: Ipv4Addr, to: SocketAddr) {
+    let upstream = async {
+        let socket = tokio::net::TcpSocket::new_v4()?;
+        socket.bind(SocketAddr::from((from, 0)))?;
+        socket.connect(to).await
+    };
+    let mut upstream = match upstream.await {
+        Ok(u) => u,
+        Err(_) => {
+            let _ = client
+                .write_all(b"HTTP/1.1 502 Bad Gateway\r\nContent-Length: 0\r\n\r\n")
+                .await;
+            return;
+        }
+    };
+    if client
+        .write_all(b"HTTP/1.1 200 Connection established\r\n\r\n")
+        .await
+        .is_err()
+    {
+        return;
+    }
+    let end = head
+        .windows(4)
+        .position(|w| w == b"\r\n\r\n")
+        .map_or(head.len(), |i| i + 4);
+    if upstream.write_all(&head[end..]).await.is_err() {
+        return;
+    }
+    let _ = tokio::io::copy_bidirectional(&mut client, &mut upstream).await;
 }

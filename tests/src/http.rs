@@ -28,6 +28,9 @@ pub enum Route {
     },
     /// 302 to this location (absolute, or a path on this server).
     Redirect(String),
+    /// 200 whose body is the client's address, which [`HttpServer::peers`] also records:
+    /// behind a proxy, the address of the proxy that carried the request.
+    Peer,
     /// 200 with this body and its Content-Length, sent `chunk` bytes at a time with
     /// `pause` between chunks: a server that is never idle for long but slow overall.
     Slow {
@@ -43,7 +46,9 @@ pub enum Route {
 /// A running server; stops on drop.
 #[derive(Debug)]
 pub struct HttpServer {
+    addr: std::net::Ipv4Addr,
     port: u16,
+    peers: Arc<Mutex<Vec<std::net::IpAddr>>>,
     hits: Arc<Mutex<HashMap<String, usize>>>,
     stop: Arc<AtomicBool>,
     thread: Option<JoinHandle<()>>,
@@ -52,36 +57,53 @@ pub struct HttpServer {
 impl HttpServer {
     /// Starts serving `routes`; other paths get 404.
     pub fn start(routes: Vec<(String, Route)>) -> anyhow::Result<Self> {
-        let listener = TcpListener::bind("127.0.0.1:0").context("binding 127.0.0.1:0")?;
+        Self::start_on(std::net::Ipv4Addr::LOCALHOST, routes)
+    }
+
+    /// [`HttpServer::start`] on `addr` (the node tier's host address, which pods reach)
+    /// instead of loopback.
+    pub fn start_on(
+        addr: std::net::Ipv4Addr,
+        routes: Vec<(String, Route)>,
+    ) -> anyhow::Result<Self> {
+        let listener = TcpListener::bind((addr, 0)).with_context(|| format!("binding {addr}:0"))?;
         let port = listener.local_addr()?.port();
+        let peers = Arc::new(Mutex::new(Vec::new()));
         let hits = Arc::new(Mutex::new(HashMap::new()));
         let stop = Arc::new(AtomicBool::new(false));
         let routes = Arc::new(routes);
-        let (h, flag) = (hits.clone(), stop.clone());
+        let (h, flag, seen) = (hits.clone(), stop.clone(), peers.clone());
         let thread = std::thread::spawn(move || {
             for stream in listener.incoming() {
                 if flag.load(Ordering::SeqCst) {
                     break;
                 }
                 let Ok(stream) = stream else { continue };
-                let (routes, hits) = (routes.clone(), h.clone());
+                let (routes, hits, peers) = (routes.clone(), h.clone(), seen.clone());
                 // One thread per connection: concurrent downloads must not queue.
                 std::thread::spawn(move || {
-                    let _ = serve(stream, &routes, &hits, port);
+                    let _ = serve(stream, &routes, &hits, &peers, (addr, port));
                 });
             }
         });
         Ok(Self {
+            addr,
             port,
+            peers,
             hits,
             stop,
             thread: Some(thread),
         })
     }
 
-    /// `http://127.0.0.1:PORT/path`.
+    /// `http://ADDRESS:PORT/path`.
     pub fn url(&self, path: &str) -> String {
-        format!("http://127.0.0.1:{}{path}", self.port)
+        format!("http://{}:{}{path}", self.addr, self.port)
+    }
+
+    /// The client address of every request answered by a [`Route::Peer`], in order.
+    pub fn peers(&self) -> Vec<std::net::IpAddr> {
+        self.peers.lock().map(|p| p.clone()).unwrap_or_default()
     }
 
     /// Requests for `path` so far.
@@ -96,7 +118,7 @@ impl HttpServer {
 impl Drop for HttpServer {
     fn drop(&mut self) {
         self.stop.store(true, Ordering::SeqCst);
-        let _ = TcpStream::connect(("127.0.0.1", self.port));
+        let _ = TcpStream::connect((self.addr, self.port));
         if let Some(t) = self.thread.take() {
             let _ = t.join();
         }
@@ -107,7 +129,8 @@ fn serve(
     mut tcp: TcpStream,
     routes: &[(String, Route)],
     hits: &Mutex<HashMap<String, usize>>,
-    port: u16,
+    peers: &Mutex<Vec<std::net::IpAddr>>,
+    (addr, port): (std::net::Ipv4Addr, u16),
 ) -> anyhow::Result<()> {
     tcp.set_read_timeout(Some(std::time::Duration::from_secs(10)))?;
     let mut request = Vec::new();
@@ -134,13 +157,25 @@ fn serve(
         )?,
         Some(Route::Redirect(to)) => {
             let to = if to.starts_with('/') {
-                format!("http://127.0.0.1:{port}{to}")
+                format!("http://{addr}:{port}{to}")
             } else {
                 to
             };
             write!(
                 tcp,
                 "HTTP/1.1 302 Found\r\nLocation: {to}\r\nContent-Length: 0\r\nConnection: close\r\n\r\n"
+            )?;
+        }
+        Some(Route::Peer) => {
+            let peer = tcp.peer_addr()?.ip();
+            if let Ok(mut p) = peers.lock() {
+                p.push(peer);
+            }
+            let body = format!("{peer}\n");
+            write!(
+                tcp,
+                "HTTP/1.1 200 OK\r\nContent-Length: {}\r\nConnection: close\r\n\r\n{body}",
+                body.len()
             )?;
         }
         Some(Route::Body(body)) => {

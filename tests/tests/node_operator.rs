@@ -14,9 +14,13 @@
 use std::path::{Component, Path, PathBuf};
 use std::time::{Duration, Instant};
 
+use std::net::{Ipv4Addr, SocketAddr};
+
+use integration_tests::connect_responder::ConnectResponder;
 use integration_tests::harness::node::{self, HOST_ADDRESS};
 use integration_tests::harness::{self, Libvirtd, Need, Node, Sshd};
-use integration_tests::{TestImage, provider_config_yaml, workspace_root};
+use integration_tests::http::{HttpServer, Route};
+use integration_tests::{TestImage, provider_config_yaml, small_qcow2, workspace_root};
 
 /// Hang guard of the waits below: generous, never a performance assertion.
 const GUARD: Duration = Duration::from_secs(240);
@@ -24,6 +28,13 @@ const NAMESPACE: &str = "egress-system";
 /// Where the Deployment mounts the Secret and the image keeps the plugins.
 const SSH_DIR: &str = "/etc/egress-operator/ssh";
 const PLUGIN_DIR: &str = "/usr/lib/egress-operator/plugins";
+/// The host's static address pool, in the node tier's lab range.
+const POOL_FIRST: u8 = 10;
+const POOL_LAST: u8 = 40;
+
+fn pool_addresses() -> impl Iterator<Item = Ipv4Addr> {
+    (POOL_FIRST..=POOL_LAST).map(|i| Ipv4Addr::new(10, 247, 0, i))
+}
 
 fn binary() -> PathBuf {
     PathBuf::from(env!("CARGO_BIN_EXE_operator-under-test"))
@@ -199,13 +210,40 @@ fn the_deployment_from_config_default_runs_the_image_leads_and_fails_over() {
     let sshd = Sshd::start_on(HOST_ADDRESS).unwrap();
     let libvirtd = Libvirtd::start().unwrap();
     libvirtd.define_dir_pool("default").unwrap();
+    let scratch = tempfile::tempdir().unwrap();
+    let (qcow2, sha256) = small_qcow2(scratch.path(), "node-operator").unwrap();
+    // The lab's web server: the base image, and a page that names the client's address
+    // (behind a proxy, the proxy's).
+    let web = HttpServer::start_on(
+        HOST_ADDRESS,
+        vec![
+            ("/base.qcow2".to_string(), Route::File(qcow2)),
+            ("/".to_string(), Route::Peer),
+        ],
+    )
+    .unwrap();
+    let web_addr: SocketAddr = web.url("").trim_start_matches("http://").parse().unwrap();
+    // The proxies' stand-ins on the static pool's addresses: the VMs boot no proxy here.
+    let responder = ConnectResponder::start_tunnelling(pool_addresses(), web_addr).unwrap();
     let image = TestImage {
         name: "base".into(),
-        url: format!("http://{HOST_ADDRESS}:1/base.qcow2"),
-        sha256: "0".repeat(64),
+        url: web.url("/base.qcow2"),
+        sha256,
         max_size_mib: None,
     };
     let mut yaml = provider_config_yaml(&sshd, &libvirtd, "h1", &[image], &[]).unwrap();
+    yaml = yaml.replacen(
+        "disableKvm: true}",
+        &format!(
+            "disableKvm: true, addressPool: {{cidr: 10.247.0.0/24, rangeStart: 10.247.0.{POOL_FIRST}, \
+             rangeEnd: 10.247.0.{POOL_LAST}}}, maxDomains: 8}}"
+        ),
+        1,
+    );
+    yaml.push_str(&format!(
+        "serving: {{port: {}, periodSeconds: 5, timeoutSeconds: 2}}\n",
+        responder.port()
+    ));
     // As shipped: no clusterId; the key, known_hosts and plugins at the paths the
     // Deployment mounts and the image holds.
     yaml = yaml
@@ -371,7 +409,13 @@ fn the_deployment_from_config_default_runs_the_image_leads_and_fails_over() {
         lease_holder(node).filter(|h| *h != leader)
     });
     let to_leader = deleted.elapsed();
-    assert_eq!(new_leader, other, "the standby replica leads");
+    // The leader released the Lease as it stopped; the standby or the Deployment's
+    // replacement pod (when it starts first) takes it: either is a running replica.
+    let by = if new_leader == other {
+        "the standby"
+    } else {
+        "the replacement pod"
+    };
     // Its first act as leader: a health round, written to ProviderHealth after the Lease
     // changed hands (lastChecked has whole seconds).
     let acquired: jiff::Timestamp = node
@@ -404,11 +448,11 @@ fn the_deployment_from_config_default_runs_the_image_leads_and_fails_over() {
     });
     let to_round = deleted.elapsed();
     let log = node
-        .kubectl_run(&["logs", "-n", NAMESPACE, &other])
+        .kubectl_run(&["logs", "-n", NAMESPACE, &new_leader])
         .unwrap();
     assert!(log.contains("acquired leadership"), "{log}");
     println!(
-        "leader pod deleted: new leader {new_leader} after {:.1}s, its first health round after {:.1}s",
+        "leader pod deleted: new leader {new_leader} ({by}) after {:.1}s, its first health round after {:.1}s",
         to_leader.as_secs_f64(),
         to_round.as_secs_f64()
     );
@@ -417,4 +461,183 @@ fn the_deployment_from_config_default_runs_the_image_leads_and_fails_over() {
     wait_for("two Ready replicas again", node, || {
         (ready_pods(node).len() == 2).then_some(())
     });
+
+    // ---- Workloads use the Services -------------------------------------------------
+    node.import_image(&images.join("workload.tar")).unwrap();
+    let ns = "node-traffic";
+    node.kubectl_run(&["create", "namespace", ns]).unwrap();
+    node.apply(&format!(
+        "apiVersion: egress-operator.dev/v1alpha1
+kind: ProxyPool
+metadata: {{name: office, namespace: {ns}}}
+spec:
+  replicas: 3
+  template: {{provider: kvm2, machineType: small, image: base}}
+  hosts: [h1]
+---
+apiVersion: v1
+kind: Pod
+metadata: {{name: client, namespace: {ns}}}
+spec:
+  terminationGracePeriodSeconds: 1
+  securityContext: {{runAsNonRoot: true, runAsUser: 65532}}
+  containers:
+  - name: client
+    image: localhost/eotest/workload:1
+    imagePullPolicy: Never
+    command: [sleep, infinity]
+"
+    ))
+    .unwrap();
+    let members = wait_for("3 ready endpoints in the pool's slices", node, || {
+        let ready = ready_endpoints(node, ns, "office");
+        (ready.len() == 3).then_some(ready)
+    });
+    println!("pool office serves on {members:?}");
+    node.kubectl_run(&[
+        "wait",
+        "--for=condition=Ready",
+        "pod/client",
+        "-n",
+        ns,
+        "--timeout=120s",
+    ])
+    .unwrap();
+    let pool_service = service_address(node, ns, "office");
+    let page = web.url("/");
+    let answers = fetch(node, ns, &pool_service, &page, 12);
+    println!("12 requests through the pool's Service {pool_service}: {answers:?}");
+    for a in &answers {
+        assert!(
+            members.contains(a),
+            "each page names the pool proxy that carried it: {a:?} of {members:?}"
+        );
+    }
+
+    // ---- A lease's Service carries only the leased proxy; the pool's never does -------
+    node.apply(&format!(
+        "apiVersion: egress-operator.dev/v1alpha1
+kind: ProxyLease
+metadata: {{name: feed, namespace: {ns}}}
+spec: {{pool: office, count: 1, durationSeconds: 600, holder: tests/node, service: true}}
+"
+    ))
+    .unwrap();
+    let leased = wait_for(
+        "the lease bound, its Service listing its proxy",
+        node,
+        || {
+            let addresses = node
+                .kubectl_run(&[
+                    "get",
+                    "proxylease",
+                    "feed",
+                    "-n",
+                    ns,
+                    "-o",
+                    "jsonpath={.status.phase} {.status.addresses}",
+                ])
+                .ok()?;
+            let (phase, address) = addresses.trim().split_once(' ')?;
+            let ready = ready_endpoints(node, ns, "feed");
+            (phase == "Bound" && ready == [address.to_string()]).then(|| address.to_string())
+        },
+    );
+    wait_for("the pool's slices without the leased proxy", node, || {
+        let ready = ready_endpoints(node, ns, "office");
+        (!ready.is_empty() && !ready.contains(&leased)).then_some(())
+    });
+    // kube-proxy applies a slice change within its 1 s minimum sync period.
+    std::thread::sleep(Duration::from_secs(3));
+    let lease_service = service_address(node, ns, "feed");
+    let through_lease = fetch(node, ns, &lease_service, &page, 10);
+    println!("10 requests through the lease's Service {lease_service}: {through_lease:?}");
+    assert!(
+        through_lease.iter().all(|a| *a == leased),
+        "the lease's Service carries only {leased}: {through_lease:?}"
+    );
+    let through_pool = fetch(node, ns, &pool_service, &page, 20);
+    println!("20 requests through the pool's Service: {through_pool:?}");
+    assert!(
+        !through_pool.contains(&leased),
+        "the pool's Service never goes through the leased proxy {leased}: {through_pool:?}"
+    );
+    // The web server saw only the pool's proxies: nothing reached it another way.
+    let peers = web.peers();
+    assert!(
+        peers
+            .iter()
+            .all(|p| pool_addresses().any(|a| std::net::IpAddr::V4(a) == *p)),
+        "{peers:?}"
+    );
+}
+
+/// The addresses of a Service's ready endpoints, sorted.
+fn ready_endpoints(node: &Node, namespace: &str, service: &str) -> Vec<String> {
+    let Ok(text) = node.kubectl_run(&[
+        "get",
+        "endpointslices",
+        "-n",
+        namespace,
+        "-l",
+        &format!("kubernetes.io/service-name={service}"),
+        "-o",
+        "json",
+    ]) else {
+        return Vec::new();
+    };
+    let slices: serde_json::Value = serde_json::from_str(&text).unwrap_or_default();
+    let mut ready: Vec<String> = slices["items"]
+        .as_array()
+        .into_iter()
+        .flatten()
+        .flat_map(|s| s["endpoints"].as_array().cloned().unwrap_or_default())
+        .filter(|e| e["conditions"]["ready"] == true)
+        .filter_map(|e| e["addresses"][0].as_str().map(String::from))
+        .collect();
+    ready.sort();
+    ready
+}
+
+/// `CLUSTER_IP:PORT` of a Service. Cluster DNS is not part of the node tier, so workloads
+/// name the Service by its ClusterIP.
+fn service_address(node: &Node, namespace: &str, service: &str) -> String {
+    node.kubectl_run(&[
+        "get",
+        "service",
+        service,
+        "-n",
+        namespace,
+        "-o",
+        "jsonpath={.spec.clusterIP}:{.spec.ports[0].port}",
+    ])
+    .unwrap()
+    .trim()
+    .to_string()
+}
+
+/// `count` fetches of `url` from the client pod through the proxy at `proxy`, one curl
+/// each, as a workload configured with `http_proxy` does; `--proxytunnel` makes curl
+/// CONNECT, as it does for https with `HTTPS_PROXY`. Every fetch must succeed; returns
+/// the pages (each the address of the proxy that carried it).
+fn fetch(node: &Node, namespace: &str, proxy: &str, url: &str, count: usize) -> Vec<String> {
+    let script = format!(
+        "for i in $(seq 1 {count}); do \
+           http_proxy=http://{proxy} curl -sS --max-time 10 --proxytunnel {url} || echo FAILED; \
+         done"
+    );
+    let out = node
+        .kubectl()
+        .args(["exec", "-n", namespace, "client", "--", "sh", "-c", &script])
+        .output()
+        .unwrap();
+    let text = String::from_utf8_lossy(&out.stdout).into_owned();
+    assert!(
+        out.status.success() && !text.contains("FAILED"),
+        "fetches through {proxy}: {text}\n{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let pages: Vec<String> = text.lines().map(|l| l.trim().to_string()).collect();
+    assert_eq!(pages.len(), count, "{text}");
+    pages
 }

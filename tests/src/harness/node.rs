@@ -29,6 +29,17 @@ use super::process;
 /// The host's end of the veth into the node's namespace: the API server listens here, and
 /// pods reach the host (an sshd, a libvirtd, an HTTP server) at this address.
 pub const HOST_ADDRESS: Ipv4Addr = Ipv4Addr::new(10, 245, 0, 1);
+/// The lab's range: local to the host (a `local` route) and routed from the node's
+/// namespace to [`HOST_ADDRESS`], so stand-ins for proxy VMs can listen on addresses that
+/// the operator's probe and the pods' traffic reach. Nothing else is in it.
+pub const LAB_NET: (Ipv4Addr, u8) = (Ipv4Addr::new(10, 247, 0, 0), 24);
+
+/// Whether `ip` is in [`LAB_NET`].
+pub fn in_lab_net(ip: Ipv4Addr) -> bool {
+    let (net, len) = LAB_NET;
+    u32::from(ip) >> (32 - len) == u32::from(net) >> (32 - len)
+}
+
 /// The node's name as the API server knows it.
 pub const NODE_NAME: &str = "eotest-node";
 /// The busybox image every node has imported (`sh`, `httpd`, `nc`, ...).
