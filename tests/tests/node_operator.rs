@@ -562,6 +562,29 @@ spec: {{pool: office, count: 1, durationSeconds: 600, holder: tests/node, servic
         !through_pool.contains(&leased),
         "the pool's Service never goes through the leased proxy {leased}: {through_pool:?}"
     );
+    // ---- The leader's pod deleted under a steady client: the data path does not depend
+    //      on the operator, so no request fails --------------------------------------
+    let leader = lease_holder(node).unwrap();
+    let steady = {
+        let (kubectl, kubeconfig) = (node.kubectl(), node.kubeconfig().to_path_buf());
+        let program = kubectl.get_program().to_os_string();
+        let (proxy, url) = (pool_service.clone(), page.clone());
+        std::thread::spawn(move || steady_client(&program, &kubeconfig, ns, &proxy, &url, 20))
+    };
+    std::thread::sleep(Duration::from_secs(5));
+    node.kubectl_run(&["delete", "pod", &leader, "-n", NAMESPACE, "--wait=false"])
+        .unwrap();
+    let next = wait_for("a new leader under load", node, || {
+        lease_holder(node).filter(|h| *h != leader)
+    });
+    let (sent, failed) = steady.join().unwrap();
+    println!(
+        "leader {leader} deleted under a steady client through the pool's Service: \
+         new leader {next}; {sent} requests, {failed} failed (goal 0)"
+    );
+    assert!(sent > 20, "the client sent {sent} requests");
+    assert_eq!(failed, 0, "requests failed while the leader changed");
+
     // The web server saw only the pool's proxies: nothing reached it another way.
     let peers = web.peers();
     assert!(
@@ -570,6 +593,38 @@ spec: {{pool: office, count: 1, durationSeconds: 600, holder: tests/node, servic
             .all(|p| pool_addresses().any(|a| std::net::IpAddr::V4(a) == *p)),
         "{peers:?}"
     );
+}
+
+/// A client in the `client` pod fetching `url` through `proxy` back to back for `seconds`:
+/// (requests sent, requests failed).
+fn steady_client(
+    kubectl: &std::ffi::OsStr,
+    kubeconfig: &Path,
+    namespace: &str,
+    proxy: &str,
+    url: &str,
+    seconds: u32,
+) -> (usize, usize) {
+    let script = format!(
+        "end=$(( $(date +%s) + {seconds} )); \
+         while [ $(date +%s) -lt $end ]; do \
+           if http_proxy=http://{proxy} curl -sS --max-time 3 --proxytunnel -o /dev/null {url}; \
+           then echo OK; else echo FAILED; fi; \
+           sleep 0.05; \
+         done"
+    );
+    let out = std::process::Command::new(kubectl)
+        .env("KUBECONFIG", kubeconfig)
+        .args(["exec", "-n", namespace, "client", "--", "sh", "-c", &script])
+        .output()
+        .unwrap();
+    let text = String::from_utf8_lossy(&out.stdout);
+    let sent = text
+        .lines()
+        .filter(|l| *l == "OK" || *l == "FAILED")
+        .count();
+    let failed = text.lines().filter(|l| *l == "FAILED").count();
+    (sent, failed)
 }
 
 /// The addresses of a Service's ready endpoints, sorted.
