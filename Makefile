@@ -54,17 +54,21 @@ generate:
 ## and every bench once in its quick mode (`cargo test --benches`: each step on small inputs,
 ## so a broken bench fails here; log $(TARGET_DIR)/bench-quick.log)
 ## (tests/tests/guest_e2e.rs boots the guest; the cluster tier runs against a local etcd and
-## kube-apiserver, or the cluster of KUBECONFIG when set). The guest image (mostly downloads
-## and dpkg) and the control plane (Go builds of etcd, kube-apiserver, kube-controller-manager
-## and kubectl; cached by version) build in the background while the code compiles; their
-## logs are $(TARGET_DIR)/guest-image.log and $(TARGET_DIR)/controlplane.log.
+## kube-apiserver, or the cluster of KUBECONFIG when set; the node tier, tests/tests/node*.rs,
+## runs a real kubelet node from scripts/node.sh and the operator's image on it). The guest
+## image (mostly downloads and dpkg), the control plane (Go builds of etcd, kube-apiserver,
+## kube-controller-manager, kubectl, and the node's kube-scheduler, kubelet and kube-proxy;
+## cached by version) and the images' debian:12-slim base build in the background while the
+## code compiles; their logs are $(TARGET_DIR)/guest-image.log, controlplane.log and
+## image-base.log.
 test: setup
 	@mkdir -p $(TARGET_DIR)
 	set -euo pipefail; \
 	bash scripts/guest-image.sh $(GUEST_IMAGE) > $(TARGET_DIR)/guest-image.log 2>&1 & image=$$!; \
 	bash scripts/controlplane.sh > $(TARGET_DIR)/controlplane.log 2>&1 & plane=$$!; \
 	bash scripts/mdbook.sh > $(TARGET_DIR)/mdbook.log 2>&1 & book=$$!; \
-	trap 'kill $$image $$plane $$book 2>/dev/null || true' EXIT; \
+	bash scripts/operator-image.sh base > $(TARGET_DIR)/image-base.log 2>&1 & base=$$!; \
+	trap 'kill $$image $$plane $$book $$base 2>/dev/null || true' EXIT; \
 	$(MAKE) --no-print-directory lint plugins; \
 	RUSTDOCFLAGS="-D warnings" $(CARGO) doc --workspace --no-deps --locked --quiet; \
 	$(CARGO) test --workspace --locked --no-run --quiet; \
@@ -75,6 +79,7 @@ test: setup
 	export EGRESS_CONTROLPLANE_DIR="$$(tail -n 1 $(TARGET_DIR)/controlplane.log)"; \
 	if ! wait $$book; then tail -n 40 $(TARGET_DIR)/mdbook.log; echo "make test: building mdbook failed (log above)" >&2; exit 1; fi; \
 	export EGRESS_MDBOOK="$$(tail -n 1 $(TARGET_DIR)/mdbook.log)"; \
+	if ! wait $$base; then tail -n 40 $(TARGET_DIR)/image-base.log; echo "make test: making the images' debian:12-slim base failed (log above)" >&2; exit 1; fi; \
 	$(CARGO) test --workspace --locked --no-fail-fast 2>&1 | tee $(TARGET_DIR)/test.log; \
 	$(CARGO) test --workspace --locked --benches 2>&1 | tee $(TARGET_DIR)/bench-quick.log
 	@bash scripts/test-summary.sh $(TARGET_DIR)/test.log $(TARGET_DIR)/bench-quick.log

@@ -3,6 +3,8 @@
 # buildah: no daemon, and no registry (none can be reached here).
 #
 #   scripts/operator-image.sh OUT BINARY PLUGIN_DIR
+#   scripts/operator-image.sh base      only make the base (make test runs this beside the
+#                                       compile, so the build later finds it cached)
 #
 # - debian:12-slim, the runtime stage's base, is made here: debootstrap --variant=minbase
 #   of bookworm from this machine's apt source, trimmed as the slim image is (no docs, man
@@ -25,13 +27,18 @@ here="$(cd "$(dirname "$0")/.." && pwd)"
 log() { printf 'operator-image: %s\n' "$*" >&2; }
 die() { log "error: $*"; exit 1; }
 
-[ $# -eq 3 ] || die "usage: $0 OUT BINARY PLUGIN_DIR"
-OUT="$(realpath -m "$1")"; BINARY="$2"; PLUGINS="$3"
+BASE_ONLY=0
+if [ $# -eq 1 ] && [ "$1" = base ]; then
+  BASE_ONLY=1
+else
+  [ $# -eq 3 ] || die "usage: $0 OUT BINARY PLUGIN_DIR | $0 base"
+  OUT="$(realpath -m "$1")"; BINARY="$2"; PLUGINS="$3"
+  [ -x "$BINARY" ] || die "$BINARY: no operator binary (cargo build -p egress-operator)"
+  for p in domain-default vendor-data-default; do
+    [ -f "$PLUGINS/$p.wasm" ] || die "$PLUGINS/$p.wasm is missing (make plugins)"
+  done
+fi
 [ "$(id -u)" -eq 0 ] || die "needs root (debootstrap, buildah's chroot isolation)"
-[ -x "$BINARY" ] || die "$BINARY: no operator binary (cargo build -p egress-operator)"
-for p in domain-default vendor-data-default; do
-  [ -f "$PLUGINS/$p.wasm" ] || die "$PLUGINS/$p.wasm is missing (make plugins)"
-done
 for c in buildah debootstrap objcopy; do
   command -v "$c" >/dev/null || die "$c is not installed (make setup installs it)"
 done
@@ -40,7 +47,7 @@ OPERATOR_IMAGE=egress-operator:0.1.0
 WORKLOAD_IMAGE=localhost/eotest/workload:1
 BASE_IMAGE=docker.io/library/debian:12-slim
 CACHE="${EGRESS_CACHE_DIR:-$HOME/.cache/egress-operator}/buildah"
-mkdir -p "$CACHE" "$OUT"
+mkdir -p "$CACHE"
 exec 9>"$CACHE/.lock"
 flock 9
 # vfs: no overlay-on-overlay questions; chroot isolation: RUN needs no runc, no netns.
@@ -93,7 +100,13 @@ if [ "$("${B[@]}" inspect --type image --format '{{index .OCIv1.Config.Labels "e
   log "made $BASE_IMAGE in $((SECONDS - t))s"
 fi
 
+if [ $BASE_ONLY -eq 1 ]; then
+  log "$BASE_IMAGE is ready"
+  exit 0
+fi
+
 # ---------------------------------------------------------------- the images
+mkdir -p "$OUT"
 describe() { # image
   local size layers user
   user="$("${B[@]}" inspect --type image --format '{{.OCIv1.Config.User}}' "$1")"
