@@ -126,6 +126,8 @@ bench: setup plugins
 	$(CARGO) bench --locked -p integration-tests --bench provider
 	EGRESS_CONTROLPLANE_DIR="$$(bash scripts/controlplane.sh | tail -n 1)" \
 	  $(CARGO) bench --locked -p integration-tests --bench scale
+	EGRESS_CONTROLPLANE_DIR="$$(bash scripts/controlplane.sh | tail -n 1)" \
+	  $(CARGO) bench --locked -p integration-tests --bench traffic
 
 clean:
 	$(CARGO) clean

@@ -118,7 +118,8 @@ impl ConnectResponder {
         let tx = map
             .get(&addr)
             .ok_or_else(|| anyhow!("{addr} is not one of the responder's addresses"))?;
-        tx.send_replace(up);
+        // Only a change wakes the listener: callers may repeat the same state often.
+        tx.send_if_modified(|now| std::mem::replace(now, up) != up);
         Ok(())
     }
 

@@ -10,6 +10,7 @@ pub mod harness;
 pub mod http;
 pub mod https;
 pub mod monitoring;
+pub mod node_lab;
 pub mod operator_process;
 pub mod provider_rig;
 pub mod scale;

@@ -773,8 +773,22 @@ fn dockerfile_ships_what_the_manifests_expect() {
     let lines = dockerfile();
     let has = |want: &str| lines.iter().any(|l| l == want);
     let froms: Vec<&String> = lines.iter().filter(|l| l.starts_with("FROM ")).collect();
-    assert_eq!(froms.len(), 2, "multi-stage: {froms:?}");
-    assert!(froms[1].starts_with("FROM debian:12-slim"), "{froms:?}");
+    // build (compiles), prebuilt (the host's binaries: scripts/operator-image.sh), binaries
+    // (the one BINARIES picks, `build` by default) and the runtime stage users get.
+    assert_eq!(
+        froms.iter().map(|f| f.as_str()).collect::<Vec<_>>(),
+        [
+            "FROM rust:1.95-bookworm AS build",
+            "FROM scratch AS prebuilt",
+            "FROM ${BINARIES} AS binaries",
+            "FROM debian:12-slim",
+        ],
+        "stages"
+    );
+    assert!(
+        has("ARG BINARIES=build"),
+        "compiled in the image by default"
+    );
     assert!(has(r#"ENTRYPOINT ["/usr/local/bin/egress-operator"]"#));
     assert!(
         has(&format!("USER {NON_ROOT_ID}:{NON_ROOT_ID}")),
@@ -810,10 +824,10 @@ fn dockerfile_ships_what_the_manifests_expect() {
         .find(|l| l.contains("--target wasm32-wasip2"))
         .unwrap();
     assert!(has(
-        "COPY --from=build /out/plugins/ /usr/lib/egress-operator/plugins/"
+        "COPY --from=binaries /out/plugins/ /usr/lib/egress-operator/plugins/"
     ));
     assert!(has(
-        "COPY --from=build /out/egress-operator /usr/local/bin/egress-operator"
+        "COPY --from=binaries /out/egress-operator /usr/local/bin/egress-operator"
     ));
     for t in [&cfg.kvm2.templates.domain, &cfg.kvm2.templates.vendor_data] {
         let path = Path::new(t.path.as_deref().unwrap());
