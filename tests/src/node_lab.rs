@@ -49,6 +49,7 @@ pub fn pool_addresses() -> impl Iterator<Item = Ipv4Addr> {
 
 /// The lab; dropping it stops the lab's daemons (the node stays for the process's other
 /// tests and goes with its watchdog).
+#[derive(Debug)]
 pub struct NodeLab {
     node: &'static Node,
     web: HttpServer,
@@ -587,6 +588,7 @@ impl Drop for NodeLab {
 }
 
 /// A steady client running in a pod ([`NodeLab::steady_client`]).
+#[derive(Debug)]
 pub struct SteadyClient {
     thread: JoinHandle<Result<Steady>>,
     stopper: std::process::Command,

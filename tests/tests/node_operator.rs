@@ -37,8 +37,8 @@ fn the_deployment_from_config_default_runs_the_image_leads_and_carries_traffic()
     if harness::skip(&[Need::Node, Need::Sshd, Need::Libvirtd]) {
         return;
     }
-    let applied = Instant::now();
     let lab = NodeLab::start(&binary(), "").unwrap_or_else(|e| panic!("{e:#}"));
+    let applied = Instant::now();
     let node = lab.node();
 
     // ---- Both replicas from the image, Ready (probes pass); one leads ---------------
