@@ -41,8 +41,7 @@ const LIBVIRTD_BINARIES: &[&str] = &[
     "timeout",
 ];
 
-/// Directories searched besides `PATH`: the daemons live in sbin, which a
-/// non-login root shell does not always have on its `PATH`.
+/// Binaries of the node tier (`scripts/node.sh`, `scripts/operator-image.sh`).
 const NODE_BINARIES: &[&str] = &[
     "containerd",
     "ctr",
@@ -56,6 +55,8 @@ const NODE_BINARIES: &[&str] = &[
     "openssl",
 ];
 
+/// Directories searched besides `PATH`: the daemons live in sbin, which a
+/// non-login root shell does not always have on its `PATH`.
 const SBIN_DIRS: &[&str] = &["/usr/sbin", "/sbin"];
 
 /// Why tests needing `needs` cannot run here, or None when they can. The reason
