@@ -98,6 +98,10 @@ build_images() {
   stage="$(mktemp -d "${TMPDIR:-/tmp}/eotest-node-images.XXXXXX")"
   local created=()
   for p in /var/lib/containers /etc/cni; do [ -e "$p" ] || created+=("$p"); done
+  # On any exit, a failed step's too (build_images runs in its own subshell or ends the
+  # script): the stage and what buildah made outside its root go.
+  # shellcheck disable=SC2064
+  trap "rm -rf '$stage' ${created[*]}" EXIT
   B=(buildah --root "$stage/root" --runroot "$stage/runroot" --storage-driver vfs)
   mkdir -p "$stage/pause" "$stage/busybox/bin"
   gcc -static -Os -s -o "$stage/pause/pause" "$here/tests/node/pause.c"
@@ -117,10 +121,8 @@ build_images() {
   "${B[@]}" push -q "$PAUSE_IMAGE" "oci-archive:$out/pause.tar:$PAUSE_IMAGE"
   "${B[@]}" push -q "$BUSYBOX_IMAGE" "oci-archive:$out/busybox.tar:$BUSYBOX_IMAGE"
   "${B[@]}" rm -a >/dev/null 2>&1 || true
-  umount_under "$stage"
-  rm -rf "$stage"
-  # buildah writes a blob-info cache and a CNI lock outside its root whatever it is told.
-  for p in "${created[@]}"; do rm -rf "$p"; done
+  # buildah writes a blob-info cache and a CNI lock outside its root whatever it is told;
+  # the EXIT trap above removes them with the stage.
   touch "$out/$key.done"
   echo "$out"
 }

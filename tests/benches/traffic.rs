@@ -20,7 +20,7 @@ use std::time::Duration;
 
 use integration_tests::bench::{self, verdict};
 use integration_tests::harness::{self, Need};
-use integration_tests::node_lab::{NAMESPACE, NodeLab, now, quantile};
+use integration_tests::node_lab::{NodeLab, now, quantile};
 
 const GOAL_FAILOVER_P99_SECONDS: f64 = 3.0;
 /// Hang guard of every wait.
@@ -149,20 +149,9 @@ spec:
 
     // ---- The leader's pod deleted under a steady client ---------------------------
     ready3("3 serving members before the leader's deletion");
-    let leader = lab.lease_holder().unwrap();
     let client = lab.steady_client(NS, "client", &service, 300);
     std::thread::sleep(Duration::from_secs(3));
-    node.kubectl_run(&["delete", "pod", &leader, "-n", NAMESPACE, "--wait=false"])
-        .unwrap();
-    let next = lab
-        .wait_for("a new leader", GUARD, || {
-            lab.lease_holder().filter(|h| *h != leader)
-        })
-        .unwrap_or_else(|e| panic!("{e:#}"));
-    lab.wait_for("two Ready replicas again", GUARD, || {
-        (lab.ready_operator_pods().len() == 2).then_some(())
-    })
-    .unwrap_or_else(|e| panic!("{e:#}"));
+    let (leader, next) = lab.delete_leader(GUARD).unwrap_or_else(|e| panic!("{e:#}"));
     std::thread::sleep(Duration::from_secs(3));
     let loss = client.finish().unwrap();
     println!(

@@ -246,6 +246,15 @@ impl NodeLab {
 
     /// The holder of the operator's Lease.
     pub fn lease_holder(&self) -> Option<String> {
+        self.lease_field("holderIdentity")
+    }
+
+    /// When the holder of the operator's Lease acquired it (RFC 3339).
+    pub fn lease_acquired(&self) -> Option<String> {
+        self.lease_field("acquireTime")
+    }
+
+    fn lease_field(&self, field: &str) -> Option<String> {
         self.node
             .kubectl_run(&[
                 "get",
@@ -254,11 +263,30 @@ impl NodeLab {
                 "-n",
                 NAMESPACE,
                 "-o",
-                "jsonpath={.spec.holderIdentity}",
+                &format!("jsonpath={{.spec.{field}}}"),
             ])
             .ok()
             .map(|h| h.trim().to_string())
             .filter(|h| !h.is_empty())
+    }
+
+    /// Deletes the leader's pod and waits until another replica leads and the Deployment
+    /// has two Ready replicas again: (old leader, new leader).
+    pub fn delete_leader(&self, guard: Duration) -> Result<(String, String)> {
+        let leader = self
+            .lease_holder()
+            .ok_or_else(|| anyhow!("the operator's Lease has no holder"))?;
+        self.node
+            .kubectl_run(&["delete", "pod", &leader, "-n", NAMESPACE, "--wait=false"])?;
+        let next = self.wait_for("a new leader", guard, || {
+            self.lease_holder().filter(|h| *h != leader)
+        })?;
+        self.wait_for(
+            "two Ready replicas after the leader's deletion",
+            guard,
+            || (self.ready_operator_pods().len() == 2).then_some(()),
+        )?;
+        Ok((leader, next))
     }
 
     /// The operator's pods that are Ready and not being deleted.

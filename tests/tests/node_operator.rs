@@ -158,20 +158,7 @@ fn the_deployment_from_config_default_runs_the_image_leads_and_carries_traffic()
     };
     // Its first act as leader: a health round, written to ProviderHealth after the Lease
     // changed hands (lastChecked has whole seconds).
-    let acquired: jiff::Timestamp = node
-        .kubectl_run(&[
-            "get",
-            "lease",
-            "egress-operator",
-            "-n",
-            NAMESPACE,
-            "-o",
-            "jsonpath={.spec.acquireTime}",
-        ])
-        .unwrap()
-        .trim()
-        .parse()
-        .unwrap();
+    let acquired: jiff::Timestamp = lab.lease_acquired().unwrap().parse().unwrap();
     lab.wait_for("the new leader's first health round", GUARD, || {
         let last = node
             .kubectl_run(&[
@@ -287,23 +274,9 @@ spec: {{pool: office, count: 1, durationSeconds: 600, holder: tests/node, servic
 
     // ---- The leader's pod deleted under a steady client: the data path does not depend
     //      on the operator, so no request fails --------------------------------------
-    let leader = lab.lease_holder().unwrap();
     let steady = lab.steady_client(ns, "client", &pool_service, 120);
     std::thread::sleep(Duration::from_secs(5));
-    node.kubectl_run(&["delete", "pod", &leader, "-n", NAMESPACE, "--wait=false"])
-        .unwrap();
-    let next = lab
-        .wait_for("a new leader under load", GUARD, || {
-            lab.lease_holder().filter(|h| *h != leader)
-        })
-        .unwrap_or_else(|e| panic!("{e:#}"));
-    // Until the old leader's pod is gone and its replacement is Ready.
-    lab.wait_for(
-        "two Ready replicas after the leader's deletion",
-        GUARD,
-        || (lab.ready_operator_pods().len() == 2).then_some(()),
-    )
-    .unwrap_or_else(|e| panic!("{e:#}"));
+    let (leader, next) = lab.delete_leader(GUARD).unwrap_or_else(|e| panic!("{e:#}"));
     std::thread::sleep(Duration::from_secs(3));
     let steady = steady.finish().unwrap();
     println!(
