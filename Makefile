@@ -108,16 +108,18 @@ DEMO_IMAGE := $(TARGET_DIR)/demo/demo.qcow2
 demo-image:
 	bash scripts/demo-image.sh $(DEMO_IMAGE)
 
-## demo: the main job on local defaults, the operator as an operator: a local Kubernetes
-## control plane (etcd, kube-apiserver, built here), sshd and an isolated libvirtd (network
-## namespace, bridge with no route out, an HTTP server inside), the CRDs and RBAC applied
-## with kubectl, `egress-operator run` as its ServiceAccount; then `kubectl apply` a Secret
-## and a Proxy, wait for Ready, fetch a page through the VM, show a refused client,
-## `kubectl delete` it and show that nothing is left. Ctrl-C tears everything down.
+## demo: the main job on local defaults, the operator as users run it: a one-node
+## Kubernetes cluster (etcd, kube-apiserver, controllers, scheduler, containerd, kubelet,
+## kube-proxy; built here, in its own network namespace), the operator's image built from
+## the Dockerfile and installed with `kubectl apply -k config/default`, sshd and an
+## isolated libvirtd (network namespace, bridge with no route out, an HTTP server inside);
+## then a pool of 2 proxy VMs, a workload pod's pages through the pool's Service and then
+## a lease's, `kubectl delete`, and a check that nothing is left. Ctrl-C tears everything
+## down.
 demo: setup plugins guest-image controlplane
 	$(CARGO) build --locked -p egress-operator --bin egress-operator
 	$(CARGO) build --locked -p integration-tests --bin egress-demo
-	EGRESS_CONTROLPLANE_DIR="$$(bash scripts/controlplane.sh)" $(TARGET_DIR)/debug/egress-demo $(GUEST_IMAGE) $(BIN)
+	EGRESS_CONTROLPLANE_DIR="$$(bash scripts/controlplane.sh | tail -n 1)" $(TARGET_DIR)/debug/egress-demo $(GUEST_IMAGE) $(BIN)
 
 ## bench: timings printed as ratios against a peer measured in the same run
 bench: setup plugins

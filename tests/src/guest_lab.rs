@@ -20,7 +20,8 @@ use std::time::{Duration, Instant};
 use anyhow::{Context, Result, bail};
 use tempfile::TempDir;
 
-use crate::harness::{Libvirtd, NamespaceRoute, Sshd, subnet_index};
+use crate::harness::node::{self, HOST_ADDRESS, POD_NET};
+use crate::harness::{Libvirtd, NamespaceLink, NamespaceRoute, Sshd, subnet_index};
 use crate::http::{HttpServer, Route};
 
 /// The body the namespace's HTTP server answers with: a proxied response carries it.
@@ -47,6 +48,8 @@ pub struct GuestLab {
     /// Held for its drop: stops the namespace's servers.
     _servers: Killed,
     dnsmasq: Option<Killed>,
+    /// The veth from the node tier's namespace, for a lab on the node.
+    node_link: Option<NamespaceLink>,
     route: NamespaceRoute,
     image_server: HttpServer,
     image_sha256: String,
@@ -61,7 +64,13 @@ pub struct GuestLab {
 impl GuestLab {
     /// Starts the lab for `image` (a qcow2); `dhcp` adds dnsmasq on the bridge.
     pub fn start(image: &Path, dhcp: bool) -> Result<Self> {
-        let sshd = Sshd::start()?;
+        Self::start_on(image, dhcp, Ipv4Addr::LOCALHOST)
+    }
+
+    /// [`GuestLab::start`] with sshd and the image server on `listen` (the node tier's
+    /// host address, which an operator in a pod reaches) instead of loopback.
+    pub fn start_on(image: &Path, dhcp: bool, listen: Ipv4Addr) -> Result<Self> {
+        let sshd = Sshd::start_on(listen)?;
         let libvirtd = Libvirtd::start()?;
         libvirtd.define_dir_pool("default")?;
         let k = subnet_index()?;
@@ -117,13 +126,14 @@ impl GuestLab {
         let bytes = std::fs::read(image).with_context(|| format!("reading {}", image.display()))?;
         let image_sha256 = crate::sha256_hex(&bytes);
         drop(bytes);
-        let image_server = HttpServer::start(vec![(
-            "/guest.qcow2".into(),
-            Route::File(image.to_path_buf()),
-        )])?;
+        let image_server = HttpServer::start_on(
+            listen,
+            vec![("/guest.qcow2".into(), Route::File(image.to_path_buf()))],
+        )?;
         let lab = Self {
             _servers: servers,
             dnsmasq,
+            node_link: None,
             route,
             image_server,
             image_sha256,
@@ -134,6 +144,38 @@ impl GuestLab {
         };
         lab.wait_for_servers()?;
         Ok(lab)
+    }
+
+    /// The lab for the node tier (which must be up): sshd and the image server on the
+    /// node tier's host address, where the operator's pods reach them, and a veth from the
+    /// node's namespace to libvirtd's, so pods reach the VMs' bridge and the VMs answer the
+    /// pods; neither namespace gains a default route.
+    pub fn start_for_node(image: &Path) -> Result<Self> {
+        let mut lab = Self::start_on(image, false, HOST_ADDRESS)?;
+        lab.node_link = Some(NamespaceLink::start(
+            node::NETNS,
+            lab.libvirtd.netns(),
+            lab.k,
+            &[&lab.bridge_net()],
+            &[POD_NET],
+        )?);
+        Ok(lab)
+    }
+
+    /// The providers config for an operator running as its Deployment on the node tier
+    /// ([`GuestLab::start_for_node`]): [`GuestLab::config_yaml`] with a static pool and
+    /// CONNECT to 443, the pods allowed as clients, and the key, known_hosts and plugins
+    /// at the paths the Deployment mounts and the image holds. Returns (the config as a
+    /// process here would read it, for `validate-config`; the config as shipped).
+    pub fn node_config_yaml(&self, plugins: &Path) -> (String, String) {
+        let local = self.config_yaml_for(true, plugins, &[443], &[POD_NET]);
+        let shipped = crate::installed::as_shipped(&local, &self.sshd, plugins);
+        (local, shipped)
+    }
+
+    /// The lab's subnet index `K` (see [`crate::harness::subnet_index`]).
+    pub fn subnet(&self) -> u8 {
+        self.k
     }
 
     /// The bridge network, `10.213.K.0/24`.
@@ -178,7 +220,20 @@ impl GuestLab {
     /// as the one allowed destination on the bridge, air-gapped, and the probe CONNECTing
     /// to `.1:443`. The proxy tunnels (CONNECT) only to `connect_ports`.
     pub fn config_yaml(&self, static_pool: bool, plugins: &Path, connect_ports: &[u16]) -> String {
+        self.config_yaml_for(static_pool, plugins, connect_ports, &[])
+    }
+
+    /// [`GuestLab::config_yaml`] with `more_clients` (CIDRs, e.g. the node tier's pods)
+    /// allowed to use the proxy too.
+    pub fn config_yaml_for(
+        &self,
+        static_pool: bool,
+        plugins: &Path,
+        connect_ports: &[u16],
+        more_clients: &[&str],
+    ) -> String {
         let k = self.k;
+        let more_clients: String = more_clients.iter().map(|c| format!(", {c}")).collect();
         let connect_ports = connect_ports
             .iter()
             .map(ToString::to_string)
@@ -213,7 +268,7 @@ kvm2:
       sha256: {sha}
       format: qcow2
       maxSizeMiB: 2048
-      # The image server is on loopback, over plain http: allowed for this entry only.
+      # The image server is on this machine, over plain http: allowed for this entry only.
       allowHttp: true
       allowPrivateAddresses: true
   machineTypes:
@@ -225,7 +280,7 @@ kvm2:
       path: {plugins}/vendor-data-default.wasm
       settings:
         listenPort: {PROXY_PORT}
-        allowedClientCidrs: [{client}/32, {operator}/32]
+        allowedClientCidrs: [{client}/32, {operator}/32{more_clients}]
         allowedDestinationCidrs: [{client}/32]
         connectPorts: [{connect_ports}]
         installPackages: false
@@ -351,7 +406,8 @@ fn run(cmd: &mut Command) -> Result<()> {
 }
 
 /// The namespace's servers, on every address of the namespace (`.1` and `.2` of the
-/// bridge): `:8080` answers every GET with the hello text; `:443` accepts TCP and closes
+/// bridge): `:8080` answers every GET with the hello text and the address the request came
+/// from (the proxy VM that carried it); `:443` accepts TCP and closes
 /// (all a CONNECT probe needs: the proxy answers 200 once its connection to the target
 /// is up). Listening on `.2` too lets a test tell "the proxy refused a bridge
 /// destination" from "nothing listens there".
@@ -361,11 +417,12 @@ hello = sys.argv[1].encode()
 addr = ""
 class H(http.server.BaseHTTPRequestHandler):
     def do_GET(self):
+        body = hello + b" (from " + self.client_address[0].encode() + b")\n"
         self.send_response(200)
         self.send_header("Content-Type", "text/plain")
-        self.send_header("Content-Length", str(len(hello) + 1))
+        self.send_header("Content-Length", str(len(body)))
         self.end_headers()
-        self.wfile.write(hello + b"\n")
+        self.wfile.write(body)
     def log_message(self, *a):
         sys.stderr.write("%s %s\n" % (self.client_address[0], self.requestline))
 def tls_port():

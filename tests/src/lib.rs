@@ -9,6 +9,7 @@ pub mod guest_lab;
 pub mod harness;
 pub mod http;
 pub mod https;
+pub mod installed;
 pub mod monitoring;
 pub mod node_lab;
 pub mod operator_process;

@@ -2,10 +2,12 @@
 //! Ctrl-C during `make demo` tears everything down (issue 18, deliverable 5).
 //!
 //! The demo (`egress-demo`, what `make demo` runs) is started as a process and sent
-//! SIGINT while its VM boots, the moment with the most running: the control plane, sshd,
-//! libvirtd in its network namespace with QEMU, the HTTP server, the operator. It must
-//! exit on its own, and nothing it started may be left: no process, network namespace or
-//! temporary directory named after its PID (the harness names them all so).
+//! SIGINT while its pool's VMs boot, the moment with the most running: the node (its
+//! control plane, containerd, kubelet, kube-proxy and the operator's pods), sshd, libvirtd
+//! in its network namespace with QEMU, the HTTP server, the veth between the two
+//! namespaces. It must exit on its own, and nothing it started may be left: no process,
+//! network namespace or temporary directory named after its PID (the harness names them
+//! all so), and not the node's namespace either.
 
 use std::io::{BufRead, BufReader};
 use std::path::PathBuf;
@@ -14,9 +16,10 @@ use std::sync::mpsc;
 use std::time::{Duration, Instant};
 
 use integration_tests::guest_lab::GuestLab;
-use integration_tests::harness::{self, Need};
+use integration_tests::harness::{self, Need, node};
 
-/// Hang guards: the demo's start (control plane, lab, CRDs, operator) and its teardown.
+/// Hang guards: the demo's start (node, images, lab, the operator's Deployment) and its
+/// teardown.
 const START_GUARD: Duration = Duration::from_secs(600);
 const STOP_GUARD: Duration = Duration::from_secs(180);
 
@@ -27,6 +30,7 @@ fn traces(pid: u32) -> Vec<String> {
         "eotest-sshd-",
         "eotest-libvirt-",
         "eotest-kube-",
+        "eotest-node-",
         "egress-lab",
         "eotest-",
     ]
@@ -56,7 +60,7 @@ fn processes_with(traces: &[String]) -> Vec<String> {
 
 #[test]
 fn ctrl_c_while_the_vm_boots_leaves_nothing() {
-    if harness::skip(&[Need::Sshd, Need::Libvirtd]) {
+    if harness::skip(&[Need::Sshd, Need::Libvirtd, Need::Node]) {
         return;
     }
     let image = GuestLab::default_image();
@@ -92,13 +96,13 @@ fn ctrl_c_while_the_vm_boots_leaves_nothing() {
     let stderr = demo.stderr.take().unwrap();
     let errors = std::thread::spawn(move || std::io::read_to_string(stderr).unwrap_or_default());
 
-    // Wait until the Proxy is applied and the demo waits for Ready: the VM is being
+    // Wait until the pool is applied and the demo waits for its proxies: the VMs are being
     // defined and booted.
     let started = Instant::now();
     loop {
         let left = START_GUARD.saturating_sub(started.elapsed());
         match rx.recv_timeout(left) {
-            Ok(line) if line.contains("kubectl wait --for=condition=Ready") => break,
+            Ok(line) if line.contains("waiting until both proxies serve") => break,
             Ok(_) => {}
             Err(_) => {
                 let _ = demo.kill();
@@ -109,13 +113,15 @@ fn ctrl_c_while_the_vm_boots_leaves_nothing() {
             }
         }
     }
-    // Let the operator define and start the domain.
+    // Let the operator define and start the domains.
     std::thread::sleep(Duration::from_secs(15));
     let running = processes_with(&traces(pid));
-    assert!(
-        running.iter().any(|p| p.contains("kube-apiserver")),
-        "the demo runs no control plane under its PID's names: {running:#?}"
-    );
+    for daemon in ["kube-apiserver", "kubelet", "kube-proxy", "containerd"] {
+        assert!(
+            running.iter().any(|p| p.contains(daemon)),
+            "the demo runs no {daemon} under its PID's names: {running:#?}"
+        );
+    }
     let status = Command::new("kill")
         .args(["-INT", &pid.to_string()])
         .status()
@@ -155,7 +161,7 @@ fn ctrl_c_while_the_vm_boots_leaves_nothing() {
     assert!(
         !netns
             .lines()
-            .any(|l| l.starts_with(&format!("eotest-{pid}-"))),
+            .any(|l| l.starts_with(&format!("eotest-{pid}-")) || l.starts_with(node::NETNS)),
         "network namespace left: {netns}"
     );
     let dirs: Vec<String> = std::fs::read_dir(std::env::temp_dir())

@@ -1,23 +1,27 @@
-//! `make demo`: the operator as an operator, end to end on one machine, with nothing
+//! `make demo`: the operator as users run it, end to end on one machine, with nothing
 //! reaching outside it.
 //!
-//! 1. Starts a local Kubernetes control plane (etcd, kube-apiserver and the namespace and
-//!    garbage-collector controllers, built here; see `integration_tests::harness::ControlPlane`)
-//!    and the proxy lab ([`integration_tests::guest_lab`]: sshd on 127.0.0.1, an isolated
-//!    libvirtd in its own network namespace with a bridge that routes nowhere, an HTTP
-//!    server inside the namespace, the Debian guest image served from loopback).
-//! 2. Applies the CRDs and the RBAC of `config/` with kubectl, as a platform team would
-//!    (the Deployment aside: there is no kubelet here), and runs `egress-operator run` as a
-//!    process acting as its ServiceAccount (a token from the TokenRequest API), with
-//!    leader election, against the lab's sshd and libvirtd.
-//! 3. `kubectl apply`s a user-data Secret and a Proxy, `kubectl wait`s for `Ready`, shows
-//!    `kubectl get egp` and the Proxy's events, fetches a page THROUGH the VM's proxy,
-//!    shows that a client outside the allowed networks is refused, `kubectl delete`s the
-//!    Proxy and shows that nothing is left (domains, volumes, objects).
+//! 1. Brings up a one-node Kubernetes cluster (etcd, kube-apiserver, the controllers and the
+//!    scheduler, containerd, kubelet and kube-proxy, built here; `scripts/node.sh`) in its own
+//!    network namespace, builds the operator's image from the Dockerfile and a workload image
+//!    (curl), and imports both into the node's containerd.
+//! 2. Starts the proxy lab ([`integration_tests::guest_lab`]): sshd on the node tier's host
+//!    address, an isolated libvirtd in its own network namespace with a bridge that routes
+//!    nowhere, an HTTP server inside it, the Debian guest image served to the operator. A
+//!    veth joins the node's namespace to libvirtd's, so pods reach the VMs' bridge and the
+//!    VMs answer them; neither namespace has a default route.
+//! 3. Installs the operator as a platform team does: the SSH Secret, then
+//!    `kubectl apply -k` of `config/default` with the lab's providers config. Two replicas
+//!    start from the image; one leads.
+//! 4. Applies a pool of 2 proxies, waits until both serve, and has a workload pod fetch a
+//!    page through the pool's Service: each answer names the VM that carried it. Then a
+//!    lease of one proxy: its Service carries only that VM's traffic, and the pool's
+//!    Service no longer goes through it. A client outside the allowed networks is refused.
+//! 5. `kubectl delete`s the lease and the pool and shows that nothing is left (domains,
+//!    volumes, objects), then takes the node down and checks the machine.
 //!
 //! Ctrl-C (SIGINT or SIGTERM) at any point stops the demo and tears everything down: the
-//! operator, the VM (with libvirtd's namespace), the daemons, the control plane, the
-//! namespaces and the temp dirs.
+//! VMs (with libvirtd's namespace), the daemons, the node and everything it made.
 //!
 //! Usage: `egress-demo GUEST.qcow2 PATH/TO/egress-operator`
 #![allow(clippy::print_stdout)]
@@ -28,18 +32,21 @@ use std::process::{Command, Stdio};
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::{Duration, Instant};
 
-use anyhow::{Context, Result, bail};
+use anyhow::{Context, Result, anyhow, bail};
 use integration_tests::guest_lab::{GuestLab, HELLO, PROXY_PORT};
-use integration_tests::harness::controlplane::{OPERATOR_NAMESPACE, OPERATOR_SERVICE_ACCOUNT};
-use integration_tests::harness::{self, ControlPlane, Need};
-use integration_tests::operator_process::{OperatorOptions, OperatorProcess};
+use integration_tests::harness::node::{self, POD_NET};
+use integration_tests::harness::{self, Need, Node};
+use integration_tests::installed::{self, Installed, NAMESPACE};
 
-/// Namespace of the demo's Proxy and Secret.
+/// Namespace of the demo's pool, lease and workload.
 const DEMO_NAMESPACE: &str = "demo";
-const PROXY_NAME: &str = "demo-egress";
-/// How long the guest may take from define to a serving proxy: 2-3 minutes under software
-/// emulation on 2 cores, up to about 5 on a busy machine.
-const READY_GUARD: Duration = Duration::from_secs(900);
+const POOL: &str = "office";
+const LEASE: &str = "feed";
+/// How long the operator's replicas may take to start (image import included).
+const OPERATOR_GUARD: Duration = Duration::from_secs(300);
+/// How long two guests may take from define to serving: 2-3 minutes each under software
+/// emulation on 2 cores, booting side by side, up to about 10 on a busy machine.
+const READY_GUARD: Duration = Duration::from_secs(1200);
 
 /// Set by SIGINT/SIGTERM; every wait of the demo checks it.
 static INTERRUPTED: AtomicBool = AtomicBool::new(false);
@@ -78,9 +85,7 @@ fn watch_signals() -> Result<tokio::runtime::Runtime> {
             }
         });
         INTERRUPTED.store(true, Ordering::SeqCst);
-        println!(
-            "\n==> interrupted: stopping the operator, the VM, the daemons and the control plane"
-        );
+        println!("\n==> interrupted: stopping the workloads, the VMs, the daemons and the node");
     });
     Ok(rt)
 }
@@ -108,19 +113,19 @@ fn run_shown(cmd: &mut Command) -> Result<String> {
 }
 
 /// `kubectl ARGS` as the admin, shown as the user would type it.
-fn kubectl(plane: &ControlPlane, args: &[&str]) -> Result<String> {
+fn kubectl(node: &Node, args: &[&str]) -> Result<String> {
     println!("    $ kubectl {}", args.join(" "));
-    run_shown(plane.kubectl().args(args))
+    run_shown(node.kubectl().args(args))
 }
 
 /// `kubectl apply -f -` of `manifest`, shown.
-fn kubectl_apply(plane: &ControlPlane, manifest: &str) -> Result<()> {
+fn kubectl_apply(node: &Node, manifest: &str) -> Result<()> {
     println!(
         "    $ kubectl apply -f - <<EOF\n{}    EOF",
         indent(manifest)
     );
     interrupted()?;
-    let mut child = plane
+    let mut child = node
         .kubectl()
         .args(["apply", "-f", "-"])
         .stdin(Stdio::piped())
@@ -147,7 +152,7 @@ fn main() -> Result<()> {
         [_, image, operator] => (PathBuf::from(image), PathBuf::from(operator)),
         _ => bail!("usage: egress-demo GUEST.qcow2 PATH/TO/egress-operator"),
     };
-    if let Some(reason) = harness::skip_reason(&[Need::Sshd, Need::Libvirtd]) {
+    if let Some(reason) = harness::skip_reason(&[Need::Sshd, Need::Libvirtd, Need::Node]) {
         bail!("the demo cannot run here: {reason}");
     }
     let _signals = watch_signals()?;
@@ -159,186 +164,208 @@ fn main() -> Result<()> {
     result
 }
 
+/// The node, taken down when the demo ends, however it ends; the report of what was left
+/// behind (nothing, normally) is printed.
+struct NodeGuard(Option<Node>);
+
+impl NodeGuard {
+    fn node(&self) -> Result<&Node> {
+        self.0.as_ref().ok_or_else(|| anyhow!("the node is down"))
+    }
+
+    fn down(&mut self) -> Result<()> {
+        match self.0.take() {
+            Some(node) => node.down(),
+            None => Ok(()),
+        }
+    }
+}
+
+impl Drop for NodeGuard {
+    fn drop(&mut self) {
+        if let Err(e) = self.down() {
+            eprintln!("taking the node down: {e:#}");
+        }
+    }
+}
+
 fn demo(image: &Path, operator: &Path) -> Result<()> {
     step(
-        "starting a local Kubernetes control plane (etcd, kube-apiserver, namespace and GC controllers) on 127.0.0.1",
+        "bringing up a one-node cluster in netns eotest-node: etcd, kube-apiserver, controllers, scheduler, containerd, kubelet, kube-proxy (nftables)",
     );
-    let plane = ControlPlane::start()?;
+    let mut guard = NodeGuard(Some(Node::start()?));
     interrupted()?;
-    println!("    API server at {}", plane.server()?);
-    kubectl(&plane, &["version"])?;
+    let node = guard.node()?;
+    kubectl(node, &["get", "nodes", "-o", "wide"])?;
 
     step(
-        "starting sshd on 127.0.0.1, an isolated libvirtd in its own network namespace, and an HTTP server inside it",
+        "building the operator's image from the Dockerfile (buildah) and a workload image (curl); importing both into the node's containerd",
     );
-    let lab = GuestLab::start(image, false)?;
+    let images = node::images(operator)?;
+    interrupted()?;
+    for archive in ["egress-operator.tar", "workload.tar"] {
+        node.import_image(&images.join(archive))?;
+    }
+    println!("    imported {}", images.display());
+
+    step(
+        "starting the proxy lab: sshd on the host address, an isolated libvirtd and an HTTP server in its own netns, a veth from the node's netns to it",
+    );
+    let lab = GuestLab::start_for_node(image)?;
     interrupted()?;
     println!(
-        "    libvirtd in netns {}, bridge {} ({}, no route out); HTTP server at {}",
+        "    libvirtd in netns {}, bridge {} ({}, no route out); sshd at {}; HTTP server at {}",
         lab.libvirtd.netns(),
         lab.libvirtd.bridge(),
         lab.bridge_net(),
+        lab.sshd.address(),
         lab.hello_url()
     );
+    println!(
+        "    the node's netns routes {} to libvirtd's netns, which routes the pods ({POD_NET}) back",
+        lab.bridge_net()
+    );
 
-    step("installing the operator's CRDs and RBAC from config/ (kubectl)");
-    let root = integration_tests::workspace_root();
-    kubectl(
-        &plane,
-        &[
-            "apply",
-            "--server-side",
-            "-f",
-            &root.join("config/crd/bases").to_string_lossy(),
-        ],
+    step(
+        "installing the operator as users do: the SSH Secret, then kubectl apply -k config/default with the lab's providers config",
+    );
+    let plugins = integration_tests::target_dir().join("plugins");
+    let (local, shipped) = lab.node_config_yaml(&plugins);
+    let config = lab.dir().join("providers-config.yaml");
+    std::fs::write(&config, &local)?;
+    run_shown(Command::new(operator).arg("validate-config").arg(&config))?;
+    println!(
+        "    providers config (the ConfigMap egress-operator-config):\n{}",
+        indent(&shipped)
+    );
+    installed::install(node, &lab.sshd, &shipped, lab.dir())?;
+    let cluster = Installed::on(node);
+    let (pods, leader) = wait(
+        &cluster,
+        "both replicas Ready and one leading",
+        OPERATOR_GUARD,
+        || {
+            let pods = cluster.ready_operator_pods();
+            let leader = cluster.lease_holder()?;
+            (pods.len() == 2).then_some((pods, leader))
+        },
     )?;
+    println!("    replicas {pods:?} Ready from the image; {leader} leads");
     kubectl(
-        &plane,
-        &[
-            "wait",
-            "--for=condition=Established",
-            "--timeout=60s",
-            "-f",
-            &root.join("config/crd/bases").to_string_lossy(),
-        ],
+        node,
+        &["get", "deployment,pods", "-n", NAMESPACE, "-o", "wide"],
     )?;
-    kubectl(
-        &plane,
-        &[
-            "apply",
-            "-f",
-            &root.join("config/manager/namespace.yaml").to_string_lossy(),
-        ],
-    )?;
-    kubectl(
-        &plane,
-        &["apply", "-k", &root.join("config/rbac").to_string_lossy()],
+    kubectl(node, &["get", "lease", "egress-operator", "-n", NAMESPACE])?;
+
+    step("kubectl apply: a pool of 2 proxies");
+    kubectl(node, &["create", "namespace", DEMO_NAMESPACE])?;
+    kubectl_apply(
+        node,
+        &format!(
+            "apiVersion: egress-operator.dev/v1alpha1\nkind: ProxyPool\nmetadata:\n  name: {POOL}\n  \
+             namespace: {DEMO_NAMESPACE}\nspec:\n  replicas: 2\n  template:\n    provider: kvm2\n"
+        ),
     )?;
 
     step(
-        "running `egress-operator run` as ServiceAccount egress-system/egress-operator (leader election on)",
+        "waiting until both proxies serve (the guests boot under software emulation: 3-10 minutes)",
     );
-    let kubeconfig = plane.operator_kubeconfig()?;
-    let plugins = integration_tests::target_dir().join("plugins");
-    let config = lab.dir().join("providers-config.yaml");
-    std::fs::write(&config, lab.config_yaml(true, &plugins, &[443]))?;
-    run_shown(Command::new(operator).arg("validate-config").arg(&config))?;
-    let options = OperatorOptions::new(
-        operator,
-        &config,
-        &kubeconfig,
-        "egress-operator-demo-0",
-        OPERATOR_NAMESPACE,
-        lab.dir(),
-    );
-    let mut op = OperatorProcess::start(&options)?;
-    // Leading, with the template plugins compiled: a Proxy applied before that only waits
-    // for them, with a warning event.
-    wait_until(
-        "the operator to lead with its plugins loaded",
-        Duration::from_secs(180),
-        &op,
+    let started = Instant::now();
+    let members = wait(
+        &cluster,
+        "2 serving proxies in the pool's EndpointSlices",
+        READY_GUARD,
         || {
-            Ok(matches!(op.http_get("/readyz"),
-                Some((200, body)) if body.contains("leading") && body.contains("plugins: ok")))
+            let ready = cluster.ready_endpoints(DEMO_NAMESPACE, POOL);
+            (ready.len() == 2).then_some(ready)
         },
     )?;
     println!(
-        "    operator ready (identity {}, as {OPERATOR_NAMESPACE}/{OPERATOR_SERVICE_ACCOUNT}); its log (JSON lines) is shown on failure",
-        op.identity()
-    );
-    kubectl(&plane, &["get", "lease", "-n", OPERATOR_NAMESPACE])?;
-
-    step("kubectl apply: a user-data Secret and a Proxy");
-    kubectl(&plane, &["create", "namespace", DEMO_NAMESPACE])?;
-    kubectl_apply(
-        &plane,
-        &format!(
-            "apiVersion: v1\nkind: Secret\nmetadata:\n  name: demo-user-data\n  namespace: {DEMO_NAMESPACE}\n  \
-             labels:\n    egress-operator.dev/user-data: \"true\"\nstringData:\n  user-data: |\n    \
-             #cloud-config\n    timezone: UTC\n"
-        ),
-    )?;
-    kubectl_apply(
-        &plane,
-        &format!(
-            "apiVersion: egress-operator.dev/v1alpha1\nkind: Proxy\nmetadata:\n  name: {PROXY_NAME}\n  \
-             namespace: {DEMO_NAMESPACE}\nspec:\n  provider: kvm2\n  userData:\n    secretRef:\n      \
-             name: demo-user-data\n      key: user-data\n"
-        ),
-    )?;
-
-    step("kubectl wait --for=condition=Ready (the VM boots under software emulation: 2-5 minutes)");
-    let started = Instant::now();
-    let proxy = format!("proxy/{PROXY_NAME}");
-    wait_until("the Proxy to be Ready", READY_GUARD, &op, || {
-        let out = plane
-            .kubectl()
-            .args([
-                "get",
-                &proxy,
-                "-n",
-                DEMO_NAMESPACE,
-                "-o",
-                "jsonpath={.status.conditions[?(@.type==\"Ready\")].status}",
-            ])
-            .output()?;
-        Ok(String::from_utf8_lossy(&out.stdout).trim() == "True")
-    })?;
-    kubectl(
-        &plane,
-        &[
-            "wait",
-            "--for=condition=Ready",
-            &proxy,
-            "-n",
-            DEMO_NAMESPACE,
-            "--timeout=60s",
-        ],
-    )?;
-    println!(
-        "    (Ready after {:.0} s, boot of the guest included)",
+        "    serving after {:.0} s, boots included: {members:?}",
         started.elapsed().as_secs_f64()
     );
-    kubectl(&plane, &["get", "egp", "-n", DEMO_NAMESPACE, "-o", "wide"])?;
     kubectl(
-        &plane,
-        &[
-            "get",
-            "events.events.k8s.io",
-            "-n",
-            DEMO_NAMESPACE,
-            "--sort-by=.metadata.creationTimestamp",
-        ],
+        node,
+        &["get", "proxypool,egp", "-n", DEMO_NAMESPACE, "-o", "wide"],
     )?;
-    let address: Ipv4Addr = plane
-        .kubectl_run(&[
-            "get",
-            &proxy,
-            "-n",
-            DEMO_NAMESPACE,
-            "-o",
-            "jsonpath={.status.address}",
-        ])?
-        .trim()
-        .parse()
-        .context("the Proxy's status.address is not an IPv4 address")?;
+    kubectl(
+        node,
+        &["get", "service,endpointslices", "-n", DEMO_NAMESPACE],
+    )?;
 
-    step("a request from the bridge side, THROUGH the VM's proxy");
-    interrupted()?;
-    let (code, body) = lab.curl_via(address, lab.client(), &lab.hello_url(), false)?;
-    println!(
-        "    curl --interface {} -x http://{address}:{PROXY_PORT} {} -> HTTP {code}: {}",
-        lab.client(),
-        lab.hello_url(),
-        body.trim()
-    );
-    if code != 200 || !body.contains(HELLO) {
-        bail!("the proxied request did not come back (HTTP {code})");
+    step("a workload pod fetches a page through the pool's Service");
+    cluster.start_client(DEMO_NAMESPACE, "client")?;
+    let pool_service = cluster.service_address(DEMO_NAMESPACE, POOL)?;
+    let pages = fetch(&cluster, &pool_service, &lab.hello_url(), 8)?;
+    for page in &pages {
+        let via = carried_by(page)?;
+        if !members.iter().any(|m| *m == via.to_string()) {
+            bail!("a page came through {via}, which is not one of the pool's proxies {members:?}");
+        }
+    }
+
+    step("kubectl apply: a lease of one proxy, with a Service of its own");
+    kubectl_apply(
+        node,
+        &format!(
+            "apiVersion: egress-operator.dev/v1alpha1\nkind: ProxyLease\nmetadata:\n  name: {LEASE}\n  \
+             namespace: {DEMO_NAMESPACE}\nspec:\n  pool: {POOL}\n  count: 1\n  durationSeconds: 600\n  \
+             holder: demo/user\n  service: true\n"
+        ),
+    )?;
+    let leased = wait(
+        &cluster,
+        "the lease bound and its Service listing its proxy",
+        READY_GUARD,
+        || {
+            let out = node
+                .kubectl_run(&[
+                    "get",
+                    "proxylease",
+                    LEASE,
+                    "-n",
+                    DEMO_NAMESPACE,
+                    "-o",
+                    "jsonpath={.status.phase} {.status.addresses}",
+                ])
+                .ok()?;
+            let (phase, address) = out.trim().split_once(' ')?;
+            let ready = cluster.ready_endpoints(DEMO_NAMESPACE, LEASE);
+            (phase == "Bound" && ready == [address.to_string()]).then(|| address.to_string())
+        },
+    )?;
+    wait(
+        &cluster,
+        "the pool's slices without the leased proxy",
+        READY_GUARD,
+        || {
+            let ready = cluster.ready_endpoints(DEMO_NAMESPACE, POOL);
+            (!ready.is_empty() && !ready.contains(&leased)).then_some(())
+        },
+    )?;
+    // kube-proxy applies a slice change within its 1 s minimum sync period.
+    std::thread::sleep(Duration::from_secs(3));
+    kubectl(
+        node,
+        &["get", "proxylease,egp", "-n", DEMO_NAMESPACE, "-o", "wide"],
+    )?;
+    println!("    through the lease's Service: only the leased proxy {leased}");
+    let lease_service = cluster.service_address(DEMO_NAMESPACE, LEASE)?;
+    for page in fetch(&cluster, &lease_service, &lab.hello_url(), 4)? {
+        if carried_by(&page)?.to_string() != leased {
+            bail!("the lease's Service carried a request through another proxy: {page}");
+        }
+    }
+    println!("    through the pool's Service: never the leased proxy");
+    for page in fetch(&cluster, &pool_service, &lab.hello_url(), 4)? {
+        if carried_by(&page)?.to_string() == leased {
+            bail!("the pool's Service carried a request through the leased proxy: {page}");
+        }
     }
 
     step("a client outside the allowed CIDRs is refused");
     interrupted()?;
+    let address: Ipv4Addr = leased.parse().context("the leased proxy's address")?;
     let (code, _) = lab.curl_via(address, lab.outsider(), &lab.hello_url(), false)?;
     println!(
         "    curl --interface {} -x http://{address}:{PROXY_PORT} {} -> HTTP {code}",
@@ -349,19 +376,91 @@ fn demo(image: &Path, operator: &Path) -> Result<()> {
         bail!("a client outside the allowed CIDRs got HTTP {code}, not 403");
     }
 
-    step("kubectl delete the Proxy: the operator's finalizer removes the VM");
+    step("kubectl delete the lease and the pool: the operator's finalizers remove the VMs");
     kubectl(
-        &plane,
+        node,
         &[
             "delete",
-            &proxy,
+            "proxylease",
+            LEASE,
             "-n",
             DEMO_NAMESPACE,
             "--wait=true",
             "--timeout=300s",
         ],
     )?;
-    kubectl(&plane, &["get", "egp", "-A"])?;
+    kubectl(
+        node,
+        &[
+            "delete",
+            "proxypool",
+            POOL,
+            "-n",
+            DEMO_NAMESPACE,
+            "--wait=true",
+            "--timeout=600s",
+        ],
+    )?;
+    wait(&cluster, "the pool's Proxies gone", READY_GUARD, || {
+        let left = node
+            .kubectl_run(&["get", "proxies", "-n", DEMO_NAMESPACE, "-o", "name"])
+            .ok()?;
+        left.trim().is_empty().then_some(())
+    })?;
+    kubectl(
+        node,
+        &[
+            "delete",
+            "namespace",
+            DEMO_NAMESPACE,
+            "--wait=true",
+            "--timeout=120s",
+        ],
+    )?;
+    kubectl(node, &["get", "egp,proxypool,proxylease", "-A"])?;
+    nothing_left(&lab)?;
+
+    step(
+        "stopping: the lab, then the node (scripts/node.sh down checks that nothing is left on the machine)",
+    );
+    drop(lab);
+    guard.down()?;
+    println!(
+        "demo finished: the operator ran as its Deployment, made a pool of 2 proxy VMs, a workload's \
+         pages came through the pool's Service and then a lease's; kubectl delete removed them; \
+         nothing left"
+    );
+    Ok(())
+}
+
+/// `count` fetches of `url` from the demo's workload pod through the proxy Service at
+/// `service`, shown as the pod's curl prints them.
+fn fetch(cluster: &Installed<'_>, service: &str, url: &str, count: usize) -> Result<Vec<String>> {
+    interrupted()?;
+    println!(
+        "    $ kubectl exec -n {DEMO_NAMESPACE} client -- sh -c 'for i in $(seq {count}); do http_proxy=http://{service} curl -sS {url}; done'"
+    );
+    let pages = cluster.fetch_through(DEMO_NAMESPACE, "client", service, url, count, false)?;
+    for page in &pages {
+        println!("    {page}");
+    }
+    Ok(pages)
+}
+
+/// The proxy VM that carried a page: the lab's HTTP server names the address the request
+/// came from.
+fn carried_by(page: &str) -> Result<Ipv4Addr> {
+    if !page.contains(HELLO) {
+        bail!("not the lab's page: {page}");
+    }
+    page.rsplit_once("(from ")
+        .and_then(|(_, rest)| rest.strip_suffix(')'))
+        .and_then(|a| a.parse().ok())
+        .ok_or_else(|| anyhow!("the page does not name the address it came from: {page}"))
+}
+
+/// Lists what is left on the lab's libvirtd: no domain, and no volume but the image cache's.
+fn nothing_left(lab: &GuestLab) -> Result<()> {
     let uri = lab.libvirtd.qemu_uri();
     let domains = lab.libvirtd.virsh(&uri, &["list", "--all", "--name"])?;
     lab.libvirtd.virsh(&uri, &["pool-refresh", "default"])?;
@@ -389,41 +488,22 @@ fn demo(image: &Path, operator: &Path) -> Result<()> {
         })
         .collect();
     if !domains.trim().is_empty() || !instance_volumes.is_empty() {
-        bail!("something of the demo VM was left behind: {domains} {instance_volumes:?}");
+        bail!("something of the demo's VMs was left behind: {domains} {instance_volumes:?}");
     }
-
-    step("stopping the operator (SIGTERM), the lab and the control plane");
-    let status = op.terminate()?;
-    println!("    the operator exited with {status}");
-    drop(lab);
-    drop(plane);
-    println!(
-        "demo finished: the operator made a proxy VM from a Proxy object, it served a page at {address}, \
-         kubectl delete removed it; nothing left"
-    );
     Ok(())
 }
 
-/// Polls `f` every second until true; fails on an interrupt, when the operator exits
-/// (with its log), or after `guard` (a hang guard).
-fn wait_until(
+/// [`Installed::wait_for`] that an interrupt ends at once.
+fn wait<T>(
+    cluster: &Installed<'_>,
     what: &str,
     guard: Duration,
-    op: &OperatorProcess,
-    mut f: impl FnMut() -> Result<bool>,
-) -> Result<()> {
-    let start = Instant::now();
-    loop {
-        interrupted()?;
-        if f()? {
-            return Ok(());
+    mut f: impl FnMut() -> Option<T>,
+) -> Result<T> {
+    cluster.wait_for(what, guard, || {
+        if INTERRUPTED.load(Ordering::SeqCst) {
+            return Some(Err(anyhow!("interrupted: tearing everything down")));
         }
-        if start.elapsed() > guard {
-            bail!(
-                "waiting for {what}: not within {guard:?}; the operator logged:\n{}",
-                op.log()
-            );
-        }
-        std::thread::sleep(Duration::from_secs(1));
-    }
+        f().map(Ok)
+    })?
 }

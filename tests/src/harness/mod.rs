@@ -39,7 +39,7 @@ use tempfile::TempDir;
 pub use controlplane::{ControlPlane, TestNamespace};
 pub use libvirtd::Libvirtd;
 pub use node::Node;
-pub use route::{NamespaceRoute, subnet_index};
+pub use route::{NamespaceLink, NamespaceRoute, subnet_index};
 pub use skip::{Need, cannot_run, in_ci, must_run, skip, skip_reason};
 pub use sshd::Sshd;
 

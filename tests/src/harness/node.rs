@@ -40,6 +40,11 @@ pub fn in_lab_net(ip: Ipv4Addr) -> bool {
     u32::from(ip) >> (32 - len) == u32::from(net) >> (32 - len)
 }
 
+/// The node's network namespace (made by `scripts/node.sh up`).
+pub const NETNS: &str = "eotest-node";
+/// The pods' network, on the node's bridge.
+pub const POD_NET: &str = "10.244.0.0/24";
+
 /// The node's name as the API server knows it.
 pub const NODE_NAME: &str = "eotest-node";
 /// The busybox image every node has imported (`sh`, `httpd`, `nc`, ...).

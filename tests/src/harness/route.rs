@@ -109,3 +109,78 @@ pub fn subnet_index() -> Result<u8> {
     }
     bail!("no free 10.213.K.0/24 subnet for a test bridge")
 }
+
+/// A veth pair between two namespaces that the tests made (the node's and a libvirtd's),
+/// so pods reach VMs on the libvirtd's isolated bridge and the VMs answer them, without
+/// anything passing through this machine's own namespace. Removed on drop.
+///
+/// Network rule as for [`NamespaceRoute`]: each side routes only the other's given
+/// networks into the link, on `10.215.K.0/30`; neither gains a default route or NAT.
+#[derive(Debug)]
+pub struct NamespaceLink {
+    netns_a: String,
+    if_a: String,
+}
+
+impl NamespaceLink {
+    /// Links `netns_a` (`10.215.K.1`) to `netns_b` (`10.215.K.2`); `a_routes` are the
+    /// networks `netns_a` sends into the link (they live in `netns_b`), and `b_routes` the
+    /// reverse. Both namespaces must already forward.
+    pub fn start(
+        netns_a: &str,
+        netns_b: &str,
+        k: u8,
+        a_routes: &[&str],
+        b_routes: &[&str],
+    ) -> Result<Self> {
+        let a_addr = Ipv4Addr::new(10, 215, k, 1);
+        let b_addr = Ipv4Addr::new(10, 215, k, 2);
+        let if_a = format!("eolk{k}a");
+        let if_b = format!("eolk{k}b");
+        process::run(Command::new("ip").args([
+            "-n", netns_a, "link", "add", &if_a, "type", "veth", "peer", "name", &if_b, "netns",
+            netns_b,
+        ]))?;
+        let link = Self {
+            netns_a: netns_a.to_string(),
+            if_a: if_a.clone(),
+        };
+        for (ns, dev, addr, peer, routes) in [
+            (netns_a, &if_a, a_addr, b_addr, a_routes),
+            (netns_b, &if_b, b_addr, a_addr, b_routes),
+        ] {
+            process::run(Command::new("ip").args([
+                "-n",
+                ns,
+                "addr",
+                "add",
+                &format!("{addr}/30"),
+                "dev",
+                dev,
+            ]))?;
+            process::run(Command::new("ip").args(["-n", ns, "link", "set", dev, "up"]))?;
+            for net in routes {
+                process::run(Command::new("ip").args([
+                    "-n",
+                    ns,
+                    "route",
+                    "replace",
+                    net,
+                    "via",
+                    &peer.to_string(),
+                    "dev",
+                    dev,
+                ]))?;
+            }
+        }
+        Ok(link)
+    }
+}
+
+impl Drop for NamespaceLink {
+    fn drop(&mut self) {
+        let _ = Command::new("ip")
+            .args(["-n", &self.netns_a, "link", "del", &self.if_a])
+            .output();
+    }
+}
