@@ -122,7 +122,7 @@ demo: setup plugins guest-image controlplane
 	EGRESS_CONTROLPLANE_DIR="$$(bash scripts/controlplane.sh | tail -n 1)" $(TARGET_DIR)/debug/egress-demo $(GUEST_IMAGE) $(BIN)
 
 ## bench: timings printed as ratios against a peer measured in the same run
-bench: setup plugins
+bench: setup plugins guest-image
 	$(CARGO) bench --locked -p integration-tests --bench templates
 	$(CARGO) bench --locked -p integration-tests --bench transport
 	$(CARGO) bench --locked -p integration-tests --bench provider
@@ -130,6 +130,8 @@ bench: setup plugins
 	  $(CARGO) bench --locked -p integration-tests --bench scale
 	EGRESS_CONTROLPLANE_DIR="$$(bash scripts/controlplane.sh | tail -n 1)" \
 	  $(CARGO) bench --locked -p integration-tests --bench traffic
+	EGRESS_CONTROLPLANE_DIR="$$(bash scripts/controlplane.sh | tail -n 1)" \
+	  $(CARGO) bench --locked -p integration-tests --bench traffic_guests
 
 clean:
 	$(CARGO) clean

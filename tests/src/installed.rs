@@ -6,9 +6,10 @@
 //! (real guests).
 
 use std::path::{Component, Path, PathBuf};
-use std::time::{Duration, Instant};
+use std::thread::JoinHandle;
+use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
-use anyhow::{Result, anyhow, bail};
+use anyhow::{Context, Result, anyhow, bail};
 
 use crate::harness::{Node, Sshd};
 use crate::workspace_root;
@@ -393,6 +394,139 @@ spec:
         }
         Ok(pages)
     }
+
+    /// A client in `pod` fetching `url` through `proxy` back to back (a pause of 50 ms
+    /// between requests), `tunnel`led with `CONNECT` or not, until [`SteadyClient::finish`],
+    /// for at most `max_seconds`. Each request has 1 s to connect and 3 s in all, as a
+    /// client behind a Service with several backends sets it: a connect to a vanished
+    /// proxy fails after 1 s and the next request may reach another backend.
+    pub fn steady_client_to(
+        &self,
+        namespace: &str,
+        pod: &str,
+        proxy: &str,
+        url: &str,
+        tunnel: bool,
+        max_seconds: u32,
+    ) -> SteadyClient {
+        let tunnel = if tunnel { " --proxytunnel" } else { "" };
+        let stop = format!("/tmp/steady-stop-{}", now().to_bits());
+        let script = format!(
+            "end=$(( $(date +%s) + {max_seconds} )); \
+             while [ ! -e {stop} ] && [ $(date +%s) -lt $end ]; do \
+               s=$(date +%s.%N); \
+               if http_proxy=http://{proxy} curl -sS --connect-timeout 1 --max-time 3{tunnel} -o /dev/null {url} 2>/dev/null; \
+               then v=OK; else v=FAILED; fi; \
+               echo \"$s $(date +%s.%N) $v\"; \
+               sleep 0.05; \
+             done"
+        );
+        let mut cmd = self.node.kubectl();
+        cmd.args(["exec", "-n", namespace, pod, "--", "sh", "-c", &script]);
+        let mut stopper = self.node.kubectl();
+        stopper.args(["exec", "-n", namespace, pod, "--", "touch", &stop]);
+        let thread = std::thread::spawn(move || {
+            let out = cmd.output()?;
+            let text = String::from_utf8_lossy(&out.stdout);
+            let mut requests = Vec::new();
+            for line in text.lines() {
+                let [start, end, verdict] = line.split(' ').collect::<Vec<_>>()[..] else {
+                    continue;
+                };
+                requests.push(Request {
+                    start: start.parse().context("a request's start time")?,
+                    end: end.parse().context("a request's end time")?,
+                    ok: verdict == "OK",
+                });
+            }
+            if requests.is_empty() {
+                bail!(
+                    "the steady client sent nothing: {}",
+                    String::from_utf8_lossy(&out.stderr)
+                );
+            }
+            Ok(Steady { requests })
+        });
+        SteadyClient { thread, stopper }
+    }
+}
+
+/// A steady client running in a pod ([`Installed::steady_client_to`]).
+#[derive(Debug)]
+pub struct SteadyClient {
+    thread: JoinHandle<Result<Steady>>,
+    stopper: std::process::Command,
+}
+
+impl SteadyClient {
+    /// Stops the client and returns what it saw.
+    pub fn finish(mut self) -> Result<Steady> {
+        let _ = self.stopper.output();
+        self.thread
+            .join()
+            .map_err(|_| anyhow!("the steady client's thread panicked"))?
+    }
+}
+
+/// One request of a steady client; times in seconds since the epoch.
+#[derive(Debug, Clone, Copy)]
+pub struct Request {
+    /// When it was sent.
+    pub start: f64,
+    /// When it succeeded, failed or timed out.
+    pub end: f64,
+    /// Whether it succeeded.
+    pub ok: bool,
+}
+
+/// What a steady client saw.
+#[derive(Debug, Clone)]
+pub struct Steady {
+    /// Its requests, in order.
+    pub requests: Vec<Request>,
+}
+
+impl Steady {
+    /// Requests sent.
+    pub fn sent(&self) -> usize {
+        self.requests.len()
+    }
+
+    /// Requests that failed.
+    pub fn failed(&self) -> usize {
+        self.requests.iter().filter(|r| !r.ok).count()
+    }
+
+    /// Seconds from `since` to the end of the last request that failed after it: until
+    /// then the client saw failures. A request to a proxy that vanished fails only when
+    /// its timeout ends, so its end, not its start, is when the client stopped failing.
+    /// 0 when nothing failed after `since`.
+    pub fn last_failure_after(&self, since: f64) -> f64 {
+        self.requests
+            .iter()
+            .filter(|r| !r.ok && r.end >= since)
+            .map(|r| r.end - since)
+            .fold(0.0, f64::max)
+    }
+}
+
+/// Now, in seconds since the epoch (the pods share this machine's clock).
+pub fn now() -> f64 {
+    SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .map(|d| d.as_secs_f64())
+        .unwrap_or(0.0)
+}
+
+/// The `q` quantile (0..=1) of `values`, nearest rank.
+pub fn quantile(values: &[f64], q: f64) -> f64 {
+    let mut v = values.to_vec();
+    v.sort_by(f64::total_cmp);
+    if v.is_empty() {
+        return 0.0;
+    }
+    let rank = ((q * v.len() as f64).ceil() as usize).clamp(1, v.len());
+    v[rank - 1]
 }
 
 /// `to` relative to `from` (kustomize refuses absolute resource paths).

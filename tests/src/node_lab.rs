@@ -17,9 +17,9 @@ use std::path::Path;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
 use std::thread::JoinHandle;
-use std::time::{Duration, SystemTime, UNIX_EPOCH};
+use std::time::Duration;
 
-use anyhow::{Context, Result, anyhow, bail};
+use anyhow::{Context, Result, anyhow};
 use tempfile::TempDir;
 
 use crate::connect_responder::ConnectResponder;
@@ -29,7 +29,9 @@ use crate::http::{HttpServer, Route};
 use crate::installed::{self, Installed};
 use crate::{TestImage, provider_config_yaml, small_qcow2};
 
-pub use crate::installed::{NAMESPACE, PLUGIN_DIR, SSH_DIR, WORKLOAD_IMAGE};
+pub use crate::installed::{
+    NAMESPACE, PLUGIN_DIR, Request, SSH_DIR, Steady, SteadyClient, WORKLOAD_IMAGE, now, quantile,
+};
 
 /// The host's static address pool, in the node tier's lab range.
 const POOL_FIRST: u8 = 10;
@@ -156,8 +158,8 @@ impl NodeLab {
             .fetch_through(namespace, pod, proxy, &self.page(), count, true)
     }
 
-    /// A client in `pod` fetching the page through `proxy` back to back (a pause of 50 ms
-    /// between requests) until [`SteadyClient::finish`], for at most `max_seconds`.
+    /// A client in `pod` fetching the page through `proxy` back to back, tunnelled
+    /// ([`Installed::steady_client_to`]).
     pub fn steady_client(
         &self,
         namespace: &str,
@@ -165,41 +167,8 @@ impl NodeLab {
         proxy: &str,
         max_seconds: u32,
     ) -> SteadyClient {
-        let stop = format!("/tmp/steady-stop-{}", now().to_bits());
-        let script = format!(
-            "end=$(( $(date +%s) + {max_seconds} )); \
-             while [ ! -e {stop} ] && [ $(date +%s) -lt $end ]; do \
-               s=$(date +%s.%N); \
-               if http_proxy=http://{proxy} curl -sS --max-time 3 --proxytunnel -o /dev/null {url} 2>/dev/null; \
-               then echo \"$s OK\"; else echo \"$s FAILED\"; fi; \
-               sleep 0.05; \
-             done",
-            url = self.page()
-        );
-        let mut cmd = self.node().kubectl();
-        cmd.args(["exec", "-n", namespace, pod, "--", "sh", "-c", &script]);
-        let mut stopper = self.node().kubectl();
-        stopper.args(["exec", "-n", namespace, pod, "--", "touch", &stop]);
-        let thread = std::thread::spawn(move || {
-            let out = cmd.output()?;
-            let text = String::from_utf8_lossy(&out.stdout);
-            let mut requests = Vec::new();
-            for line in text.lines() {
-                let Some((at, verdict)) = line.split_once(' ') else {
-                    continue;
-                };
-                let at: f64 = at.parse().context("a request's start time")?;
-                requests.push((at, verdict == "OK"));
-            }
-            if requests.is_empty() {
-                bail!(
-                    "the steady client sent nothing: {}",
-                    String::from_utf8_lossy(&out.stderr)
-                );
-            }
-            Ok(Steady { requests })
-        });
-        SteadyClient { thread, stopper }
+        self.installed
+            .steady_client_to(namespace, pod, proxy, &self.page(), true, max_seconds)
     }
 
     /// Keeps the stand-ins in step with the Proxies of `namespace`, as their VMs would be:
@@ -287,70 +256,4 @@ impl Drop for NodeLab {
             let _ = thread.join();
         }
     }
-}
-
-/// A steady client running in a pod ([`NodeLab::steady_client`]).
-#[derive(Debug)]
-pub struct SteadyClient {
-    thread: JoinHandle<Result<Steady>>,
-    stopper: std::process::Command,
-}
-
-impl SteadyClient {
-    /// Stops the client and returns what it saw.
-    pub fn finish(mut self) -> Result<Steady> {
-        let _ = self.stopper.output();
-        self.thread
-            .join()
-            .map_err(|_| anyhow!("the steady client's thread panicked"))?
-    }
-}
-
-/// What a steady client saw: each request's start (seconds since the epoch) and whether
-/// it succeeded.
-#[derive(Debug, Clone)]
-pub struct Steady {
-    /// (start, succeeded), in order.
-    pub requests: Vec<(f64, bool)>,
-}
-
-impl Steady {
-    /// Requests sent.
-    pub fn sent(&self) -> usize {
-        self.requests.len()
-    }
-
-    /// Requests that failed.
-    pub fn failed(&self) -> usize {
-        self.requests.iter().filter(|(_, ok)| !ok).count()
-    }
-
-    /// Seconds from `since` to the start of the last failed request after it (0 when none
-    /// failed after it).
-    pub fn last_failure_after(&self, since: f64) -> f64 {
-        self.requests
-            .iter()
-            .filter(|(at, ok)| !ok && *at >= since)
-            .map(|(at, _)| at - since)
-            .fold(0.0, f64::max)
-    }
-}
-
-/// Now, in seconds since the epoch (the pods share this machine's clock).
-pub fn now() -> f64 {
-    SystemTime::now()
-        .duration_since(UNIX_EPOCH)
-        .map(|d| d.as_secs_f64())
-        .unwrap_or(0.0)
-}
-
-/// The `q` quantile (0..=1) of `values`, nearest rank.
-pub fn quantile(values: &[f64], q: f64) -> f64 {
-    let mut v = values.to_vec();
-    v.sort_by(f64::total_cmp);
-    if v.is_empty() {
-        return 0.0;
-    }
-    let rank = ((q * v.len() as f64).ceil() as usize).clamp(1, v.len());
-    v[rank - 1]
 }
