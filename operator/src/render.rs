@@ -49,6 +49,10 @@ pub struct Inputs {
     pub identity: InstanceIdentity,
     /// Its MAC and static address, as the mark records them.
     pub net: InstanceNet,
+    /// The mark the domain input carries (as XML in `domain.metadata_mark`), so a caller
+    /// that changes what the input says (`plugin test`'s input without a MAC) can keep the
+    /// two alike.
+    pub mark: MetadataMark,
     /// The host it is placed on.
     pub host: HostConfig,
     /// The base image.
@@ -215,6 +219,7 @@ pub fn inputs_with(
     Ok(Inputs {
         identity,
         net: net.clone(),
+        mark,
         host: host.clone(),
         image: image.clone(),
         machine_type: mt.clone(),

@@ -256,7 +256,7 @@ fn plugin_test_passes_the_default_plugins() {
     ]);
     assert_eq!(out.code, 0, "{}\n{}", out.stdout, out.stderr);
     assert!(
-        out.stdout.contains("13 case(s): 13 passed, 0 failed"),
+        out.stdout.contains("15 case(s): 15 passed, 0 failed"),
         "{}",
         out.stdout
     );
@@ -267,6 +267,8 @@ fn plugin_test_passes_the_default_plugins() {
         "sample-host uefi 3-nic dhcp",
         "sample-host bios 1-nic static cpuMode=host-passthrough",
         "sample-host bios 1-nic static rng=false",
+        // An input without a MAC (the WIT gives one only when the operator assigns it).
+        "sample-host uefi 1-nic dhcp no-mac",
     ] {
         assert_eq!(cells(&out.stdout, case)[1], "pass", "{}", out.stdout);
     }
@@ -276,7 +278,7 @@ fn plugin_test_passes_the_default_plugins() {
         .map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
         .collect();
     files.sort();
-    assert_eq!(files.len(), 13, "{files:?}");
+    assert_eq!(files.len(), 15, "{files:?}");
     let no_rng = std::fs::read_to_string(
         snapshots
             .path()
@@ -288,6 +290,15 @@ fn plugin_test_passes_the_default_plugins() {
         std::fs::read_to_string(snapshots.path().join("sample-host_uefi_3-nic_dhcp.xml")).unwrap();
     assert_eq!(three.matches("<interface ").count(), 3, "{three}");
     assert!(three.contains("OVMF_CODE_4M.fd"), "{three}");
+    // Without a MAC in the input, the plugin writes none: libvirt makes one.
+    let bare = std::fs::read_to_string(
+        snapshots
+            .path()
+            .join("sample-host_bios_1-nic_dhcp_no-mac.xml"),
+    )
+    .unwrap();
+    assert!(!bare.contains("<mac "), "{bare}");
+    assert_eq!(bare.matches("<interface ").count(), 1, "{bare}");
 
     let vendor = plugin_path("vendor-data-default").unwrap();
     let out = operator(&[
@@ -316,7 +327,7 @@ fn plugin_test_passes_the_default_plugins() {
     assert_eq!(out.code, 0, "{}\n{}", out.stdout, out.stderr);
     assert_eq!(cells(&out.stdout, "kvm-b uefi 3-nic static")[1], "pass");
     assert!(
-        out.stdout.contains("21 case(s): 21 passed, 0 failed"),
+        out.stdout.contains("25 case(s): 25 passed, 0 failed"),
         "{}",
         out.stdout
     );
@@ -366,6 +377,37 @@ fn plugin_test_names_the_rule_a_hostile_plugin_breaks_and_fails() {
     );
     assert!(
         out.stdout.contains("sample-host bios 1-nic static mode="),
+        "{}",
+        out.stdout
+    );
+
+    // A plugin that writes a second NIC of its own (no `extraNics` setting asked for it)
+    // passes, and its cases are labelled with the NICs it wrote (issue 34, item 2).
+    std::fs::write(&settings, "mode: second-nic\n").unwrap();
+    let out = operator(&[
+        "plugin",
+        "test",
+        hostile.to_str().unwrap(),
+        "--settings",
+        settings.to_str().unwrap(),
+    ]);
+    // (The cases that set the plugin's other, hostile modes fail, and so do its UEFI ones:
+    // it writes no loader.)
+    let bios: Vec<&str> = out
+        .stdout
+        .lines()
+        .filter(|l| l.starts_with("sample-host bios ") && !l.contains(" mode="))
+        .collect();
+    assert_eq!(bios.len(), 3, "{}", out.stdout);
+    assert!(
+        bios.iter()
+            .all(|l| l.contains(" 2-nic ") && l.contains(" pass ")),
+        "{}",
+        out.stdout
+    );
+    assert_eq!(
+        cells(&out.stdout, "sample-host bios 2-nic dhcp no-mac")[1],
+        "pass",
         "{}",
         out.stdout
     );

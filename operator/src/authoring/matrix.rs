@@ -70,6 +70,16 @@ pub enum Addressing {
     Static(Ipv4Addr),
     /// DHCP on the bridge.
     Dhcp,
+    /// DHCP, and the input gives no MAC: the WIT promises one only "when the operator
+    /// assigns one", so a plugin must render without it (libvirt then makes one).
+    DhcpWithoutMac,
+}
+
+impl Addressing {
+    /// Whether the guest asks DHCP for its address.
+    pub fn is_dhcp(self) -> bool {
+        matches!(self, Self::Dhcp | Self::DhcpWithoutMac)
+    }
 }
 
 /// One render of the matrix.
@@ -83,6 +93,9 @@ pub struct Case {
     pub firmware: Firmware,
     /// NICs asked for through `extraNics`; `None` where NICs do not reach the input.
     pub nics: Option<u8>,
+    /// NICs the rendered domain has, once rendered: the label shows these, since a plugin
+    /// may write more (or fewer) than it was asked for.
+    pub rendered_nics: Option<usize>,
     /// Addressing; `None` where the address does not reach the input.
     pub addressing: Option<Addressing>,
     /// Settings of the plugin's own this case sets over the configured ones (see
@@ -91,7 +104,8 @@ pub struct Case {
 }
 
 impl Case {
-    /// A short label: `host firmware [N-nic] [static|dhcp] [key=value]`.
+    /// A short label: `host firmware [N-nic] [static|dhcp|dhcp no-mac] [key=value]`, N
+    /// being the NICs rendered (asked for, before the render or when it failed).
     pub fn label(&self) -> String {
         let mut parts = vec![
             self.host.clone(),
@@ -100,12 +114,15 @@ impl Case {
                 Firmware::Efi => "uefi".to_string(),
             },
         ];
-        if let Some(n) = self.nics {
-            parts.push(format!("{n}-nic"));
+        match (self.rendered_nics, self.nics) {
+            (Some(n), _) => parts.push(format!("{n}-nic")),
+            (None, Some(n)) => parts.push(format!("{n}-nic")),
+            (None, None) => {}
         }
         match self.addressing {
             Some(Addressing::Static(_)) => parts.push("static".into()),
             Some(Addressing::Dhcp) => parts.push("dhcp".into()),
+            Some(Addressing::DhcpWithoutMac) => parts.push("dhcp no-mac".into()),
             None => {}
         }
         for (key, value) in &self.settings {
@@ -213,7 +230,8 @@ fn static_address(host: &HostConfig) -> Ipv4Addr {
 }
 
 /// Every case for a plugin of `kind`: hosts × firmware, and for a domain plugin × NICs
-/// (1, and 3 when `nics_setting`, i.e. the plugin has an `extraNics` setting) × addressing.
+/// (1, and 3 when `nics_setting`, i.e. the plugin has an `extraNics` setting) × addressing
+/// (static, DHCP), plus one DHCP case per host and firmware whose input has no MAC.
 pub fn cases(
     kind: TemplateKind,
     config: &ValidConfig,
@@ -229,6 +247,7 @@ pub fn cases(
                 machine_type: machine_type.clone(),
                 firmware,
                 nics,
+                rendered_nics: None,
                 addressing,
                 settings: Vec::new(),
             };
@@ -243,6 +262,7 @@ pub fn cases(
                             cases.push(case(Some(n), Some(addressing)));
                         }
                     }
+                    cases.push(case(Some(1), Some(Addressing::DhcpWithoutMac)));
                 }
             }
         }
@@ -334,7 +354,15 @@ pub fn inputs(config: &ValidConfig, case: &Case, facts: &Facts) -> Result<Inputs
         // As the provider does: a host with `disableKvm` renders for emulation.
         facts.kvm &= !host.disable_kvm;
     }
-    crate::render::inputs_with(config, &owner, &spec, None, &facts, CREATED_AT, &net).map_err(fail)
+    let mut inputs =
+        crate::render::inputs_with(config, &owner, &spec, None, &facts, CREATED_AT, &net)
+            .map_err(fail)?;
+    if case.addressing == Some(Addressing::DhcpWithoutMac) {
+        inputs.domain.mac = None;
+        inputs.mark.mac = None;
+        inputs.domain.metadata_mark = inputs.mark.to_xml();
+    }
+    Ok(inputs)
 }
 
 #[cfg(test)]
@@ -399,10 +427,12 @@ mod tests {
                 "sample-host bios 1-nic dhcp",
                 "sample-host bios 3-nic static",
                 "sample-host bios 3-nic dhcp",
+                "sample-host bios 1-nic dhcp no-mac",
                 "sample-host uefi 1-nic static",
                 "sample-host uefi 1-nic dhcp",
                 "sample-host uefi 3-nic static",
                 "sample-host uefi 3-nic dhcp",
+                "sample-host uefi 1-nic dhcp no-mac",
             ]
         );
         // The static address is the first of the host's pool.
@@ -412,7 +442,11 @@ mod tests {
         );
         assert_eq!(cases[0].file_stem(), "sample-host_bios_1-nic_static");
         // Without an `extraNics` setting there is no way to ask for three NICs.
-        assert_eq!(cases_len(TemplateKind::Domain, false), 4);
+        assert_eq!(cases_len(TemplateKind::Domain, false), 6);
+        // Once rendered, a case is labelled with the NICs the plugin wrote.
+        let mut two = cases[0].clone();
+        two.rendered_nics = Some(2);
+        assert_eq!(two.label(), "sample-host bios 2-nic static");
     }
 
     fn cases_len(kind: TemplateKind, nics: bool) -> usize {
@@ -456,6 +490,21 @@ mod tests {
         let plain = super::inputs(&config, dhcp, &Facts::default()).unwrap();
         assert!(!plain.domain.metadata_mark.contains("10.203.0.10"));
         assert_eq!(plain.domain.firmware, crate::templates::Firmware::Bios);
+        // The input without a MAC says so in the domain input and in its mark alike.
+        let no_mac = all
+            .iter()
+            .find(|c| c.addressing == Some(Addressing::DhcpWithoutMac))
+            .unwrap();
+        let bare = super::inputs(&config, no_mac, &Facts::default()).unwrap();
+        assert_eq!(bare.domain.mac, None);
+        assert!(plain.domain.mac.is_some());
+        let mac = plain.domain.mac.clone().unwrap();
+        assert!(plain.domain.metadata_mark.contains(&mac));
+        assert!(
+            !bare.domain.metadata_mark.contains(&mac),
+            "{}",
+            bare.domain.metadata_mark
+        );
         // Deterministic: the same case gives the same input.
         assert_eq!(
             super::inputs(&config, dhcp, &Facts::default())

@@ -299,7 +299,7 @@ pub fn run(opts: &TestOptions) -> Result<Report, AuthoringError> {
     // Cases rendered without the guest agent's channel, and the hosts of the DHCP ones.
     let mut without_agent = 0usize;
     let mut dhcp_hosts: Vec<String> = Vec::new();
-    for case in cases {
+    for mut case in cases {
         let inputs = matrix::inputs(&config, &case, facts)?;
         let mut overrides: Map<String, Value> = case.settings.iter().cloned().collect();
         if let Some(n) = case.nics.filter(|_| nics) {
@@ -319,12 +319,18 @@ pub fn run(opts: &TestOptions) -> Result<Report, AuthoringError> {
             Err(e) => verdict_of(e),
         };
         if kind == TemplateKind::Domain
+            && let Ok(xml) = &rendered
+        {
+            case.rendered_nics = crate::templates::check::interface_count(xml);
+        }
+        if kind == TemplateKind::Domain
             && rendered
                 .as_ref()
                 .is_ok_and(|xml| !crate::templates::check::has_agent_channel(xml))
         {
             without_agent += 1;
-            if case.addressing == Some(matrix::Addressing::Dhcp) && !dhcp_hosts.contains(&case.host)
+            if case.addressing.is_some_and(matrix::Addressing::is_dhcp)
+                && !dhcp_hosts.contains(&case.host)
             {
                 dhcp_hosts.push(case.host.clone());
             }
@@ -472,6 +478,7 @@ mod tests {
             machine_type: "small".into(),
             firmware: crate::config::Firmware::Bios,
             nics: Some(1),
+            rendered_nics: None,
             addressing: Some(matrix::Addressing::Dhcp),
             settings: Vec::new(),
         };
@@ -511,6 +518,7 @@ mod tests {
             machine_type: "small".into(),
             firmware: crate::config::Firmware::Bios,
             nics: Some(1),
+            rendered_nics: None,
             addressing: Some(matrix::Addressing::Dhcp),
             settings: Vec::new(),
         };

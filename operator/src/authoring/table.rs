@@ -101,6 +101,7 @@ mod tests {
             machine_type: "small".into(),
             firmware,
             nics: Some(1),
+            rendered_nics: None,
             addressing: Some(addressing),
             settings: Vec::new(),
         }

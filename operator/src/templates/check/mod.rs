@@ -134,6 +134,18 @@ pub fn has_agent_channel(xml: &str) -> bool {
     })
 }
 
+/// How many `<interface>` elements a rendered domain's devices have; `None` when the XML
+/// does not parse (a refused render says why).
+pub fn interface_count(xml: &str) -> Option<usize> {
+    tree::parse(xml, tree::Opaque::DomainMetadata)
+        .ok()
+        .map(|doc| {
+            doc.root
+                .child("devices")
+                .map_or(0, |d| d.children_named("interface").count())
+        })
+}
+
 /// Checks rendered vendor-data by reading it as the guest's cloud-init will
 /// ([`read_vendor_data`]): plain `#cloud-config` YAML or a strict `multipart/mixed`
 /// document of shell-script and cloud-config parts; anything cloud-init could read
@@ -159,5 +171,20 @@ mod agent_channel_tests {
             "<channel type=\"unix\"><target type=\"virtio\" name=\"org.example.other\"/></channel>"
         )));
         assert!(!super::has_agent_channel("not xml"));
+    }
+
+    #[test]
+    fn interfaces_are_counted_under_devices_only() {
+        let nic = "<interface type=\"bridge\"><source bridge=\"br0\"/></interface>";
+        let domain =
+            |devices: &str| format!("<domain type=\"kvm\"><devices>{devices}</devices></domain>");
+        assert_eq!(super::interface_count(&domain(nic)), Some(1));
+        assert_eq!(
+            super::interface_count(&domain(&format!("{nic}<serial type=\"pty\"/>{nic}"))),
+            Some(2)
+        );
+        assert_eq!(super::interface_count(&domain("")), Some(0));
+        assert_eq!(super::interface_count("<domain type=\"kvm\"/>"), Some(0));
+        assert_eq!(super::interface_count("not xml"), None);
     }
 }

@@ -55,6 +55,8 @@ pub enum Mode {
     QemuCommandline,
     /// Add a NIC on another bridge.
     SecondBridge,
+    /// Add a second NIC on the host's bridge, without a MAC (allowed: libvirt makes it).
+    SecondNic,
     /// Panic.
     Panic,
     /// Call exit(3) (WASI 0.2 reports any non-zero status as 1).
@@ -261,6 +263,12 @@ impl DomainPlugin for Hostile {
                 Element::new("interface")
                     .attr("type", "bridge")
                     .child(Element::new("source").attr("bridge", "br-other")),
+            ]),
+            Mode::SecondNic => xml(vec![
+                Element::new("interface")
+                    .attr("type", "bridge")
+                    .child(Element::new("source").attr("bridge", &input.bridge))
+                    .child(Element::new("model").attr("type", "virtio")),
             ]),
             Mode::Panic => panic!("hostile plugin panics on purpose"),
             Mode::Exit => std::process::exit(3),
