@@ -116,7 +116,7 @@ fn cargo_in(dir: &Path, args: &[&str]) {
 fn a_new_crate_of_each_kind_builds_outside_the_repository_and_passes_plugin_test() {
     let dir = outside_dir("new-crates");
     for (kind, name, file, cases) in [
-        ("domain", "site-domain", "site_domain.wasm", 8),
+        ("domain", "site-domain", "site_domain.wasm", 10),
         (
             "vendor-data",
             "site-vendor-data",
@@ -600,7 +600,7 @@ fn your_first_plugin_walkthrough_runs_as_written() {
         .unwrap()
         .map(|e| e.unwrap().path())
         .collect();
-    assert_eq!(snapshots.len(), 8, "{snapshots:?}");
+    assert_eq!(snapshots.len(), 10, "{snapshots:?}");
     for s in &snapshots {
         assert!(
             std::fs::read_to_string(s)
