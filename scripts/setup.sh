@@ -26,6 +26,12 @@ set -euo pipefail
 #                                client that fetches through the proxy VM (demo, e2e test)
 #   python3-yaml                 PyYAML, which cloud-init loads cloud-config with: the
 #                                vendor-data parity test compares its keys with ours
+#   cloud-init                   the guest's own reader (22.4, as on a Debian 12 guest):
+#                                the vendor-data parity test runs its Python library
+#                                (user_data, handlers, mergers) on generated documents.
+#                                Only the library is used; none of its services runs: the
+#                                policy-rc.d guard below keeps apt from starting them, and
+#                                a container without systemd has no init to start them
 #   shellcheck nftables          vendor-data-default's tests: its rendered scripts under
 #                                shellcheck, its firewall applied in a test namespace
 #   prometheus                   promtool: checks and unit-tests the alerts and the
@@ -39,7 +45,7 @@ set -euo pipefail
 #   debootstrap                  the images' debian:12-slim base, made here
 BOOKWORM_PKGS=(pkg-config libvirt-dev libvirt-daemon-system libvirt-clients libxml2-utils
   openssh-server netcat-openbsd socat xorriso iproute2 dnsmasq-base syslinux mtools dosfstools
-  python3 python3-yaml curl shellcheck nftables prometheus containerd runc
+  python3 python3-yaml cloud-init curl shellcheck nftables prometheus containerd runc
   containernetworking-plugins buildah busybox-static gcc libc6-dev debootstrap)
 # QEMU 10 from bookworm-backports: the emulator and qemu-img (qemu-utils) from the same
 # suite. Some machines come with qemu-utils 10 preinstalled (apt refuses to mix suites

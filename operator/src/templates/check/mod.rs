@@ -41,8 +41,8 @@ pub use policy::{CpuPlacement, CpuSet, HostPolicy, HostSize, MAX_CPU_ID};
 pub use rules::render_markdown as rules_markdown;
 pub use tree::{MAX_DEPTH, MAX_ELEMENTS};
 pub use vendor::{
-    MAX_PARTS as VENDOR_DATA_MAX_PARTS, VendorDataForm, VendorDataPart, VendorDataReading,
-    VendorPartType, read_vendor_data,
+    CloudConfig, CloudConfigValue, MAX_PARTS as VENDOR_DATA_MAX_PARTS, Scalar as CloudConfigScalar,
+    VendorDataForm, VendorDataPart, VendorDataReading, VendorPartType, read_vendor_data,
 };
 
 use super::DomainInput;
@@ -149,7 +149,7 @@ pub fn interface_count(xml: &str) -> Option<usize> {
 /// Checks rendered vendor-data by reading it as the guest's cloud-init will
 /// ([`read_vendor_data`]): plain `#cloud-config` YAML or a strict `multipart/mixed`
 /// document of shell-script and cloud-config parts; anything cloud-init could read
-/// differently from us is refused.
+/// differently from us, or would drop, is refused.
 pub fn check_vendor_data(text: &str) -> Result<(), TemplateErrorKind> {
     read_vendor_data(text).map(|_| ())
 }

@@ -292,22 +292,22 @@ pub const RULES: &[RuleDoc] = &[
     rule(
         "vendor-data-format",
         Section::VendorData,
-        "Vendor-data is either plain (first line exactly `#cloud-config`, no `mime-version:` in the first 4096 bytes) or MIME `multipart/mixed`; cloud-init decides the form from the bytes, and so do we.",
+        "Vendor-data is either plain (first line `#cloud-config`, optionally followed by spaces or tabs; no `mime-version:` in the first 4096 bytes) or MIME `multipart/mixed`; cloud-init decides the form from the bytes, and so do we.",
     ),
     rule(
         "control-character",
         Section::VendorData,
-        "No control characters but line feed and tab.",
+        "No control characters but line feed and tab (and CRLF line ends in the plain form).",
     ),
     rule(
         "mime-multipart",
         Section::VendorData,
-        "A MIME document has `MIME-Version: 1.0` in its first 4096 bytes, is `multipart/mixed` with 1 to `VENDOR_DATA_MAX_PARTS` parts and exact delimiter lines.",
+        "A MIME document has `MIME-Version: 1.0` in its first 4096 bytes, is `multipart/mixed` (any case) with 1 to `VENDOR_DATA_MAX_PARTS` parts and exact delimiter lines; a preamble and an epilogue are ignored, as cloud-init ignores them.",
     ),
     rule(
         "mime-header",
         Section::VendorData,
-        "Top-level headers are from the allow-list (`MIME-Version`, `Content-Type`, ...), each once, unfolded.",
+        "Top-level headers are from the allow-list (`MIME-Version`, `Content-Type`, ...), each once, folded only right after a `;`.",
     ),
     rule(
         "mime-boundary",
@@ -317,7 +317,7 @@ pub const RULES: &[RuleDoc] = &[
     rule(
         "mime-part-header",
         Section::VendorData,
-        "Part headers are from the allow-list (`Content-Type`, `Content-Disposition`, `Content-Transfer-Encoding: 7bit`, ...), each once, unfolded.",
+        "Part headers are from the allow-list (`Content-Type`, `Content-Disposition`, `Content-Transfer-Encoding` `7bit`, `8bit`, `base64` or `quoted-printable`, ...), each once, folded only right after a `;`.",
     ),
     rule(
         "mime-part-type",
@@ -332,23 +332,38 @@ pub const RULES: &[RuleDoc] = &[
     rule(
         "mime-part-ascii",
         Section::VendorData,
-        "Parts are ASCII only: Python's `email` passes other characters differently from us.",
+        "7bit and 8bit parts are ASCII only: Python's `email` passes other characters differently from us (base64 parts may hold UTF-8).",
+    ),
+    rule(
+        "mime-part-encoding",
+        Section::VendorData,
+        "A base64 part is strict base64 (standard alphabet, padded), a quoted-printable part uses `=XX` with upper-case hex and soft line breaks only, with no trailing whitespace; either decodes to UTF-8 text.",
     ),
     rule(
         "cloud-config-yaml",
         Section::VendorData,
-        "cloud-config parses as YAML to a mapping (or nothing), with no duplicate keys (PyYAML keeps the last silently) and every key a string that YAML 1.1 reads as a string too.",
+        "cloud-config parses as YAML to a mapping (or nothing), with no duplicate keys (PyYAML keeps the last silently).",
+    ),
+    rule(
+        "cloud-config-pyyaml",
+        Section::VendorData,
+        "cloud-config is a document PyYAML 6 loads (cloud-init drops a part it cannot load): no tabs outside quoted and block scalars (not as indentation, not after a colon, not in an unquoted value), no `%` directives, one document, no unquoted `=` or values starting with `@` or a backtick, keys on one line and at most 1024 characters.",
+    ),
+    rule(
+        "cloud-config-value",
+        Section::VendorData,
+        "Every unquoted value reads the same by YAML 1.1 (cloud-init's PyYAML) and YAML 1.2: quote `yes`/`no`/`on`/`off`, `0644`, `1:30`, `1e3`, `1_000`, dates and the like, or write `true`, `420`, `1000.0`.",
     ),
     rule(
         "cloud-config-key",
         Section::VendorData,
-        "Top-level cloud-config keys are plain identifiers `[a-z_][a-z0-9_]*`.",
+        "Every key is a string to YAML 1.1 and 1.2 (quote `yes`, `1`, ...); top-level keys are plain identifiers `[a-z_][a-z0-9_]*`.",
     ),
     rule("cloud-config-tag", Section::VendorData, "No YAML tags."),
     rule(
         "cloud-config-merge-key",
         Section::VendorData,
-        "No `<<` merge keys: PyYAML merges them and we do not.",
+        "No `<<` merge keys (PyYAML merges them and we do not), and no `merge_how`/`merge_type` (they change how cloud-init merges parts).",
     ),
     rule(
         "schema-size",
@@ -431,8 +446,9 @@ or refused where a Rust reader and libxml2 could disagree. The same checks run a
 libvirt's own reading of the defined domain before it starts.\n";
 
 const VENDOR_INTRO: &str = "Vendor-data is read the way the guest's cloud-init 22.4 \
-(Debian 12) reads it: only a small, unambiguous subset of plain `#cloud-config` and MIME \
-multipart, on which Python's reading and ours agree byte for byte.\n";
+(Debian 12) reads it: only a subset of plain `#cloud-config` and MIME multipart on which \
+cloud-init's own reading (Python's `email`, PyYAML's YAML 1.1) and ours agree part for part, \
+byte for byte and value for value, and nothing cloud-init would drop.\n";
 
 const SCHEMA_INTRO: &str = "A plugin's settings schema is plugin output too: it is refused \
 at load unless it is small, shallow, self-contained and cheap to evaluate. Settings that \
@@ -585,7 +601,10 @@ mod tests {
         include_str!("domain.rs"),
         include_str!("host.rs"),
         include_str!("devices.rs"),
-        include_str!("vendor.rs"),
+        include_str!("vendor/mod.rs"),
+        include_str!("vendor/mime.rs"),
+        include_str!("vendor/yaml.rs"),
+        include_str!("vendor/yaml11.rs"),
         include_str!("mod.rs"),
         include_str!("../schema.rs"),
     ];

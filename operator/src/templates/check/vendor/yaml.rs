@@ -1,0 +1,494 @@
+//! cloud-config YAML read the way cloud-init's PyYAML reads it, or refused.
+//!
+//! cloud-init loads each cloud-config part with PyYAML 6's pure-Python `SafeLoader`
+//! (`util.load_yaml`), and a part PyYAML fails on is dropped with a log line: the guest
+//! boots without it. So a document is accepted only when PyYAML loads it and reads it as
+//! we do. The structure comes from saphyr-parser's events (YAML 1.2, with each scalar's
+//! style and position); on top of them this module refuses what PyYAML's scanner and
+//! constructor do not accept (tabs outside quoted and block scalars, directives, more than
+//! one document, `=`, reserved indicators, keys PyYAML cannot scan as simple keys) and
+//! reads every plain scalar by PyYAML's YAML 1.1 rules ([`yaml11`](super::yaml11)),
+//! refusing those a YAML 1.2 reader reads differently so that an author's intent and the
+//! guest's reading cannot part.
+
+use std::collections::HashMap;
+
+use saphyr_parser::{Event, Parser, ScalarStyle, Span};
+
+use super::yaml11::{self, Plain, Scalar};
+use super::{refuse, show};
+use crate::templates::errors::TemplateErrorKind;
+
+/// Longest simple key PyYAML scans (its scanner gives up on a key after 1024 characters).
+const SIMPLE_KEY_MAX: usize = 1024;
+
+/// A cloud-config value as cloud-init's `safe_load` builds it (keys are always strings:
+/// other keys are refused).
+#[derive(Debug, Clone, PartialEq)]
+pub enum CloudConfigValue {
+    /// A scalar, typed as PyYAML types it.
+    Scalar(Scalar),
+    /// A sequence.
+    List(Vec<CloudConfigValue>),
+    /// A mapping, in document order.
+    Map(Vec<(String, CloudConfigValue)>),
+}
+
+/// A top-level cloud-config mapping, in document order.
+pub type CloudConfig = Vec<(String, CloudConfigValue)>;
+
+/// Where a YAML text sits, so refusals name the document's line.
+pub(super) struct Source<'a> {
+    /// The part, as refusals name it.
+    pub name: &'a str,
+    /// The document line of the YAML's first line (1 for the plain form).
+    pub first_line: usize,
+    /// Whether the YAML was decoded from base64 or quoted-printable (lines are then the
+    /// decoded payload's).
+    pub decoded: bool,
+}
+
+impl Source<'_> {
+    fn at(&self, yaml_line: usize) -> String {
+        if self.decoded {
+            format!("{}, line {yaml_line} of the decoded payload", self.name)
+        } else {
+            format!("{}, line {}", self.name, self.first_line + yaml_line - 1)
+        }
+    }
+}
+
+/// Reads a cloud-config YAML document; `None` when it holds no value (PyYAML's `None`,
+/// which cloud-init skips as an empty cloud-config).
+pub(super) fn read(yaml: &str, src: &Source<'_>) -> Result<Option<CloudConfig>, TemplateErrorKind> {
+    let mut events = Vec::new();
+    for item in Parser::new_from_str(yaml) {
+        match item {
+            Ok(event) => events.push(event),
+            Err(e) => {
+                return Err(refuse(
+                    "cloud-config-yaml",
+                    format!(
+                        "{}: does not parse as YAML: {}",
+                        src.at(e.marker().line()),
+                        e.info()
+                    ),
+                ));
+            }
+        }
+    }
+    check_lexical(yaml, &events, src)?;
+    let root = Builder::new(src).build(&events)?;
+    match root {
+        None | Some((CloudConfigValue::Scalar(Scalar::Null), _)) => Ok(None),
+        Some((CloudConfigValue::Map(map), _)) => Ok(Some(map)),
+        Some((other, line)) => Err(refuse(
+            "cloud-config-yaml",
+            format!(
+                "{}: the top level is {}; it must be a mapping",
+                src.at(line),
+                kind_of(&other)
+            ),
+        )),
+    }
+}
+
+fn kind_of(value: &CloudConfigValue) -> String {
+    match value {
+        CloudConfigValue::Scalar(s) => s.describe(),
+        CloudConfigValue::List(_) => "a list".to_string(),
+        CloudConfigValue::Map(_) => "a mapping".to_string(),
+    }
+}
+
+/// What PyYAML's scanner refuses line by line, outside quoted and block scalars: a tab
+/// (it only skips spaces between tokens, so `a:\tb`, `a b\t` and tab indentation fail),
+/// a `%` directive, and more than one document.
+fn check_lexical(
+    yaml: &str,
+    events: &[(Event<'_>, Span)],
+    src: &Source<'_>,
+) -> Result<(), TemplateErrorKind> {
+    let documents = events
+        .iter()
+        .filter(|(e, _)| matches!(e, Event::DocumentStart(_)))
+        .count();
+    if documents > 1 {
+        let line = events
+            .iter()
+            .filter(|(e, _)| matches!(e, Event::DocumentStart(_)))
+            .nth(1)
+            .map_or(1, |(_, s)| s.start.line());
+        return Err(refuse(
+            "cloud-config-pyyaml",
+            format!(
+                "{}: a second YAML document; PyYAML's safe_load reads one document and fails \
+                 on more, and cloud-init then drops the part",
+                src.at(line)
+            ),
+        ));
+    }
+    // Character ranges of the scalars whose text may hold tabs and `#`.
+    let mut spans: Vec<(usize, usize)> = events
+        .iter()
+        .filter(|(e, _)| matches!(e, Event::Scalar(_, style, _, _) if *style != ScalarStyle::Plain))
+        .map(|(_, s)| (s.start.index(), s.end.index()))
+        .collect();
+    spans.sort_unstable();
+    let inside = |index: usize| spans.iter().any(|&(a, b)| a <= index && index < b);
+    let mut index = 0;
+    for (number, line) in yaml.split('\n').enumerate() {
+        let number = number + 1;
+        let mut previous = None;
+        for (column, c) in line.chars().enumerate() {
+            let at = index + column;
+            if inside(at) {
+                previous = None;
+                continue;
+            }
+            if c == '#' && previous.is_none_or(|p: char| p == ' ' || p == '\t') {
+                break;
+            }
+            if c == '\t' {
+                return Err(refuse(
+                    "cloud-config-pyyaml",
+                    format!(
+                        "{}, column {}: a tab outside a quoted or block scalar; PyYAML \
+                         refuses tabs between tokens, as indentation and in unquoted values \
+                         (cloud-init would drop the part): use spaces, or quote the value",
+                        src.at(number),
+                        column + 1
+                    ),
+                ));
+            }
+            if c == '%' && column == 0 {
+                return Err(refuse(
+                    "cloud-config-pyyaml",
+                    format!(
+                        "{}: a `%` directive; PyYAML reads only YAML 1.1 directives, so none \
+                         is accepted",
+                        src.at(number)
+                    ),
+                ));
+            }
+            previous = Some(c);
+        }
+        index += line.chars().count() + 1;
+    }
+    Ok(())
+}
+
+/// Builds the value tree from the events, refusing what PyYAML reads differently.
+struct Builder<'s> {
+    src: &'s Source<'s>,
+    anchors: HashMap<usize, CloudConfigValue>,
+    stack: Vec<Frame>,
+}
+
+enum Frame {
+    List {
+        items: Vec<CloudConfigValue>,
+        anchor: usize,
+        line: usize,
+    },
+    Map {
+        entries: Vec<(String, CloudConfigValue)>,
+        key: Option<String>,
+        anchor: usize,
+        line: usize,
+    },
+}
+
+impl<'s> Builder<'s> {
+    fn new(src: &'s Source<'s>) -> Self {
+        Builder {
+            src,
+            anchors: HashMap::new(),
+            stack: Vec::new(),
+        }
+    }
+
+    /// The root value and its line.
+    fn build(
+        mut self,
+        events: &[(Event<'_>, Span)],
+    ) -> Result<Option<(CloudConfigValue, usize)>, TemplateErrorKind> {
+        let mut root = None;
+        for (event, span) in events {
+            let line = span.start.line();
+            let done = match event {
+                Event::Scalar(text, style, anchor, tag) => {
+                    if tag.is_some() {
+                        return Err(self.tag(line));
+                    }
+                    if self.expects_key() {
+                        let key = self.key(text, *style, span)?;
+                        self.set_key(key, line)?;
+                        continue;
+                    }
+                    let value = self.scalar(text, *style, line)?;
+                    Some((value, *anchor, line))
+                }
+                Event::SequenceStart(anchor, tag) | Event::MappingStart(anchor, tag) => {
+                    if tag.is_some() {
+                        return Err(self.tag(line));
+                    }
+                    if self.expects_key() {
+                        return Err(self.complex_key(line));
+                    }
+                    self.stack
+                        .push(if matches!(event, Event::SequenceStart(..)) {
+                            Frame::List {
+                                items: Vec::new(),
+                                anchor: *anchor,
+                                line,
+                            }
+                        } else {
+                            Frame::Map {
+                                entries: Vec::new(),
+                                key: None,
+                                anchor: *anchor,
+                                line,
+                            }
+                        });
+                    None
+                }
+                Event::SequenceEnd | Event::MappingEnd => match self.stack.pop() {
+                    Some(Frame::List {
+                        items,
+                        anchor,
+                        line,
+                    }) => Some((CloudConfigValue::List(items), anchor, line)),
+                    Some(Frame::Map {
+                        entries,
+                        anchor,
+                        line,
+                        ..
+                    }) => Some((CloudConfigValue::Map(entries), anchor, line)),
+                    None => None,
+                },
+                Event::Alias(id) => {
+                    if self.expects_key() {
+                        return Err(self.complex_key(line));
+                    }
+                    let value = self.anchors.get(id).cloned().ok_or_else(|| {
+                        refuse(
+                            "cloud-config-yaml",
+                            format!("{}: an alias to an unknown anchor", self.src.at(line)),
+                        )
+                    })?;
+                    Some((value, 0, line))
+                }
+                _ => None,
+            };
+            let Some((value, anchor, line)) = done else {
+                continue;
+            };
+            if anchor != 0 {
+                self.anchors.insert(anchor, value.clone());
+            }
+            match self.stack.last_mut() {
+                None => root = Some((value, line)),
+                Some(Frame::List { items, .. }) => items.push(value),
+                Some(Frame::Map { entries, key, .. }) => {
+                    if let Some(key) = key.take() {
+                        entries.push((key, value));
+                    }
+                }
+            }
+        }
+        Ok(root)
+    }
+
+    fn expects_key(&self) -> bool {
+        matches!(self.stack.last(), Some(Frame::Map { key: None, .. }))
+    }
+
+    fn set_key(&mut self, key: String, line: usize) -> Result<(), TemplateErrorKind> {
+        let at = self.src.at(line);
+        if let Some(Frame::Map {
+            entries, key: slot, ..
+        }) = self.stack.last_mut()
+        {
+            if entries.iter().any(|(k, _)| *k == key) {
+                return Err(refuse(
+                    "cloud-config-yaml",
+                    format!(
+                        "{at}: duplicate key {}; PyYAML keeps the last of duplicate keys \
+                         silently, so they are refused",
+                        show(&key)
+                    ),
+                ));
+            }
+            *slot = Some(key);
+        }
+        Ok(())
+    }
+
+    fn tag(&self, line: usize) -> TemplateErrorKind {
+        refuse(
+            "cloud-config-tag",
+            format!(
+                "{}: a YAML tag; PyYAML's safe_load resolves or refuses tags differently, so \
+                 none is accepted",
+                self.src.at(line)
+            ),
+        )
+    }
+
+    fn complex_key(&self, line: usize) -> TemplateErrorKind {
+        refuse(
+            "cloud-config-key",
+            format!(
+                "{}: a key that is a list, mapping or alias; keys must be strings",
+                self.src.at(line)
+            ),
+        )
+    }
+
+    /// A mapping key: a string to PyYAML and to a YAML 1.2 reader alike, on one line and
+    /// short enough for PyYAML's simple-key scan, and no `<<` (PyYAML's merge key).
+    fn key(
+        &self,
+        text: &str,
+        style: ScalarStyle,
+        span: &Span,
+    ) -> Result<String, TemplateErrorKind> {
+        let at = self.src.at(span.start.line());
+        if style == ScalarStyle::Plain {
+            match yaml11::resolve(text) {
+                Plain::Merge => {
+                    return Err(refuse(
+                        "cloud-config-merge-key",
+                        format!("{at}: a `<<` merge key, which PyYAML merges and we do not"),
+                    ));
+                }
+                Plain::Value(Scalar::Str(_)) => {}
+                other => {
+                    let what = match other {
+                        Plain::Value(s) => s.describe(),
+                        _ => "not a string".to_string(),
+                    };
+                    return Err(refuse(
+                        "cloud-config-key",
+                        format!(
+                            "{at}: the key {} is {what} to YAML 1.1 (PyYAML) when unquoted; \
+                             keys must be strings: quote it",
+                            show(text)
+                        ),
+                    ));
+                }
+            }
+            if yaml11::yaml12(text) != Some(Scalar::Str(text.to_string())) {
+                return Err(refuse(
+                    "cloud-config-key",
+                    format!(
+                        "{at}: the key {} is no string to a YAML 1.2 reader when unquoted; \
+                         quote it",
+                        show(text)
+                    ),
+                ));
+            }
+        }
+        let one_line = span.start.line() == span.end.line();
+        if !one_line || span.end.index() - span.start.index() > SIMPLE_KEY_MAX {
+            return Err(refuse(
+                "cloud-config-pyyaml",
+                format!(
+                    "{at}: a key longer than {SIMPLE_KEY_MAX} characters or over several \
+                     lines, which PyYAML's scanner does not read as a key"
+                ),
+            ));
+        }
+        Ok(text.to_string())
+    }
+
+    /// A scalar value: quoted and block scalars are strings; a plain one is read by
+    /// YAML 1.1 and must read the same by YAML 1.2.
+    fn scalar(
+        &self,
+        text: &str,
+        style: ScalarStyle,
+        line: usize,
+    ) -> Result<CloudConfigValue, TemplateErrorKind> {
+        if style != ScalarStyle::Plain {
+            return Ok(CloudConfigValue::Scalar(Scalar::Str(text.to_string())));
+        }
+        let at = self.src.at(line);
+        if text.starts_with(['@', '`']) {
+            return Err(refuse(
+                "cloud-config-pyyaml",
+                format!(
+                    "{at}: the unquoted value {} starts with a reserved indicator, which \
+                     PyYAML refuses: quote it",
+                    show(text)
+                ),
+            ));
+        }
+        let value = match yaml11::resolve(text) {
+            Plain::Value(value) => value,
+            Plain::Merge => {
+                return Err(refuse(
+                    "cloud-config-merge-key",
+                    format!("{at}: an unquoted `<<`, PyYAML's merge tag: quote it"),
+                ));
+            }
+            Plain::ValueTag => {
+                return Err(refuse(
+                    "cloud-config-pyyaml",
+                    format!(
+                        "{at}: an unquoted `=` is YAML 1.1's value tag, which PyYAML's \
+                         safe_load cannot construct (cloud-init would drop the part): quote \
+                         it ('=')"
+                    ),
+                ));
+            }
+            Plain::BrokenInt => {
+                return Err(refuse(
+                    "cloud-config-pyyaml",
+                    format!(
+                        "{at}: {} is an integer without digits to PyYAML, which fails on it \
+                         (cloud-init would drop the part): quote it",
+                        show(text)
+                    ),
+                ));
+            }
+            Plain::Timestamp => {
+                return Err(refuse(
+                    "cloud-config-value",
+                    format!(
+                        "{at}: {} is a date or time to YAML 1.1 (PyYAML), a string to YAML \
+                         1.2: quote it",
+                        show(text)
+                    ),
+                ));
+            }
+            Plain::BigInt => {
+                return Err(refuse(
+                    "cloud-config-value",
+                    format!(
+                        "{at}: the integer {} is outside the 64-bit range; quote it",
+                        show(text)
+                    ),
+                ));
+            }
+        };
+        match yaml11::yaml12(text) {
+            Some(other) if other.same_as(&value) => Ok(CloudConfigValue::Scalar(value)),
+            other => {
+                let theirs = other.map_or("no plain scalar".to_string(), |s| s.describe());
+                Err(refuse(
+                    "cloud-config-value",
+                    format!(
+                        "{at}: the unquoted {} is {} to cloud-init (YAML 1.1, PyYAML) but \
+                         {theirs} to YAML 1.2: quote it if you mean the string, or write the \
+                         value in a form both read alike (true/false, decimal integers, \
+                         floats with a dot)",
+                        show(text),
+                        value.describe()
+                    ),
+                ))
+            }
+        }
+    }
+}
