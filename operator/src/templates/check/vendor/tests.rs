@@ -464,6 +464,9 @@ fn yaml_rules() {
                 &[part, "line 19", "duplicate"],
             ),
             (in_part("a:\n- {x: 1, x: 2}"), &[part, "duplicate"]),
+            (in_part("a: &x 1\nb: *x"), &[part, "line 17", "anchor"]),
+            (in_part("a: 1\nb: &x [1]"), &[part, "line 18", "anchor"]),
+            (in_part("a: 1\nb:\n  c: *x"), &[part, "line 19"]),
         ],
     );
     table(
@@ -494,7 +497,7 @@ fn yaml_rules() {
         "cloud-config-merge-key",
         &[
             (
-                in_part("base: &b {x: 1}\nother:\n  <<: *b\n  y: 2"),
+                in_part("base: 1\nother:\n  <<: {x: 1}\n  y: 2"),
                 &[part, "line 19", "`<<`"],
             ),
             ("#cloud-config\na: <<\n".into(), &[plain, "line 2", "`<<`"]),
@@ -982,7 +985,7 @@ fn accepted_corpus() {
 fn tag_detection_has_no_false_positives() {
     // `!` inside scalars, quotes, comments and block scalars is no tag.
     let yaml = "#cloud-config\n# a comment!\na: hello!world\nb: 'single !x'\nc: \"double !!y\"\n\
-                d: |\n  !not a tag\n  #!/bin/sh\ne: [a!b, c!]\nf: {k: v!}\ng: &anc 1\nh: *anc\n";
+                d: |\n  !not a tag\n  #!/bin/sh\ne: [a!b, c!]\nf: {k: v!}\ng: 'x&y*z'\nh: x&y*z\n";
     let reading = read_vendor_data(yaml).unwrap();
     assert_eq!(
         reading.parts[0].cloud_config_keys,

@@ -6,12 +6,11 @@
 //! we do. The structure comes from saphyr-parser's events (YAML 1.2, with each scalar's
 //! style and position); on top of them this module refuses what PyYAML's scanner and
 //! constructor do not accept (tabs outside quoted and block scalars, directives, more than
-//! one document, `=`, reserved indicators, keys PyYAML cannot scan as simple keys) and
+//! one document, `=`, indicators at the start of unquoted text, anchors (PyYAML fails on
+//! one defined twice), keys PyYAML cannot scan as simple keys) and
 //! reads every plain scalar by PyYAML's YAML 1.1 rules ([`yaml11`](super::yaml11)),
 //! refusing those a YAML 1.2 reader reads differently so that an author's intent and the
 //! guest's reading cannot part.
-
-use std::collections::HashMap;
 
 use saphyr_parser::{Event, Parser, ScalarStyle, Span};
 
@@ -178,23 +177,38 @@ fn check_lexical(
     Ok(())
 }
 
+/// Refuses unquoted text that starts with a character PyYAML takes as an indicator: `@`
+/// and a backtick are reserved (it fails), and in flow context `?` and `:` start a key or
+/// a value even before a non-space, where YAML 1.2 reads a plain scalar (`[?x]` is the
+/// mapping `{x: null}` to PyYAML).
+fn check_plain_start(text: &str, at: &str) -> Result<(), TemplateErrorKind> {
+    if text.starts_with(['@', '`', '?', ':']) {
+        return Err(refuse(
+            "cloud-config-pyyaml",
+            format!(
+                "{at}: the unquoted {} starts with `@`, a backtick, `?` or `:`, which PyYAML \
+                 refuses or reads as an indicator: quote it",
+                show(text)
+            ),
+        ));
+    }
+    Ok(())
+}
+
 /// Builds the value tree from the events, refusing what PyYAML reads differently.
 struct Builder<'s> {
     src: &'s Source<'s>,
-    anchors: HashMap<usize, CloudConfigValue>,
     stack: Vec<Frame>,
 }
 
 enum Frame {
     List {
         items: Vec<CloudConfigValue>,
-        anchor: usize,
         line: usize,
     },
     Map {
         entries: Vec<(String, CloudConfigValue)>,
         key: Option<String>,
-        anchor: usize,
         line: usize,
     },
 }
@@ -203,7 +217,6 @@ impl<'s> Builder<'s> {
     fn new(src: &'s Source<'s>) -> Self {
         Builder {
             src,
-            anchors: HashMap::new(),
             stack: Vec::new(),
         }
     }
@@ -218,75 +231,47 @@ impl<'s> Builder<'s> {
             let line = span.start.line();
             let done = match event {
                 Event::Scalar(text, style, anchor, tag) => {
-                    if tag.is_some() {
-                        return Err(self.tag(line));
-                    }
+                    self.plain_node(*anchor, tag.is_some(), line)?;
                     if self.expects_key() {
                         let key = self.key(text, *style, span)?;
                         self.set_key(key, line)?;
                         continue;
                     }
-                    let value = self.scalar(text, *style, line)?;
-                    Some((value, *anchor, line))
+                    Some((self.scalar(text, *style, line)?, line))
                 }
                 Event::SequenceStart(anchor, tag) | Event::MappingStart(anchor, tag) => {
-                    if tag.is_some() {
-                        return Err(self.tag(line));
-                    }
+                    self.plain_node(*anchor, tag.is_some(), line)?;
                     if self.expects_key() {
                         return Err(self.complex_key(line));
                     }
+                    let items = Vec::new();
                     self.stack
                         .push(if matches!(event, Event::SequenceStart(..)) {
-                            Frame::List {
-                                items: Vec::new(),
-                                anchor: *anchor,
-                                line,
-                            }
+                            Frame::List { items, line }
                         } else {
                             Frame::Map {
                                 entries: Vec::new(),
                                 key: None,
-                                anchor: *anchor,
                                 line,
                             }
                         });
                     None
                 }
                 Event::SequenceEnd | Event::MappingEnd => match self.stack.pop() {
-                    Some(Frame::List {
-                        items,
-                        anchor,
-                        line,
-                    }) => Some((CloudConfigValue::List(items), anchor, line)),
-                    Some(Frame::Map {
-                        entries,
-                        anchor,
-                        line,
-                        ..
-                    }) => Some((CloudConfigValue::Map(entries), anchor, line)),
+                    Some(Frame::List { items, line }) => {
+                        Some((CloudConfigValue::List(items), line))
+                    }
+                    Some(Frame::Map { entries, line, .. }) => {
+                        Some((CloudConfigValue::Map(entries), line))
+                    }
                     None => None,
                 },
-                Event::Alias(id) => {
-                    if self.expects_key() {
-                        return Err(self.complex_key(line));
-                    }
-                    let value = self.anchors.get(id).cloned().ok_or_else(|| {
-                        refuse(
-                            "cloud-config-yaml",
-                            format!("{}: an alias to an unknown anchor", self.src.at(line)),
-                        )
-                    })?;
-                    Some((value, 0, line))
-                }
+                Event::Alias(_) => return Err(self.anchor(line)),
                 _ => None,
             };
-            let Some((value, anchor, line)) = done else {
+            let Some((value, line)) = done else {
                 continue;
             };
-            if anchor != 0 {
-                self.anchors.insert(anchor, value.clone());
-            }
             match self.stack.last_mut() {
                 None => root = Some((value, line)),
                 Some(Frame::List { items, .. }) => items.push(value),
@@ -298,6 +283,33 @@ impl<'s> Builder<'s> {
             }
         }
         Ok(root)
+    }
+
+    /// A node with neither tag nor anchor.
+    fn plain_node(
+        &self,
+        anchor: usize,
+        tagged: bool,
+        line: usize,
+    ) -> Result<(), TemplateErrorKind> {
+        if tagged {
+            return Err(self.tag(line));
+        }
+        if anchor != 0 {
+            return Err(self.anchor(line));
+        }
+        Ok(())
+    }
+
+    fn anchor(&self, line: usize) -> TemplateErrorKind {
+        refuse(
+            "cloud-config-yaml",
+            format!(
+                "{}: an anchor or alias (`&`, `*`); PyYAML fails on an anchor defined twice \
+                 and a plugin has no need of them, so none is accepted",
+                self.src.at(line)
+            ),
+        )
     }
 
     fn expects_key(&self) -> bool {
@@ -356,6 +368,7 @@ impl<'s> Builder<'s> {
     ) -> Result<String, TemplateErrorKind> {
         let at = self.src.at(span.start.line());
         if style == ScalarStyle::Plain {
+            check_plain_start(text, &at)?;
             match yaml11::resolve(text) {
                 Plain::Merge => {
                     return Err(refuse(
@@ -415,16 +428,7 @@ impl<'s> Builder<'s> {
             return Ok(CloudConfigValue::Scalar(Scalar::Str(text.to_string())));
         }
         let at = self.src.at(line);
-        if text.starts_with(['@', '`']) {
-            return Err(refuse(
-                "cloud-config-pyyaml",
-                format!(
-                    "{at}: the unquoted value {} starts with a reserved indicator, which \
-                     PyYAML refuses: quote it",
-                    show(text)
-                ),
-            ));
-        }
+        check_plain_start(text, &at)?;
         let value = match yaml11::resolve(text) {
             Plain::Value(value) => value,
             Plain::Merge => {
