@@ -312,10 +312,10 @@ fn cloud_init_reads_the_generated_corpus_as_we_do_or_we_refuse_it() {
     let mut labels: Vec<Vec<String>> = generated.iter().map(|d| d.labels.clone()).collect();
     let mut docs: Vec<String> = generated.into_iter().map(|d| d.text).collect();
     // cloud-init's own `devel make-mime` writes the rest.
-    let files: Vec<&Vec<(String, String, String)>> = make_mime.iter().map(|(_, f)| f).collect();
+    let files: Vec<&Vec<corpus::MimeFile>> = make_mime.iter().map(|m| &m.files).collect();
     let made = run_python(MAKE_MIME, &json!(files));
-    for ((tags, _), text) in make_mime.iter().zip(made.as_array().unwrap()) {
-        labels.push(tags.clone());
+    for (input, text) in make_mime.iter().zip(made.as_array().unwrap()) {
+        labels.push(input.labels.clone());
         docs.push(text.as_str().unwrap().to_string());
     }
     let theirs = cloud_init_readings(&docs);

@@ -22,6 +22,15 @@ impl Doc {
     }
 }
 
+/// A file for `make-mime`: name, content and type (`cloud-config`, `x-shellscript`).
+pub type MimeFile = (String, String, String);
+
+/// A document for cloud-init's `devel make-mime` to write from files.
+pub struct MakeMime {
+    pub labels: Vec<String>,
+    pub files: Vec<MimeFile>,
+}
+
 /// Plain scalars where YAML 1.1 (PyYAML) and YAML 1.2 may part, quoted forms that must
 /// stay strings, and text PyYAML's scanner refuses.
 pub const SCALARS: &[&str] = &[
@@ -287,7 +296,7 @@ const SCRIPT: &str = "#!/bin/sh\nset -eu\necho 'a=b' \"$1\"\n";
 
 /// The whole corpus, plus the file lists that `make-mime` turns into documents (the test
 /// runs cloud-init's own tool on them and adds its output).
-pub fn generate() -> (Vec<Doc>, Vec<(Vec<String>, Vec<(String, String, String)>)>) {
+pub fn generate() -> (Vec<Doc>, Vec<MakeMime>) {
     let mut docs = Vec::new();
     let mut make_mime = Vec::new();
     for scalar in SCALARS {
@@ -306,14 +315,14 @@ pub fn generate() -> (Vec<Doc>, Vec<(Vec<String>, Vec<(String, String, String)>)
                 multipart(&[Part::config(&yaml, encoding)], &Shape::default()),
             ));
         }
-        make_mime.push((
-            vec!["make-mime".to_string(), "scalar".to_string()],
-            vec![(
+        make_mime.push(MakeMime {
+            labels: vec!["make-mime".to_string(), "scalar".to_string()],
+            files: vec![(
                 "values.yaml".to_string(),
                 format!("#cloud-config\nk: {scalar}\nl:\n- {scalar}\n"),
                 "cloud-config".to_string(),
             )],
-        ));
+        });
     }
     for yaml in STRUCTURES {
         docs.push(Doc::new(&["structure"], format!("#cloud-config\n{yaml}")));
@@ -338,9 +347,9 @@ pub fn generate() -> (Vec<Doc>, Vec<(Vec<String>, Vec<(String, String, String)>)
         }
     }
     mime_forms(&mut docs);
-    make_mime.push((
-        vec!["make-mime".to_string()],
-        vec![
+    make_mime.push(MakeMime {
+        labels: vec!["make-mime".to_string()],
+        files: vec![
             ("config.yaml".into(), CONFIG.into(), "cloud-config".into()),
             (
                 "utf8.yaml".into(),
@@ -350,7 +359,7 @@ pub fn generate() -> (Vec<Doc>, Vec<(Vec<String>, Vec<(String, String, String)>)
             ("setup.sh".into(), SCRIPT.into(), "x-shellscript".into()),
             ("second.yaml".into(), SECOND.into(), "cloud-config".into()),
         ],
-    ));
+    });
     (docs, make_mime)
 }
 

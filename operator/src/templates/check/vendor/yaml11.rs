@@ -15,7 +15,7 @@ pub enum Scalar {
     Null,
     /// `tag:yaml.org,2002:bool`.
     Bool(bool),
-    /// `tag:yaml.org,2002:int`, within `i64` (larger ones are refused, see [`Plain::BigInt`]).
+    /// `tag:yaml.org,2002:int`, within `i64` (Python's larger ones are refused).
     Int(i64),
     /// `tag:yaml.org,2002:float`.
     Float(f64),
