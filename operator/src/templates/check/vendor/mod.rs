@@ -32,6 +32,8 @@ mod yaml;
 mod yaml11;
 
 pub use yaml::{CloudConfig, CloudConfigValue};
+
+use std::collections::HashMap;
 pub use yaml11::Scalar;
 
 use super::{VENDOR_DATA_MAX, refuse, show};
@@ -112,11 +114,15 @@ pub struct VendorDataReading {
 impl VendorDataReading {
     fn new(form: VendorDataForm, parts: Vec<VendorDataPart>) -> Self {
         let mut merged: CloudConfig = Vec::new();
+        let mut index: HashMap<String, usize> = HashMap::new();
         for map in parts.iter().filter_map(|p| p.cloud_config.as_ref()) {
             for (key, value) in map {
-                match merged.iter_mut().find(|(k, _)| k == key) {
-                    Some(slot) => slot.1 = value.clone(),
-                    None => merged.push((key.clone(), value.clone())),
+                match index.get(key) {
+                    Some(&at) => merged[at].1 = value.clone(),
+                    None => {
+                        index.insert(key.clone(), merged.len());
+                        merged.push((key.clone(), value.clone()));
+                    }
                 }
             }
         }

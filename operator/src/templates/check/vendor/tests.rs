@@ -847,6 +847,21 @@ fn encoded_parts_are_checked() {
 }
 
 #[test]
+fn a_large_document_reads_in_linear_time() {
+    // 20000 keys with quoted values: the tab scan, the duplicate check and the merge must
+    // not be quadratic (a debug build reads this in well under a second).
+    let mut text = String::from("#cloud-config\n");
+    for i in 0..20_000 {
+        text.push_str(&format!("k{i}: 'v {i}' # c\n"));
+    }
+    assert!(text.len() < VENDOR_DATA_MAX);
+    let started = std::time::Instant::now();
+    let reading = read_vendor_data(&text).unwrap();
+    assert_eq!(reading.cloud_config.len(), 20_000);
+    assert!(started.elapsed() < std::time::Duration::from_secs(10));
+}
+
+#[test]
 fn size_cap_is_kept() {
     let big = format!("#cloud-config\n#{}\n", "x".repeat(VENDOR_DATA_MAX));
     assert!(matches!(

@@ -12,6 +12,8 @@
 //! refusing those a YAML 1.2 reader reads differently so that an author's intent and the
 //! guest's reading cannot part.
 
+use std::collections::HashSet;
+
 use saphyr_parser::{Event, Parser, ScalarStyle, Span};
 
 use super::yaml11::{self, Plain, Scalar};
@@ -134,7 +136,12 @@ fn check_lexical(
         .map(|(_, s)| (s.start.index(), s.end.index()))
         .collect();
     spans.sort_unstable();
-    let inside = |index: usize| spans.iter().any(|&(a, b)| a <= index && index < b);
+    // Scalars do not nest, so the only span that may hold `index` is the last to start
+    // at or before it.
+    let inside = |index: usize| {
+        let after = spans.partition_point(|&(start, _)| start <= index);
+        after > 0 && index < spans[after - 1].1
+    };
     let mut index = 0;
     for (number, line) in yaml.split('\n').enumerate() {
         let number = number + 1;
@@ -208,6 +215,8 @@ enum Frame {
     },
     Map {
         entries: Vec<(String, CloudConfigValue)>,
+        /// The keys so far, to find a duplicate without a scan.
+        seen: HashSet<String>,
         key: Option<String>,
         line: usize,
     },
@@ -251,6 +260,7 @@ impl<'s> Builder<'s> {
                         } else {
                             Frame::Map {
                                 entries: Vec::new(),
+                                seen: HashSet::new(),
                                 key: None,
                                 line,
                             }
@@ -319,10 +329,10 @@ impl<'s> Builder<'s> {
     fn set_key(&mut self, key: String, line: usize) -> Result<(), TemplateErrorKind> {
         let at = self.src.at(line);
         if let Some(Frame::Map {
-            entries, key: slot, ..
+            seen, key: slot, ..
         }) = self.stack.last_mut()
         {
-            if entries.iter().any(|(k, _)| *k == key) {
+            if !seen.insert(key.clone()) {
                 return Err(refuse(
                     "cloud-config-yaml",
                     format!(
