@@ -50,7 +50,7 @@ def typed(value):
             return {"t": "float", "v": "nan"}
         if value in (float("inf"), float("-inf")):
             return {"t": "float", "v": "inf" if value > 0 else "-inf"}
-        return {"t": "float", "v": value}
+        return {"t": "float", "v": repr(value)}  # parsed exactly on the Rust side
     if isinstance(value, str):
         try:
             value.encode("utf-8")

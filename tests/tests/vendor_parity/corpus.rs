@@ -346,6 +346,25 @@ pub fn generate() -> (Vec<Doc>, Vec<MakeMime>) {
             docs.push(Doc { labels, text });
         }
     }
+    // `VENDOR_FUZZ_SEED` / `VENDOR_FUZZ_COUNT` explore other documents; the defaults are
+    // what the test runs.
+    let env = |name: &str| std::env::var(name).ok().and_then(|v| v.parse::<u64>().ok());
+    let seed = env("VENDOR_FUZZ_SEED").unwrap_or(FUZZ_SEED);
+    let count = env("VENDOR_FUZZ_COUNT").map_or(FUZZ_COUNT, |c| c as usize);
+    for (i, text) in fuzz(count, seed).into_iter().enumerate() {
+        let labels: &[&str] = if i % 3 == 0 {
+            &["fuzz", "fuzz:mime"]
+        } else {
+            &["fuzz"]
+        };
+        let text = if i % 3 == 0 {
+            let encoding = if i % 2 == 0 { "base64" } else { "7bit" };
+            multipart(&[Part::config(&text, encoding)], &Shape::default())
+        } else {
+            format!("#cloud-config\n{text}")
+        };
+        docs.push(Doc::new(labels, text));
+    }
     mime_forms(&mut docs);
     make_mime.push(MakeMime {
         labels: vec!["make-mime".to_string()],
@@ -582,5 +601,191 @@ fn mime_forms(docs: &mut Vec<Doc>) {
                 }
             }
         }
+    }
+}
+
+/// How many random YAML documents the fuzzer writes, and from which seed.
+const FUZZ_COUNT: usize = 1500;
+const FUZZ_SEED: u64 = 0x36_5EED;
+
+/// A small deterministic generator (SplitMix64): the same documents on every run.
+struct Rng(u64);
+
+impl Rng {
+    fn next(&mut self) -> u64 {
+        self.0 = self.0.wrapping_add(0x9E37_79B9_7F4A_7C15);
+        let mut z = self.0;
+        z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
+        z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
+        z ^ (z >> 31)
+    }
+    fn below(&mut self, n: usize) -> usize {
+        (self.next() % n as u64) as usize
+    }
+    fn pick<'a>(&mut self, items: &[&'a str]) -> &'a str {
+        items[self.below(items.len())]
+    }
+    fn chance(&mut self, percent: usize) -> bool {
+        self.below(100) < percent
+    }
+}
+
+const EVERYDAY: &[&str] = &[
+    "curl",
+    "ntp.example.org",
+    "true",
+    "false",
+    "42",
+    "1.5",
+    "'0644'",
+    "/etc/tinyproxy.conf",
+    "echo hi",
+    "\"a: b\"",
+    "192.0.2.10",
+    "[sh, -c, 'echo x']",
+    "{path: /x, content: y}",
+];
+
+const FUZZ_KEYS: &[&str] = &[
+    "a",
+    "packages",
+    "k_1",
+    "ntp",
+    "runcmd",
+    "write_files",
+    "n",
+    "x y",
+    "x:y",
+    "'q'",
+    "\"d\"",
+    "1",
+    "yes",
+    "-k",
+    "k#",
+    "caf\u{e9}",
+];
+
+/// Random cloud-config bodies: nested block and flow collections of edge scalars, block
+/// scalars, comments, then perturbed (a tab for a space, a shifted indent, trailing
+/// blanks, a stray indicator, CRLF), so that both parsers meet what plugins might write
+/// by mistake.
+fn fuzz(count: usize, seed: u64) -> Vec<String> {
+    let mut rng = Rng(seed);
+    (0..count)
+        .map(|_| {
+            let mut out = String::new();
+            for _ in 0..1 + rng.below(4) {
+                let key = rng.pick(FUZZ_KEYS);
+                fuzz_value(&mut rng, &mut out, key, 0, 2);
+            }
+            perturb(&mut rng, out)
+        })
+        .collect()
+}
+
+fn fuzz_value(rng: &mut Rng, out: &mut String, key: &str, indent: usize, depth: usize) {
+    let pad = " ".repeat(indent);
+    // Half edge cases, half what plugins write every day.
+    let scalar = |rng: &mut Rng| {
+        if rng.chance(50) {
+            rng.pick(SCALARS).to_string()
+        } else {
+            rng.pick(EVERYDAY).to_string()
+        }
+    };
+    match if depth == 0 { 0 } else { rng.below(7) } {
+        0 | 1 => out.push_str(&format!("{pad}{key}: {}\n", scalar(rng))),
+        2 => {
+            out.push_str(&format!("{pad}{key}:\n"));
+            for _ in 0..1 + rng.below(3) {
+                out.push_str(&format!("{pad}- {}\n", scalar(rng)));
+            }
+        }
+        3 => {
+            out.push_str(&format!("{pad}{key}:\n"));
+            for _ in 0..1 + rng.below(3) {
+                let inner = rng.pick(FUZZ_KEYS);
+                fuzz_value(rng, out, inner, indent + 2, depth - 1);
+            }
+        }
+        4 => {
+            let items: Vec<String> = (0..rng.below(4)).map(|_| scalar(rng)).collect();
+            out.push_str(&format!("{pad}{key}: [{}]\n", items.join(", ")));
+        }
+        5 => {
+            let inner = rng.pick(FUZZ_KEYS);
+            out.push_str(&format!("{pad}{key}: {{{inner}: {}}}\n", scalar(rng)));
+        }
+        _ => {
+            let style = rng.pick(&["|", ">", "|-", "|+", ">-"]);
+            out.push_str(&format!("{pad}{key}: {style}\n"));
+            for _ in 0..1 + rng.below(3) {
+                let line = rng.pick(&["text", "a\tb", "# not a comment", "  more", "", "x: y"]);
+                out.push_str(&format!("{pad}  {line}\n"));
+            }
+        }
+    }
+    if rng.chance(15) {
+        out.push_str(&format!(
+            "{pad}# {}\n",
+            rng.pick(&["note", "a\ttab", "k: v"])
+        ));
+    }
+}
+
+fn perturb(rng: &mut Rng, text: String) -> String {
+    let mut bytes: Vec<char> = text.chars().collect();
+    match rng.below(10) {
+        0 => {
+            // A tab where a space was.
+            let spaces: Vec<usize> = (0..bytes.len()).filter(|&i| bytes[i] == ' ').collect();
+            if !spaces.is_empty() {
+                let at = spaces[rng.below(spaces.len())];
+                bytes[at] = '\t';
+            }
+        }
+        1 => {
+            // An indent one space deeper or shallower.
+            let starts: Vec<usize> = (1..bytes.len()).filter(|&i| bytes[i - 1] == '\n').collect();
+            if !starts.is_empty() {
+                let at = starts[rng.below(starts.len())];
+                if bytes[at] == ' ' && rng.chance(50) {
+                    bytes.remove(at);
+                } else {
+                    bytes.insert(at, ' ');
+                }
+            }
+        }
+        2 => {
+            // Trailing blanks on a line.
+            let ends: Vec<usize> = (0..bytes.len()).filter(|&i| bytes[i] == '\n').collect();
+            let at = ends[rng.below(ends.len())];
+            let blank = if rng.chance(50) { ' ' } else { '\t' };
+            bytes.insert(at, blank);
+        }
+        3 => {
+            // A stray indicator somewhere.
+            let at = rng.below(bytes.len());
+            let c = rng.pick(&[
+                "&", "*", "!", "%", "|", ">", "@", "`", "'", "\"", "{", "]", ",", "#", ":", "-",
+                "?", "=",
+            ]);
+            bytes.insert(at, c.chars().next().unwrap_or('&'));
+        }
+        4 => {
+            // A document marker.
+            let marker: Vec<char> = rng
+                .pick(&["---\n", "...\n", "--- ", "%YAML 1.1\n---\n"])
+                .chars()
+                .collect();
+            bytes.splice(0..0, marker);
+        }
+        _ => {}
+    }
+    let text: String = bytes.into_iter().collect();
+    if rng.chance(10) {
+        text.replace('\n', "\r\n")
+    } else {
+        text
     }
 }

@@ -342,12 +342,12 @@ pub const RULES: &[RuleDoc] = &[
     rule(
         "cloud-config-yaml",
         Section::VendorData,
-        "cloud-config parses as YAML to a mapping (or nothing), with no duplicate keys (PyYAML keeps the last silently).",
+        "cloud-config parses as YAML to a mapping (or nothing), with no duplicate keys (PyYAML keeps the last silently) and no anchors or aliases (PyYAML fails on an anchor defined twice).",
     ),
     rule(
         "cloud-config-pyyaml",
         Section::VendorData,
-        "cloud-config is a document PyYAML 6 loads (cloud-init drops a part it cannot load): no tabs outside quoted and block scalars (not as indentation, not after a colon, not in an unquoted value), no `%` directives, one document, no unquoted `=` or values starting with `@` or a backtick, keys on one line and at most 1024 characters.",
+        "cloud-config is a document PyYAML 6 loads (cloud-init drops a part it cannot load): no tabs outside quoted and block scalars (not as indentation, not after a colon, not in an unquoted value), no `%` directives, one document and no `...` marker, no unquoted `=`, no unquoted text starting with `@`, a backtick, `?` or `:`, none with a `?` or ending in `:` inside `[...]`/`{...}`, keys on one line and at most 1024 characters.",
     ),
     rule(
         "cloud-config-value",

@@ -707,6 +707,20 @@ fn documents_pyyaml_cannot_load_are_refused() {
         ("#cloud-config\na: 0x_\n", &[PLAIN, "line 2"]),
         ("#cloud-config\na: @x\n", &[PLAIN, "line 2"]),
         ("#cloud-config\na: `x\n", &[PLAIN, "line 2"]),
+        ("#cloud-config\na: [?x]\n", &[PLAIN, "line 2"]),
+        (
+            "#cloud-config\na: {b: x?y}\n",
+            &[PLAIN, "line 2", "flow collection"],
+        ),
+        ("#cloud-config\n...\na: 1\n", &[PLAIN, "line 2", "`...`"]),
+        (
+            // saphyr refuses this one itself, naming the scalar's first line.
+            "#cloud-config\na: \"x\n---\n y\"\n",
+            &[PLAIN, "line 2"],
+        ),
+        ("#cloud-config\na:\n- |\t\n", &[PLAIN, "line 3", "tab"]),
+        ("#cloud-config\na: 'x'\t\n", &[PLAIN, "line 2", "tab"]),
+        ("#cloud-config\na: ''\t\r\n", &[PLAIN, "line 2", "tab"]),
     ];
     let long_key = format!("#cloud-config\n{}: 1\n", "k".repeat(1100));
     let mut cases: Vec<(String, &[&str])> =
@@ -725,6 +739,9 @@ fn documents_pyyaml_cannot_load_are_refused() {
             );
         }
     }
+    // `?` in block context and URLs in flow context are fine.
+    let reading = read_vendor_data("#cloud-config\na: http://x/?y\nb: [http://x:80/y]\n").unwrap();
+    assert_eq!(reading.parts[0].cloud_config_keys, ["a", "b"]);
     // Tabs inside quoted and block scalars and comments are fine to PyYAML.
     let ok = "#cloud-config\t \na: \"x\ty\"\nb: 'x\ty'\nc: |\n  x\ty\n# a\tcomment\nd: e # f\tg\n";
     let reading = read_vendor_data(ok).unwrap_or_else(|e| panic!("{e}"));

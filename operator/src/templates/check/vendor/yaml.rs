@@ -78,8 +78,9 @@ pub(super) fn read(yaml: &str, src: &Source<'_>) -> Result<Option<CloudConfig>, 
             }
         }
     }
-    check_lexical(yaml, &events, src)?;
-    let root = Builder::new(src).build(&events)?;
+    let chars: Vec<char> = yaml.chars().collect();
+    check_lexical(&chars, &events, src)?;
+    let root = Builder::new(src, &chars).build(&events)?;
     match root {
         None | Some((CloudConfigValue::Scalar(Scalar::Null), _)) => Ok(None),
         Some((CloudConfigValue::Map(map), _)) => Ok(Some(map)),
@@ -106,7 +107,7 @@ fn kind_of(value: &CloudConfigValue) -> String {
 /// (it only skips spaces between tokens, so `a:\tb`, `a b\t` and tab indentation fail),
 /// a `%` directive, and more than one document.
 fn check_lexical(
-    yaml: &str,
+    chars: &[char],
     events: &[(Event<'_>, Span)],
     src: &Source<'_>,
 ) -> Result<(), TemplateErrorKind> {
@@ -129,11 +130,39 @@ fn check_lexical(
             ),
         ));
     }
-    // Character ranges of the scalars whose text may hold tabs and `#`.
+    // Character ranges of the scalars whose text may hold tabs and `#`. A block scalar's
+    // header line (`|`, `>` and indicators) is not text: PyYAML allows no tab there.
+    let yaml: String = chars.iter().collect();
     let mut spans: Vec<(usize, usize)> = events
         .iter()
-        .filter(|(e, _)| matches!(e, Event::Scalar(_, style, _, _) if *style != ScalarStyle::Plain))
-        .map(|(_, s)| (s.start.index(), s.end.index()))
+        .filter_map(|(e, s)| match e {
+            Event::Scalar(_, ScalarStyle::Plain, _, _) => None,
+            Event::Scalar(_, style, _, _) => {
+                let mut start = s.start.index();
+                let block = matches!(style, ScalarStyle::Literal | ScalarStyle::Folded);
+                if block && matches!(chars.get(start), Some('|' | '>')) {
+                    while chars.get(start).is_some_and(|&c| c != '\n') {
+                        start += 1;
+                    }
+                    start += 1;
+                }
+                // A quoted scalar's span may run past its closing quote over trailing
+                // blanks, which are not text.
+                let mut end = s.end.index();
+                let quote = match style {
+                    ScalarStyle::SingleQuoted => Some('\''),
+                    ScalarStyle::DoubleQuoted => Some('"'),
+                    _ => None,
+                };
+                if let Some(quote) = quote {
+                    while end > start && chars.get(end - 1).is_some_and(|&c| c != quote) {
+                        end -= 1;
+                    }
+                }
+                Some((start, end))
+            }
+            _ => None,
+        })
         .collect();
     spans.sort_unstable();
     // Scalars do not nest, so the only span that may hold `index` is the last to start
@@ -145,6 +174,23 @@ fn check_lexical(
     let mut index = 0;
     for (number, line) in yaml.split('\n').enumerate() {
         let number = number + 1;
+        // `...` ends a document (PyYAML fails on one before any content), and either
+        // marker inside a quoted scalar is an error to it.
+        let marker = ["...", "---"].into_iter().find(|m| {
+            line.strip_prefix(m)
+                .is_some_and(|rest| rest.is_empty() || rest.starts_with([' ', '\t', '\r']))
+        });
+        if marker == Some("...") || (marker.is_some() && inside(index)) {
+            return Err(refuse(
+                "cloud-config-pyyaml",
+                format!(
+                    "{}: a document marker `{}` where PyYAML fails on it (`...` is never \
+                     needed in cloud-config; a `---` inside a quoted value ends it)",
+                    src.at(number),
+                    marker.unwrap_or_default()
+                ),
+            ));
+        }
         let mut previous = None;
         for (column, c) in line.chars().enumerate() {
             let at = index + column;
@@ -205,7 +251,10 @@ fn check_plain_start(text: &str, at: &str) -> Result<(), TemplateErrorKind> {
 /// Builds the value tree from the events, refusing what PyYAML reads differently.
 struct Builder<'s> {
     src: &'s Source<'s>,
+    chars: &'s [char],
     stack: Vec<Frame>,
+    /// For each open collection, whether it is a flow one (`[...]`, `{...}`).
+    flow: Vec<bool>,
 }
 
 enum Frame {
@@ -223,10 +272,12 @@ enum Frame {
 }
 
 impl<'s> Builder<'s> {
-    fn new(src: &'s Source<'s>) -> Self {
+    fn new(src: &'s Source<'s>, chars: &'s [char]) -> Self {
         Builder {
             src,
+            chars,
             stack: Vec::new(),
+            flow: Vec::new(),
         }
     }
 
@@ -254,6 +305,8 @@ impl<'s> Builder<'s> {
                         return Err(self.complex_key(line));
                     }
                     let items = Vec::new();
+                    let flow = matches!(self.chars.get(span.start.index()), Some('[' | '{'));
+                    self.flow.push(flow);
                     self.stack
                         .push(if matches!(event, Event::SequenceStart(..)) {
                             Frame::List { items, line }
@@ -267,15 +320,17 @@ impl<'s> Builder<'s> {
                         });
                     None
                 }
-                Event::SequenceEnd | Event::MappingEnd => match self.stack.pop() {
-                    Some(Frame::List { items, line }) => {
-                        Some((CloudConfigValue::List(items), line))
+                Event::SequenceEnd | Event::MappingEnd => {
+                    match (self.stack.pop(), self.flow.pop()).0 {
+                        Some(Frame::List { items, line }) => {
+                            Some((CloudConfigValue::List(items), line))
+                        }
+                        Some(Frame::Map { entries, line, .. }) => {
+                            Some((CloudConfigValue::Map(entries), line))
+                        }
+                        None => None,
                     }
-                    Some(Frame::Map { entries, line, .. }) => {
-                        Some((CloudConfigValue::Map(entries), line))
-                    }
-                    None => None,
-                },
+                }
                 Event::Alias(_) => return Err(self.anchor(line)),
                 _ => None,
             };
@@ -293,6 +348,22 @@ impl<'s> Builder<'s> {
             }
         }
         Ok(root)
+    }
+
+    /// In a flow collection PyYAML ends unquoted text at any `?` and at a `:` before a flow
+    /// indicator, where YAML 1.2 reads on (`{a: x?y}`).
+    fn check_flow_plain(&self, text: &str, at: &str) -> Result<(), TemplateErrorKind> {
+        if self.flow.last() == Some(&true) && (text.contains('?') || text.ends_with(':')) {
+            return Err(refuse(
+                "cloud-config-pyyaml",
+                format!(
+                    "{at}: the unquoted {} in a flow collection (`[...]`, `{{...}}`) has a `?` or \
+                     ends in `:`, where PyYAML ends it: quote it",
+                    show(text)
+                ),
+            ));
+        }
+        Ok(())
     }
 
     /// A node with neither tag nor anchor.
@@ -379,6 +450,7 @@ impl<'s> Builder<'s> {
         let at = self.src.at(span.start.line());
         if style == ScalarStyle::Plain {
             check_plain_start(text, &at)?;
+            self.check_flow_plain(text, &at)?;
             match yaml11::resolve(text) {
                 Plain::Merge => {
                     return Err(refuse(
@@ -439,6 +511,7 @@ impl<'s> Builder<'s> {
         }
         let at = self.src.at(line);
         check_plain_start(text, &at)?;
+        self.check_flow_plain(text, &at)?;
         let value = match yaml11::resolve(text) {
             Plain::Value(value) => value,
             Plain::Merge => {
