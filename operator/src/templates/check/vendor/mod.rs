@@ -48,9 +48,6 @@ const MIME_VERSION_MARK: &[u8] = b"mime-version:";
 /// The first line of the plain form, and what cloud-init's `type_from_starts_with` looks
 /// for at the start of a part.
 const CLOUD_CONFIG_MARK: &str = "#cloud-config";
-/// Top-level keys by which a cloud-config part changes how cloud-init merges it
-/// (`mergers.dict_extract_mergers`).
-const MERGE_DIRECTIVES: [&str; 2] = ["merge_how", "merge_type"];
 
 /// Which form the vendor-data has.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -286,53 +283,12 @@ fn keys_of(config: Option<&CloudConfig>) -> Vec<String> {
     config.map_or_else(Vec::new, |c| c.iter().map(|(k, _)| k.clone()).collect())
 }
 
-/// Reads a cloud-config YAML document ([`yaml::read`]) and checks its top-level keys:
-/// plain identifiers, and none of the merge directives that change how cloud-init merges.
+/// Reads a cloud-config YAML document ([`yaml::read`]).
 fn read_cloud_config(
     text: &str,
     source: &yaml::Source<'_>,
 ) -> Result<Option<CloudConfig>, TemplateErrorKind> {
-    let name = source.name;
-    let config = yaml::read(text, source)?;
-    for (key, _) in config.iter().flatten() {
-        if !top_level_key(key) {
-            return Err(refuse(
-                "cloud-config-key",
-                format!(
-                    "{name}: top-level key {} must be a plain identifier `[a-z_][a-z0-9_]*` and \
-                     not a YAML 1.1 boolean or null word (y, n, yes, no, on, off, true, false, \
-                     null)",
-                    show(key)
-                ),
-            ));
-        }
-        if MERGE_DIRECTIVES.contains(&key.as_str()) {
-            return Err(refuse(
-                "cloud-config-merge-key",
-                format!(
-                    "{name}: top-level key {} changes how cloud-init merges this part with the \
-                     others; parts are merged by cloud-init's default only",
-                    show(key)
-                ),
-            ));
-        }
-    }
-    Ok(config)
-}
-
-/// `[a-z_][a-z0-9_]*` and no YAML 1.1 boolean or null word (even quoted, such a key reads
-/// as a boolean to anyone who forgets the quotes).
-fn top_level_key(key: &str) -> bool {
-    const WORDS: [&str; 10] = [
-        "y", "n", "yes", "no", "on", "off", "true", "false", "null", "~",
-    ];
-    let mut bytes = key.bytes();
-    let first_ok = bytes
-        .next()
-        .is_some_and(|b| b.is_ascii_lowercase() || b == b'_');
-    first_ok
-        && bytes.all(|b| b.is_ascii_lowercase() || b.is_ascii_digit() || b == b'_')
-        && !WORDS.iter().any(|w| w.eq_ignore_ascii_case(key))
+    yaml::read(text, source)
 }
 
 #[cfg(test)]

@@ -20,6 +20,9 @@ use super::yaml11::{self, Plain, Scalar};
 use super::{refuse, show};
 use crate::templates::errors::TemplateErrorKind;
 
+/// Top-level keys by which a cloud-config part changes how cloud-init merges it
+/// (`mergers.dict_extract_mergers`).
+const MERGE_DIRECTIVES: [&str; 2] = ["merge_how", "merge_type"];
 /// Longest simple key PyYAML scans (its scanner gives up on a key after 1024 characters).
 const SIMPLE_KEY_MAX: usize = 1024;
 
@@ -230,6 +233,47 @@ fn check_lexical(
     Ok(())
 }
 
+/// A top-level key: a plain identifier, and none of the merge directives that change how
+/// cloud-init merges parts.
+fn check_top_level_key(key: &str, at: &str) -> Result<(), TemplateErrorKind> {
+    if !top_level_key(key) {
+        return Err(refuse(
+            "cloud-config-key",
+            format!(
+                "{at}: top-level key {} must be a plain identifier `[a-z_][a-z0-9_]*` and not a \
+                 YAML 1.1 boolean or null word (y, n, yes, no, on, off, true, false, null)",
+                show(key)
+            ),
+        ));
+    }
+    if MERGE_DIRECTIVES.contains(&key) {
+        return Err(refuse(
+            "cloud-config-merge-key",
+            format!(
+                "{at}: top-level key {} changes how cloud-init merges this part with the \
+                 others; parts are merged by cloud-init's default only",
+                show(key)
+            ),
+        ));
+    }
+    Ok(())
+}
+
+/// `[a-z_][a-z0-9_]*` and no YAML 1.1 boolean or null word (even quoted, such a key reads
+/// as a boolean to anyone who forgets the quotes).
+fn top_level_key(key: &str) -> bool {
+    const WORDS: [&str; 10] = [
+        "y", "n", "yes", "no", "on", "off", "true", "false", "null", "~",
+    ];
+    let mut bytes = key.bytes();
+    let first_ok = bytes
+        .next()
+        .is_some_and(|b| b.is_ascii_lowercase() || b == b'_');
+    first_ok
+        && bytes.all(|b| b.is_ascii_lowercase() || b.is_ascii_digit() || b == b'_')
+        && !WORDS.iter().any(|w| w.eq_ignore_ascii_case(key))
+}
+
 /// Refuses unquoted text that starts with a character PyYAML takes as an indicator: `@`
 /// and a backtick are reserved (it fails), and in flow context `?` and `:` start a key or
 /// a value even before a non-space, where YAML 1.2 reads a plain scalar (`[?x]` is the
@@ -413,7 +457,10 @@ impl<'s> Builder<'s> {
                     ),
                 ));
             }
-            *slot = Some(key);
+            *slot = Some(key.clone());
+        }
+        if self.stack.len() == 1 {
+            check_top_level_key(&key, &at)?;
         }
         Ok(())
     }
