@@ -30,9 +30,11 @@ set -euo pipefail
 #                                the vendor-data parity test runs its Python library
 #                                (user_data, handlers, mergers) on generated documents.
 #                                Only the library is used; none of its services runs: the
-#                                policy-rc.d guard below keeps apt from starting them, and
-#                                a container without systemd has no init to start them
-#   shellcheck nftables          vendor-data-default's tests: its rendered scripts under
+#                                policy-rc.d guard below keeps apt from starting them, a
+#                                container without systemd has no init to start them, and
+#                                /etc/cloud/cloud-init.disabled (keep_cloud_init_off) stops
+#                                them at boot on a machine that has one
+#   nftables shellcheck          vendor-data-default's tests: its rendered scripts under
 #                                shellcheck, its firewall applied in a test namespace
 #   prometheus                   promtool: checks and unit-tests the alerts and the
 #                                dashboard's queries (config/prometheus)
@@ -158,7 +160,25 @@ check_go() {
   fi
 }
 
+# cloud-init's packaging enables its boot units. Its own switch keeps them from ever
+# running here (its systemd generator then leaves cloud-init.target out of the boot): this
+# machine is not a guest, and its network must stay as it is.
+keep_cloud_init_off() {
+  local flag=/etc/cloud/cloud-init.disabled
+  if [ -e "$flag" ] || ! dpkg-query -W -f='${db:Status-Status}' cloud-init 2>/dev/null | grep -qx installed; then
+    return
+  fi
+  if [ "$(id -u)" -ne 0 ]; then
+    log "cloud-init is installed but $flag is missing; run 'make setup' as root" >&2
+    exit 1
+  fi
+  mkdir -p /etc/cloud
+  : >"$flag"
+  log "cloud-init's boot stages disabled ($flag)"
+}
+
 install_apt
+keep_cloud_init_off
 install_rust_targets
 check_go
 log "done"
