@@ -35,7 +35,7 @@ set -euo pipefail
 #                                /etc/cloud/cloud-init.disabled (keep_cloud_init_off) stops
 #                                them at boot on a machine that has one
 #   nftables shellcheck          vendor-data-default's tests: its rendered scripts under
-#                                shellcheck, its firewall applied in a test namespace
+#                                the shellcheck linter, its firewall in a test namespace
 #   prometheus                   promtool: checks and unit-tests the alerts and the
 #                                dashboard's queries (config/prometheus)
 #   containerd runc              the node tier's container runtime (scripts/node.sh);
