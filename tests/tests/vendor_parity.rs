@@ -305,6 +305,7 @@ const ACCEPTED_CLASSES: &[&str] = &[
     "structure:mime",
     "fuzz",
     "fuzz:mime",
+    "mime-fuzz",
     "crlf-plain",
     "first-line:space",
     "first-line:tab",

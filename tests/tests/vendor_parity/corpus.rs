@@ -366,6 +366,9 @@ pub fn generate() -> (Vec<Doc>, Vec<MakeMime>) {
         docs.push(Doc::new(labels, text));
     }
     mime_forms(&mut docs);
+    for text in mime_fuzz(MIME_FUZZ_COUNT, seed) {
+        docs.push(Doc::new(&["mime-fuzz"], text));
+    }
     make_mime.push(MakeMime {
         labels: vec!["make-mime".to_string()],
         files: vec![
@@ -475,7 +478,10 @@ fn multipart(parts: &[Part], shape: &Shape) -> String {
     }
     out.push_str(&format!("--{boundary}--\n"));
     if shape.epilogue {
-        out.push_str("\nThat was all.\n");
+        // Python stops at the close delimiter: a part written after it is never read.
+        out.push_str(&format!(
+            "\nThat was all.\n--{boundary}\nContent-Type: text/x-shellscript\n\n#!/bin/sh\n"
+        ));
     }
     if shape.crlf {
         out = out.replace('\n', "\r\n");
@@ -607,6 +613,8 @@ fn mime_forms(docs: &mut Vec<Doc>) {
 /// How many random YAML documents the fuzzer writes, and from which seed.
 const FUZZ_COUNT: usize = 1500;
 const FUZZ_SEED: u64 = 0x36_5EED;
+/// How many perturbed multipart documents the MIME fuzzer writes.
+const MIME_FUZZ_COUNT: usize = 1500;
 
 /// A small deterministic generator (SplitMix64): the same documents on every run.
 struct Rng(u64);
@@ -788,4 +796,83 @@ fn perturb(rng: &mut Rng, text: String) -> String {
     } else {
         text
     }
+}
+
+/// Multipart documents of every encoding and shape, each perturbed once where a plugin's
+/// string building might slip (a blank, a `;`, a quote, a line end, a dropped or doubled
+/// character, a letter's case, a repeated line), for Python's `email` and our reader to
+/// meet.
+fn mime_fuzz(count: usize, seed: u64) -> Vec<String> {
+    let mut rng = Rng(seed ^ 0x4D49_4D45);
+    let encodings = ["none", "7bit", "base64", "quoted-printable"];
+    (0..count)
+        .map(|_| {
+            let shape = Shape {
+                case: rng.pick(&["canonical", "lower", "types"]),
+                fold: rng.pick(&["none", "space", "tab"]),
+                preamble: rng.chance(30),
+                epilogue: rng.chance(30),
+                crlf: false,
+            };
+            let encoding = rng.pick(&encodings);
+            let mut parts = vec![Part {
+                content_type: "text/cloud-config",
+                filename: Some("config.yaml"),
+                payload: CONFIG.to_string(),
+                encoding,
+            }];
+            if rng.chance(50) {
+                parts.insert(
+                    0,
+                    Part {
+                        content_type: "text/x-shellscript",
+                        filename: Some("setup.sh"),
+                        payload: SCRIPT.to_string(),
+                        encoding,
+                    },
+                );
+            }
+            let text = multipart(&parts, &shape);
+            let mut chars: Vec<char> = text.chars().collect();
+            let at = rng.below(chars.len());
+            match rng.below(6) {
+                0 => {
+                    let c = rng.pick(&[" ", "\t", ";", "\"", "=", "-", "\n", ":", "\r", "/"]);
+                    chars.insert(at, c.chars().next().unwrap_or(' '));
+                }
+                1 => {
+                    chars.remove(at);
+                }
+                2 => {
+                    let c = chars[at];
+                    chars.insert(at, c);
+                }
+                3 => {
+                    let c = chars[at];
+                    chars[at] = if c.is_ascii_lowercase() {
+                        c.to_ascii_uppercase()
+                    } else {
+                        c.to_ascii_lowercase()
+                    };
+                }
+                4 => {
+                    // A line repeated.
+                    let text: String = chars.iter().collect();
+                    let lines: Vec<&str> = text.split('\n').collect();
+                    let n = rng.below(lines.len());
+                    let mut out: Vec<&str> = lines.clone();
+                    out.insert(n, lines[n]);
+                    chars = out.join("\n").chars().collect();
+                }
+                _ => {
+                    // A line dropped.
+                    let text: String = chars.iter().collect();
+                    let mut lines: Vec<&str> = text.split('\n').collect();
+                    lines.remove(rng.below(lines.len()));
+                    chars = lines.join("\n").chars().collect();
+                }
+            }
+            chars.into_iter().collect()
+        })
+        .collect()
 }

@@ -342,7 +342,7 @@ pub const RULES: &[RuleDoc] = &[
     rule(
         "cloud-config-yaml",
         Section::VendorData,
-        "cloud-config parses as YAML to a mapping (or nothing), with no duplicate keys (PyYAML keeps the last silently) and no anchors or aliases (PyYAML fails on an anchor defined twice).",
+        "cloud-config parses as YAML to a mapping (or nothing), with no duplicate keys (PyYAML keeps the last silently) no anchors or aliases (PyYAML fails on an anchor defined twice), and no block scalar (`|`, `>`) at the very end without a line break after it (readers disagree on that line break).",
     ),
     rule(
         "cloud-config-pyyaml",

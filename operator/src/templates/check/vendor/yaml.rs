@@ -133,6 +133,26 @@ fn check_lexical(
             ),
         ));
     }
+    // A block scalar that runs to the end of a text without a final line break: PyYAML
+    // keeps no line break there, saphyr-parser adds one. MIME parts end without one (it
+    // belongs to the delimiter).
+    let last_scalar = events.iter().rev().find_map(|(e, s)| match e {
+        Event::Scalar(_, style, _, _) => Some((*style, s.start.line())),
+        _ => None,
+    });
+    if let Some((ScalarStyle::Literal | ScalarStyle::Folded, line)) = last_scalar
+        && chars.last().is_some_and(|&c| c != '\n')
+    {
+        return Err(refuse(
+            "cloud-config-yaml",
+            format!(
+                "{}: a block scalar (`|`, `>`) at the very end, with no line break after its \
+                 last line; YAML readers disagree on its last line break: end the text with \
+                 an empty line (in a MIME part, an empty line before the delimiter)",
+                src.at(line)
+            ),
+        ));
+    }
     // Character ranges of the scalars whose text may hold tabs and `#`. A block scalar's
     // header line (`|`, `>` and indicators) is not text: PyYAML allows no tab there.
     let yaml: String = chars.iter().collect();

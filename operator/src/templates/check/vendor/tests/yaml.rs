@@ -32,6 +32,11 @@ fn yaml_rules() {
                 &[part, "line 19", "duplicate"],
             ),
             (in_part("a:\n- {x: 1, x: 2}"), &[part, "duplicate"]),
+            (in_part("a: |\n  x"), &[part, "line 18", "block scalar"]),
+            (
+                "#cloud-config\na: >\n  x\n  y".into(),
+                &[plain, "line 3", "empty line"],
+            ),
             (in_part("a: &x 1\nb: *x"), &[part, "line 17", "anchor"]),
             (in_part("a: 1\nb: &x [1]"), &[part, "line 18", "anchor"]),
             (in_part("a: 1\nb:\n  c: *x"), &[part, "line 19"]),
