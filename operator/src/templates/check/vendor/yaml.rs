@@ -4,13 +4,15 @@
 //! (`util.load_yaml`), and a part PyYAML fails on is dropped with a log line: the guest
 //! boots without it. So a document is accepted only when PyYAML loads it and reads it as
 //! we do. The structure comes from saphyr-parser's events (YAML 1.2, with each scalar's
-//! style and position); on top of them this module refuses what PyYAML's scanner and
-//! constructor do not accept (tabs outside quoted and block scalars, directives, more than
-//! one document, `=`, indicators at the start of unquoted text, anchors (PyYAML fails on
-//! one defined twice), keys PyYAML cannot scan as simple keys) and
-//! reads every plain scalar by PyYAML's YAML 1.1 rules ([`yaml11`](super::yaml11)),
-//! refusing those a YAML 1.2 reader reads differently so that an author's intent and the
-//! guest's reading cannot part.
+//! style and position). On top of them this module refuses what PyYAML's scanner and
+//! constructor do not accept, or read otherwise, each found by running both on a
+//! generated corpus (`tests/tests/vendor_parity.rs`): tabs outside quoted and block
+//! scalars, directives, a second document, `...`, an unquoted `=`, unquoted text starting
+//! with `@`, a backtick, `?` or `:`, a `?` or final `:` in unquoted text inside a flow
+//! collection, anchors, keys PyYAML cannot scan as simple keys, and a block scalar ending
+//! the text without a line break. Every plain scalar is read by PyYAML's YAML 1.1 rules
+//! ([`yaml11`](super::yaml11)), and refused where a YAML 1.2 reader reads it otherwise, so
+//! that an author's intent and the guest's reading cannot part.
 
 use std::collections::HashSet;
 
@@ -106,9 +108,10 @@ fn kind_of(value: &CloudConfigValue) -> String {
     }
 }
 
-/// What PyYAML's scanner refuses line by line, outside quoted and block scalars: a tab
-/// (it only skips spaces between tokens, so `a:\tb`, `a b\t` and tab indentation fail),
-/// a `%` directive, and more than one document.
+/// What PyYAML's scanner refuses or reads otherwise, found on the text and the events:
+/// more than one document, a block scalar ending the text, and line by line outside
+/// quoted and block scalars a tab (it only skips spaces between tokens, so `a:\tb`,
+/// `a b\t` and tab indentation fail), a `%` directive and a misplaced document marker.
 fn check_lexical(
     chars: &[char],
     events: &[(Event<'_>, Span)],
