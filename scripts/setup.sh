@@ -110,6 +110,9 @@ install_apt() {
     log "missing packages: ${main_missing[*]} ${bp_missing[*]}; run 'make setup' as root" >&2
     exit 1
   fi
+  if printf '%s\n' "${main_missing[@]}" | grep -qx cloud-init; then
+    CLOUD_INIT_FRESH=1
+  fi
   ensure_backports_source
   apt_update
   # Keep package scripts from starting system daemons: there is no init system
@@ -160,17 +163,15 @@ check_go() {
   fi
 }
 
-# cloud-init's packaging enables its boot units. Its own switch keeps them from ever
-# running here (its systemd generator then leaves cloud-init.target out of the boot): this
-# machine is not a guest, and its network must stay as it is.
+# cloud-init's packaging enables its boot units. When this script installed it, its own
+# switch keeps them from ever running here (its systemd generator then leaves
+# cloud-init.target out of the boot): this machine is not a guest, and its network must
+# stay as it is. A cloud-init that was there before is the machine's own and left alone.
+CLOUD_INIT_FRESH=0
 keep_cloud_init_off() {
   local flag=/etc/cloud/cloud-init.disabled
-  if [ -e "$flag" ] || ! dpkg-query -W -f='${db:Status-Status}' cloud-init 2>/dev/null | grep -qx installed; then
+  if [ "$CLOUD_INIT_FRESH" -ne 1 ] || [ -e "$flag" ]; then
     return
-  fi
-  if [ "$(id -u)" -ne 0 ]; then
-    log "cloud-init is installed but $flag is missing; run 'make setup' as root" >&2
-    exit 1
   fi
   mkdir -p /etc/cloud
   : >"$flag"
