@@ -273,6 +273,12 @@ const STRUCTURES: &[&str] = &[
     "a: -\n",
     "a: - \n",
     "a:\n  - b\n  -\n",
+    "a: \"x\\\n  y\"\n",
+    "a: \"x\n\n  y\"\n",
+    "a: 'x\n\n  y'\n",
+    "a: \"\\L\\P\\N\\_\\0\\a\"\n",
+    "a: \"x \\\n  \\ y\"\n",
+    "a: >-\n  x\n\n   y\n  z\n",
 ];
 
 /// First lines of the plain form (the body follows).
