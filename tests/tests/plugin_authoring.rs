@@ -336,17 +336,31 @@ fn plugin_test_passes_the_default_plugins() {
 #[test]
 fn plugin_test_names_the_rule_a_hostile_plugin_breaks_and_fails() {
     let hostile = plugin_path("hostile-domain").unwrap();
+    let domain = plugin_path("domain-default").unwrap();
     let dir = tempfile::tempdir().unwrap();
     let settings = dir.path().join("settings.yaml");
+    // `plugin test PLUGIN --settings FILE` with `text` in FILE.
+    let test_with = |plugin: &Path, text: &str| {
+        std::fs::write(&settings, text).unwrap();
+        operator(&[
+            "plugin",
+            "test",
+            plugin.to_str().unwrap(),
+            "--settings",
+            settings.to_str().unwrap(),
+        ])
+    };
+    // The rows of the matrix starting with `prefix`, without the cases that set the
+    // plugin's own `mode` (issue 34 item 2 labels them with it).
+    let rows = |stdout: &str, prefix: &str| -> Vec<String> {
+        stdout
+            .lines()
+            .filter(|l| l.starts_with(prefix) && !l.contains(" mode="))
+            .map(String::from)
+            .collect()
+    };
     // A NIC on another bridge than the host's.
-    std::fs::write(&settings, "mode: second-bridge\n").unwrap();
-    let out = operator(&[
-        "plugin",
-        "test",
-        hostile.to_str().unwrap(),
-        "--settings",
-        settings.to_str().unwrap(),
-    ]);
+    let out = test_with(&hostile, "mode: second-bridge\n");
     assert_eq!(out.code, 1, "{}\n{}", out.stdout, out.stderr);
     let row = cells(&out.stdout, "sample-host bios 1-nic dhcp");
     assert_eq!(row[1], "FAIL", "{row:?}");
@@ -364,11 +378,7 @@ fn plugin_test_names_the_rule_a_hostile_plugin_breaks_and_fails() {
     );
     // Every case of the matrix fails; the cases that set the plugin's other modes (its
     // own enum setting, issue 34 item 2) are labelled with them.
-    let matrix: Vec<&str> = out
-        .stdout
-        .lines()
-        .filter(|l| l.starts_with("sample-host ") && !l.contains(" mode="))
-        .collect();
+    let matrix = rows(&out.stdout, "sample-host ");
     assert!(!matrix.is_empty(), "{}", out.stdout);
     assert!(
         matrix.iter().all(|l| l.contains(" FAIL ")),
@@ -383,21 +393,10 @@ fn plugin_test_names_the_rule_a_hostile_plugin_breaks_and_fails() {
 
     // A plugin that writes a second NIC of its own (no `extraNics` setting asked for it)
     // passes, and its cases are labelled with the NICs it wrote (issue 34, item 2).
-    std::fs::write(&settings, "mode: second-nic\n").unwrap();
-    let out = operator(&[
-        "plugin",
-        "test",
-        hostile.to_str().unwrap(),
-        "--settings",
-        settings.to_str().unwrap(),
-    ]);
+    let out = test_with(&hostile, "mode: second-nic\n");
     // (The cases that set the plugin's other, hostile modes fail, and so do its UEFI ones:
     // it writes no loader.)
-    let bios: Vec<&str> = out
-        .stdout
-        .lines()
-        .filter(|l| l.starts_with("sample-host bios ") && !l.contains(" mode="))
-        .collect();
+    let bios = rows(&out.stdout, "sample-host bios ");
     assert_eq!(bios.len(), 3, "{}", out.stdout);
     assert!(
         bios.iter()
@@ -413,27 +412,12 @@ fn plugin_test_names_the_rule_a_hostile_plugin_breaks_and_fails() {
     );
 
     // Settings are checked before anything renders; a refusal names its JSON pointer.
-    std::fs::write(&settings, "{\"mode\": 42}").unwrap();
-    let out = operator(&[
-        "plugin",
-        "test",
-        hostile.to_str().unwrap(),
-        "--settings",
-        settings.to_str().unwrap(),
-    ]);
+    let out = test_with(&hostile, "{\"mode\": 42}");
     assert_eq!(out.code, 1);
     assert!(out.stderr.contains("\n  /mode: "), "{}", out.stderr);
     assert!(!out.stdout.contains("case(s)"), "{}", out.stdout);
 
-    let domain = plugin_path("domain-default").unwrap();
-    std::fs::write(&settings, "extraNics: 7\n").unwrap();
-    let out = operator(&[
-        "plugin",
-        "test",
-        domain.to_str().unwrap(),
-        "--settings",
-        settings.to_str().unwrap(),
-    ]);
+    let out = test_with(&domain, "extraNics: 7\n");
     assert_eq!(out.code, 1);
     assert!(out.stderr.contains("/extraNics: "), "{}", out.stderr);
 
