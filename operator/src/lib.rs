@@ -19,6 +19,7 @@ pub mod provider;
 pub mod providerhealth;
 pub mod provision;
 pub mod render;
+pub mod revision;
 pub mod run;
 pub mod serving;
 pub mod state_metrics;

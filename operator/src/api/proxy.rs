@@ -56,6 +56,11 @@ pub const GROUP: &str = "egress-operator.dev";
         json_path = ".status.conditions[?(@.type==\"Ready\")].status"
     ),
     printcolumn(
+        name = "UpToDate",
+        type_ = "string",
+        json_path = ".status.conditions[?(@.type==\"UpToDate\")].status"
+    ),
+    printcolumn(
         name = "Phase",
         type_ = "string",
         json_path = ".status.phase",
@@ -305,6 +310,28 @@ pub struct ProxyStatus {
     /// success.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub last_error_class: Option<String>,
+    /// What the instance was made from (see the `UpToDate` condition for how that compares
+    /// with what is configured now).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub revision: Option<ProxyRevision>,
+}
+
+/// The revision a Proxy's instance was made from: a digest per input, so a change can be
+/// named ("domainPlugin, image"), and the digest of them all.
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize, JsonSchema)]
+#[serde(rename_all = "camelCase")]
+pub struct ProxyRevision {
+    /// The digest of all parts.
+    pub hash: String,
+    /// Input name (`image`, `domainPlugin`, `vendorDataPlugin`, `machineType`, `userData`,
+    /// `hostPolicy`) → a short sha256 of that input.
+    #[serde(default)]
+    pub parts: std::collections::BTreeMap<String, String>,
+    /// True when the revision was first recorded on an instance made before revisions were
+    /// kept: it is what was configured when the operator first saw it, not necessarily what
+    /// it was made from. Such a Proxy is never rolled on that account.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub adopted: Option<bool>,
 }
 
 fn lenient_phase<'de, D: serde::Deserializer<'de>>(d: D) -> Result<Option<ProxyPhase>, D::Error> {

@@ -31,6 +31,7 @@ pub mod metrics;
 pub mod requeue;
 pub mod serving;
 pub mod status;
+mod uptodate;
 pub mod watch;
 
 use std::sync::Arc;
@@ -462,7 +463,8 @@ async fn apply(proxy: &Proxy, ctx: &Context) -> Result<Action, ControllerError> 
     match converge_serving(&target, ctx, &mut current).await {
         Ok((instance, change, check, failures)) => {
             let now = ctx.now();
-            let new = status::observed(&current, target.generation, &instance, &check, now);
+            let mut new = status::observed(&current, target.generation, &instance, &check, now);
+            uptodate::judge(ctx, proxy, &instance, &mut new, now);
             if ctx.serving.needs_write(&target.owner.uid, &current, &new) {
                 write_status(ctx, proxy, &new).await?;
             }
@@ -649,7 +651,7 @@ async fn converge_serving(
         Err(e) => return Err(e.into()),
     }
     forget_instance(current);
-    let instance = create(t, ctx, &provider).await?;
+    let instance = create(t, ctx, &provider, current).await?;
     let check = serving::check(&ctx.prober, &instance).await;
     ctx.fence.check("reporting the probe")?;
     let failures = ctx.serving.checked(&t.owner.uid, &instance.id.host, &check);
@@ -746,7 +748,7 @@ async fn converge(
         mark_provisioning(ctx, t, current, "Creating", "creating the instance").await?;
     }
 
-    let instance = create(t, ctx, &provider).await?;
+    let instance = create(t, ctx, &provider, current).await?;
     tracing::info!(
         proxy = %format!("{}/{}", t.owner.namespace, t.owner.name),
         instance = %instance.id,
@@ -776,12 +778,23 @@ async fn create(
     t: &Target<'_>,
     ctx: &Context,
     provider: &SharedProvider,
+    current: &mut ProxyStatus,
 ) -> Result<Instance, ControllerError> {
     let user_data = read_user_data(ctx, t.proxy, &t.owner.namespace).await?;
+    // Taken before the Create: a config that changes during it then leaves the instance
+    // recorded as older than it may be, and rolled once more; never the other way. Only
+    // the host's part waits for placement.
+    let revision = |host: Option<&str>| {
+        let bytes = user_data.as_ref().map(|u| u.expose());
+        provider
+            .revision(&t.proxy.spec, host, crate::revision::UserData::Read(bytes))
+            .and_then(Result::ok)
+    };
+    let before = revision(None);
     let req = CreateRequest {
         proxy: t.owner.clone(),
         spec: t.proxy.spec.clone(),
-        user_data,
+        user_data: user_data.clone(),
         fence: ctx.fence.clone(),
     };
     let instance = match provider.create(&req).await {
@@ -812,6 +825,11 @@ async fn create(
         requeue::trigger_of(&t.proxy.metadata),
         &instance,
     );
+    current.revision = match (before, revision(Some(&instance.id.host))) {
+        (Some(before), Some(placed)) => Some(before.with_host_part(&placed).to_status(false)),
+        // A plugin not loaded before the Create cannot have rendered it.
+        _ => None,
+    };
     Ok(instance)
 }
 

@@ -23,6 +23,9 @@ pub const PROVISIONED: &str = "Provisioned";
 pub const READY: &str = "Ready";
 /// Condition type: the instance's proxy answered the last probe.
 pub const SERVING: &str = "Serving";
+/// Condition type: the instance was made from what is configured now (see
+/// [`crate::revision`]); False names the inputs that changed since.
+pub const UP_TO_DATE: &str = "UpToDate";
 
 /// Longest condition message we write; provider errors can be long.
 const MAX_MESSAGE: usize = 1024;

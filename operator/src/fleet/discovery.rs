@@ -813,6 +813,7 @@ mod tests {
             serving,
             failed: false,
             not_serving_since: None,
+            outdated: false,
         }
     }
 

@@ -210,6 +210,7 @@ mod tests {
             serving,
             failed,
             not_serving_since: None,
+            outdated: false,
         }
     }
 

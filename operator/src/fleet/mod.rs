@@ -122,6 +122,9 @@ pub struct Member {
     /// Since when its `Serving` condition is False (for replacing a proxy that never
     /// comes back).
     pub not_serving_since: Option<jiff::Timestamp>,
+    /// Whether its `UpToDate` condition is False: it was made from inputs the config no
+    /// longer has (a plugin, an image, a machine type), so a rollout replaces it.
+    pub outdated: bool,
 }
 
 impl Member {
@@ -169,6 +172,7 @@ impl Member {
             serving,
             failed: st.phase == Some(crate::api::proxy::ProxyPhase::Failed),
             not_serving_since,
+            outdated: status::condition(&st, status::UP_TO_DATE).is_some_and(|c| c.status == "False"),
         }
     }
 
@@ -273,6 +277,7 @@ mod tests {
             serving,
             failed: false,
             not_serving_since: None,
+            outdated: false,
         }
     }
 

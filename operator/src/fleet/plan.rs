@@ -3,9 +3,11 @@
 //!
 //! Rules:
 //!
-//! - **Old** members are made from an older template, or are broken: the Proxy controller
-//!   gave up on them (`Failed`), they have not served for `replaceAfter`, or they sit on a
-//!   host ProviderHealth marks unreachable and do not serve. **New** members are the rest.
+//! - **Old** members are made from an older template or from inputs the config no longer
+//!   has (their `UpToDate` is False: a plugin, image or machine type changed), or are
+//!   broken: the Proxy controller gave up on them (`Failed`), they have not served for
+//!   `replaceAfter`, or they sit on a host ProviderHealth marks unreachable and do not
+//!   serve. **New** members are the rest.
 //!   Leased members are never removed, drained or replaced by the pool (the lease recycles
 //!   them); they count as members.
 //! - **Surge-first**: new members are created up to `replicas`, and beyond the members
@@ -115,7 +117,8 @@ pub struct Counts {
 }
 
 fn is_old(m: &Member, shape: &PoolShape, hosts: &[HostSlot], now: jiff::Timestamp) -> bool {
-    if m.template_hash.as_deref() != Some(shape.template_hash.as_str()) || m.failed {
+    if m.template_hash.as_deref() != Some(shape.template_hash.as_str()) || m.failed || m.outdated
+    {
         return true;
     }
     if m.serving {
@@ -369,6 +372,7 @@ mod tests {
             serving,
             failed: false,
             not_serving_since: None,
+            outdated: false,
         }
     }
 

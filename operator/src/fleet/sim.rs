@@ -106,6 +106,7 @@ impl World {
                     serving,
                     failed: false,
                     not_serving_since: (!serving).then(|| self.ts(p.created)),
+                    outdated: false,
                 }
             })
             .collect()

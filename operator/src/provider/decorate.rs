@@ -151,6 +151,14 @@ impl<P: Provider + ?Sized> Provider for Traced<P> {
     fn reconnect(&self) {
         self.inner.reconnect();
     }
+    fn revision(
+        &self,
+        spec: &crate::api::proxy::ProxySpec,
+        host: Option<&str>,
+        user_data: crate::revision::UserData<'_>,
+    ) -> Option<Result<crate::revision::Revision, String>> {
+        self.inner.revision(spec, host, user_data)
+    }
 }
 
 /// Labels of provider call metrics.
@@ -311,6 +319,14 @@ impl<P: Provider + ?Sized> Provider for Metered<P> {
     }
     fn reconnect(&self) {
         self.inner.reconnect();
+    }
+    fn revision(
+        &self,
+        spec: &crate::api::proxy::ProxySpec,
+        host: Option<&str>,
+        user_data: crate::revision::UserData<'_>,
+    ) -> Option<Result<crate::revision::Revision, String>> {
+        self.inner.revision(spec, host, user_data)
     }
 }
 
@@ -677,6 +693,14 @@ impl<P: Provider + ?Sized> Provider for Fenced<P> {
     }
     fn reconnect(&self) {
         self.inner.reconnect();
+    }
+    fn revision(
+        &self,
+        spec: &crate::api::proxy::ProxySpec,
+        host: Option<&str>,
+        user_data: crate::revision::UserData<'_>,
+    ) -> Option<Result<crate::revision::Revision, String>> {
+        self.inner.revision(spec, host, user_data)
     }
 }
 

@@ -488,6 +488,19 @@ pub trait Provider: Send + Sync {
 
     /// Lifts [`Provider::sever`]: this replica leads again.
     fn reconnect(&self) {}
+
+    /// The revision a Create of `spec` on `host` (`None`: before placement) makes now (what the instance would be
+    /// made from), so the controller can record it and tell a running instance made from
+    /// older inputs. `None` when this provider keeps no revisions, or cannot tell yet (a
+    /// plugin still loading); `Some(Err)` names what the config cannot make.
+    fn revision(
+        &self,
+        _spec: &ProxySpec,
+        _host: Option<&str>,
+        _user_data: crate::revision::UserData<'_>,
+    ) -> Option<Result<crate::revision::Revision, String>> {
+        None
+    }
 }
 
 /// What [`Provider::sever`] found: blocking calls (threads waiting on a target) running

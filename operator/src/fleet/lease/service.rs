@@ -136,6 +136,7 @@ mod tests {
             serving,
             failed: false,
             not_serving_since: None,
+            outdated: false,
         }
     }
 

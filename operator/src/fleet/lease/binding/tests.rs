@@ -35,6 +35,7 @@ fn seen(name: &str, serving: bool, holder: Option<&str>) -> Seen {
             serving,
             failed: false,
             not_serving_since: None,
+            outdated: false,
         },
         holder: holder.map(str::to_string),
         in_pool: true,

@@ -1601,6 +1601,29 @@ impl Provider for Kvm2Provider {
         self.ops.sever(bound)
     }
 
+    fn revision(
+        &self,
+        spec: &crate::api::proxy::ProxySpec,
+        host: Option<&str>,
+        user_data: crate::revision::UserData<'_>,
+    ) -> Option<Result<crate::revision::Revision, String>> {
+        // Until both plugins are loaded their digests are not known (a `path` plugin need
+        // not pin one), and neither is the revision.
+        let domain = self.templates.domain().ok()?;
+        let vendor_data = self.templates.vendor_data().ok()?;
+        let digests = crate::revision::PluginDigests {
+            domain: domain.sha256(),
+            vendor_data: vendor_data.sha256(),
+        };
+        Some(crate::revision::Revision::of(
+            &self.config,
+            digests,
+            spec,
+            host,
+            user_data,
+        ))
+    }
+
     fn reconnect(&self) {
         self.ops.reconnect();
     }

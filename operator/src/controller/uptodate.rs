@@ -1,0 +1,105 @@
+//! The `UpToDate` condition: was the instance made from what is configured now?
+//!
+//! The revision recorded at Create ([`crate::revision`]) is compared at every reconcile
+//! with the one the provider would make now, part by part, so the condition names what
+//! changed ("domainPlugin, image"). A pool replaces members whose condition is False as it
+//! rolls a template change; a standalone Proxy only shows it.
+
+use super::Context;
+use super::status::{UP_TO_DATE, set_condition};
+use crate::api::proxy::{Proxy, ProxyStatus};
+use crate::provider::Instance;
+use crate::revision::{Revision, USER_DATA, UserData};
+
+/// Reason: the instance was made from the current inputs.
+pub const CURRENT: &str = "Current";
+/// Reason: made before revisions were kept; the current revision was recorded as its own.
+pub const ADOPTED: &str = "Adopted";
+/// Reason: inputs changed since the instance was made.
+pub const INPUTS_CHANGED: &str = "InputsChanged";
+
+/// Sets `new`'s revision (adopting one for an instance made before revisions were kept)
+/// and its `UpToDate` condition, from what the Proxy's provider would make now. Leaves both
+/// as they are when the provider cannot tell (a plugin still loading).
+pub(super) fn judge(
+    ctx: &Context,
+    proxy: &Proxy,
+    instance: &Instance,
+    new: &mut ProxyStatus,
+    now: jiff::Timestamp,
+) {
+    let Ok(provider) = super::provider_for(ctx, &proxy.spec.provider) else {
+        return;
+    };
+    let recorded_user_data = new
+        .revision
+        .as_ref()
+        .and_then(|r| r.parts.get(USER_DATA))
+        .cloned();
+    let now_rev = provider.revision(
+        &proxy.spec,
+        Some(&instance.id.host),
+        UserData::Recorded(recorded_user_data.as_deref()),
+    );
+    match now_rev {
+        Some(Ok(rev)) => apply(new, &rev, proxy.metadata.generation, now),
+        Some(Err(e)) => {
+            tracing::debug!(error = %e, "no revision for the Proxy's spec; UpToDate left as it was");
+        }
+        None => {}
+    }
+}
+
+/// The pure half of [`judge`]: compares `rev` (what would be made now) with the recorded
+/// revision and writes the condition.
+pub fn apply(new: &mut ProxyStatus, rev: &Revision, generation: Option<i64>, now: jiff::Timestamp) {
+    let (ok, reason, message) = match &new.revision {
+        None => {
+            new.revision = Some(rev.to_status(true));
+            (
+                true,
+                ADOPTED,
+                format!(
+                    "made before revisions were kept; revision {} (the current one) recorded as \
+                     its own, so it is not rolled on that account",
+                    rev.hash()
+                ),
+            )
+        }
+        Some(recorded) => {
+            let changed = rev.changed_from(recorded);
+            if changed.is_empty() {
+                let reason = if recorded.adopted == Some(true) {
+                    ADOPTED
+                } else {
+                    CURRENT
+                };
+                (
+                    true,
+                    reason,
+                    format!("made from the current inputs (revision {})", recorded.hash),
+                )
+            } else {
+                (
+                    false,
+                    INPUTS_CHANGED,
+                    format!(
+                        "changed since the instance was made: {} (revision {} now, {} when made)",
+                        changed.join(", "),
+                        rev.hash(),
+                        recorded.hash
+                    ),
+                )
+            }
+        }
+    };
+    set_condition(
+        &mut new.conditions,
+        UP_TO_DATE,
+        ok,
+        reason,
+        &message,
+        generation,
+        now,
+    );
+}
