@@ -292,7 +292,7 @@ pub struct HealthMonitor {
     providers: Vec<SharedProvider>,
     boards: BTreeMap<String, HealthBoard>,
     /// Template plugins of each provider that has them, read at every round.
-    plugins: BTreeMap<String, Arc<TemplateSet>>,
+    plugins: BTreeMap<String, PluginSource>,
     sink: Arc<dyn HealthSink>,
     options: MonitorOptions,
     metrics: HealthMetrics,
@@ -342,7 +342,15 @@ impl HealthMonitor {
 
     /// Reports `plugins` in `provider`'s status at every round.
     pub fn with_plugins(mut self, provider: &str, plugins: Arc<TemplateSet>) -> Self {
-        self.plugins.insert(provider.to_string(), plugins);
+        self.plugins
+            .insert(provider.to_string(), PluginSource::Fixed(plugins));
+        self
+    }
+
+    /// Reports the plugins of the config in force in `live` (a reload replaces them).
+    pub fn with_live_plugins(mut self, provider: &str, live: Arc<crate::config::live::Live>) -> Self {
+        self.plugins
+            .insert(provider.to_string(), PluginSource::Live(live));
         self
     }
 
@@ -429,8 +437,8 @@ impl HealthMonitor {
             b.record(&results);
         }
         let mut status = status_of(&results, (self.clock)());
-        if let Some(set) = self.plugins.get(name) {
-            status.plugins = plugin_statuses(&set.health());
+        if let Some(source) = self.plugins.get(name) {
+            status.plugins = plugin_statuses(&source.current().health());
         }
         let written =
             tokio::time::timeout(self.options.write_timeout, self.sink.write(name, &status))
@@ -498,6 +506,23 @@ pub fn status_of(results: &[TargetHealth], now: jiff::Timestamp) -> ProviderHeal
         targets,
         last_checked: Some(now),
         plugins: Vec::new(),
+    }
+}
+
+/// Where a provider's plugins are read from at each round.
+enum PluginSource {
+    /// One set for good.
+    Fixed(Arc<TemplateSet>),
+    /// The set of the config in force.
+    Live(Arc<crate::config::live::Live>),
+}
+
+impl PluginSource {
+    fn current(&self) -> Arc<TemplateSet> {
+        match self {
+            PluginSource::Fixed(s) => s.clone(),
+            PluginSource::Live(l) => l.templates(),
+        }
     }
 }
 

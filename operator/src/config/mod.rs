@@ -4,6 +4,7 @@
 //! every rule in [`validate`]; so code downstream (placement, XML, volume names, paths)
 //! never sees an unchecked value.
 
+pub mod live;
 pub mod types;
 pub mod validate;
 
@@ -112,6 +113,12 @@ impl ValidConfig {
     /// `kube-system` UID by the operator, or the configured `clusterId` alone by the CLI.
     pub fn identity(&self) -> &ClusterIdentity {
         &self.1
+    }
+    /// This config with `old`'s identity (resolved at start): a reload must not write
+    /// marks under an identity not yet resolved. [`live::needs_restart`] refused a changed
+    /// `clusterId` before this is called.
+    pub fn with_identity_of(self, old: &ValidConfig) -> Self {
+        Self(self.0, old.1.clone())
     }
     /// The host of that name.
     pub fn host(&self, name: &str) -> Option<&HostConfig> {

@@ -165,8 +165,12 @@ pub use crate::error::kube_error_class as kube_class;
 pub struct Context {
     /// The API client.
     pub client: Client,
-    /// The providers config (validated at start).
+    /// The providers config (validated at start): the serving settings, which take effect
+    /// only at start.
     pub config: Arc<ValidConfig>,
+    /// The config in force, which a reload replaces (images, machine types, plugins);
+    /// `None`: `config` for good.
+    pub live: Option<Arc<crate::config::live::Live>>,
     /// Providers by name.
     pub providers: Arc<Registry>,
     /// Event recorder.
@@ -232,6 +236,7 @@ impl Context {
         Self {
             client,
             config,
+            live: None,
             providers,
             recorder,
             metrics,
@@ -257,6 +262,19 @@ impl Context {
     pub fn with_fence(mut self, fence: Fence) -> Self {
         self.fence = fence;
         self
+    }
+
+    /// The same context, checking specs against the config in force in `live`.
+    pub fn with_live(mut self, live: Arc<crate::config::live::Live>) -> Self {
+        self.live = Some(live);
+        self
+    }
+
+    /// The config in force now.
+    pub fn current_config(&self) -> Arc<ValidConfig> {
+        self.live
+            .as_ref()
+            .map_or_else(|| self.config.clone(), |l| l.config())
     }
 }
 
@@ -674,7 +692,7 @@ async fn converge(
              nothing is created until the operator is updated or the field removed",
         );
     }
-    spec.check(&ctx.config, &mut problems);
+    spec.check(&ctx.current_config(), &mut problems);
     let problems = problems.into_vec();
     if !problems.is_empty() {
         let text = problems

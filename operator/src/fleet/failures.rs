@@ -52,6 +52,8 @@ impl CreateBackoff {
 pub struct Streak {
     /// The template whose members failed: a new template starts without a streak.
     pub template_hash: String,
+    /// The config generation they failed under: a reload starts without a streak.
+    pub config_generation: u64,
     /// How many members of that template failed since one last proved it.
     pub count: u32,
     /// When the last one was seen failed.
@@ -110,6 +112,7 @@ impl FailureBook {
         &self,
         pool_uid: &str,
         template_hash: &str,
+        config_generation: u64,
         replicas: usize,
         members: &[Member],
         messages: &BTreeMap<String, String>,
@@ -122,11 +125,14 @@ impl FailureBook {
         let memory = pools.entry(pool_uid.to_string()).or_default();
         let current: Vec<&Member> = members
             .iter()
-            .filter(|m| m.template_hash.as_deref() == Some(template_hash) && !m.leaving())
+            .filter(|m| {
+                m.template_hash.as_deref() == Some(template_hash) && !m.leaving() && !m.outdated
+            })
             .collect();
         let mut out = Observed::default();
         if let Some(s) = &memory.streak {
-            let other_template = s.template_hash != template_hash;
+            let other_template =
+                s.template_hash != template_hash || s.config_generation != config_generation;
             let proven = current
                 .iter()
                 .any(|m| m.serving && !m.failed && m.created > s.last_at);
@@ -149,6 +155,7 @@ impl FailureBook {
             );
             let s = memory.streak.get_or_insert_with(|| Streak {
                 template_hash: template_hash.to_string(),
+                config_generation,
                 count: 0,
                 last_at: now,
                 last: String::new(),
@@ -231,7 +238,7 @@ mod tests {
                 "uid-a".to_string(),
                 "RenderFailed: bad settings".to_string(),
             )]);
-            book.observe("pool", "t2", 2, members, &messages, at(now), b)
+            book.observe("pool", "t2", 0, 2, members, &messages, at(now), b)
         };
         let a = member("a", "t2", 0, true, false);
         let old = member("o", "t1", 0, true, false);
@@ -281,16 +288,31 @@ mod tests {
         let none = BTreeMap::new();
         let a = member("a", "t2", 0, true, false);
         assert!(
-            book.observe("p", "t2", 2, std::slice::from_ref(&a), &none, at(1), b)
+            book.observe("p", "t2", 0, 2, std::slice::from_ref(&a), &none, at(1), b)
                 .streak
                 .is_some()
         );
-        let fixed = book.observe("p", "t3", 2, std::slice::from_ref(&a), &none, at(2), b);
+        let fixed = book.observe("p", "t3", 0, 2, std::slice::from_ref(&a), &none, at(2), b);
         assert!(fixed.streak.is_none(), "the template changed: {fixed:?}");
+
+        // A reload (another config generation) ends it too: a stalled rollout resumes.
+        let book = FailureBook::default();
+        assert!(
+            book.observe("s", "t2", 0, 2, std::slice::from_ref(&a), &none, at(1), b)
+                .streak
+                .is_some()
+        );
+        let reloaded = book.observe("s", "t2", 1, 2, &[], &none, at(2), b);
+        assert!(reloaded.streak.is_none(), "the config changed: {reloaded:?}");
+        // An out-of-date member that fails is not the current config's failure.
+        let mut stale = member("o", "t2", 0, true, false);
+        stale.outdated = true;
+        let old = book.observe("s", "t2", 1, 2, std::slice::from_ref(&stale), &none, at(3), b);
+        assert!(old.streak.is_none() && old.new.is_empty(), "{old:?}");
 
         let book = FailureBook::default();
         assert!(
-            book.observe("q", "t2", 2, std::slice::from_ref(&a), &none, at(1), b)
+            book.observe("q", "t2", 0, 2, std::slice::from_ref(&a), &none, at(1), b)
                 .streak
                 .is_some()
         );
@@ -299,15 +321,15 @@ mod tests {
             member("x", "t2", 0, false, true),
             member("y", "t2", 0, false, true),
         ];
-        let whole = book.observe("q", "t2", 2, &up, &none, at(3), b);
+        let whole = book.observe("q", "t2", 0, 2, &up, &none, at(3), b);
         assert!(whole.cleared && whole.streak.is_none(), "{whole:?}");
         // An empty pool is not whole.
         assert!(
-            book.observe("r", "t2", 2, std::slice::from_ref(&a), &none, at(1), b)
+            book.observe("r", "t2", 0, 2, std::slice::from_ref(&a), &none, at(1), b)
                 .streak
                 .is_some()
         );
-        let empty = book.observe("r", "t2", 2, &[], &none, at(3), b);
+        let empty = book.observe("r", "t2", 0, 2, &[], &none, at(3), b);
         assert!(empty.streak.is_some(), "{empty:?}");
     }
 }

@@ -50,8 +50,11 @@ pub type Clock = Arc<dyn Fn() -> jiff::Timestamp + Send + Sync>;
 pub struct FleetContext {
     /// The API client.
     pub client: Client,
-    /// The providers config: host names and capacity, the proxy port, the replace grace.
+    /// The providers config read at start: host names, the proxy port, the replace grace.
     pub config: Arc<ValidConfig>,
+    /// The config in force, which a reload replaces (hosts' `maxDomains`); `None`:
+    /// `config` for good.
+    pub live: Option<Arc<crate::config::live::Live>>,
     /// The fast probe's verdicts.
     pub board: Arc<LivenessBoard>,
     /// Metrics.
@@ -106,6 +109,7 @@ impl FleetContext {
         Self {
             client,
             config,
+            live: None,
             board,
             metrics,
             recorder,
@@ -123,6 +127,25 @@ impl FleetContext {
     /// The pool controller's caches (see [`super::at_rest`]).
     pub(super) fn pool_caches(&self) -> Option<&super::at_rest::PoolCaches> {
         self.pool_caches.get()
+    }
+
+    /// The same context, placing with the config in force in `live`.
+    pub fn with_live(mut self, live: Arc<crate::config::live::Live>) -> Self {
+        self.live = Some(live);
+        self
+    }
+
+    /// The config in force now.
+    pub fn current_config(&self) -> Arc<ValidConfig> {
+        self.live
+            .as_ref()
+            .map_or_else(|| self.config.clone(), |l| l.config())
+    }
+
+    /// A key that changes whenever a reload installs another config: a streak of failed
+    /// members is of one template under one config, and a new config starts afresh.
+    pub fn config_generation(&self) -> u64 {
+        self.live.as_ref().map_or(0, |l| l.snapshot().generation)
     }
 
     /// The same context with another create backoff (tests shorten it).
@@ -316,9 +339,12 @@ pub async fn reconcile(pool: Arc<ProxyPool>, ctx: Arc<FleetContext>) -> Result<A
     let mut shape = shape_of(&pool, &ctx.config);
     shape.replicas += demand.surge;
     let now = ctx.now();
+    // A streak belongs to one template under one config: a reload (a fixed plugin, the
+    // old digest put back) starts afresh, so a stalled rollout resumes.
     let failures = ctx.failures.observe(
         owner.uid.as_str(),
         &shape.template_hash,
+        ctx.config_generation(),
         shape.replicas,
         &members,
         &failure_messages(&mine.items),
@@ -330,13 +356,13 @@ pub async fn reconcile(pool: Arc<ProxyPool>, ctx: Arc<FleetContext>) -> Result<A
     shape.creates = failures.gate();
     // First without the cluster's usage (cheap); creates need the real room, so only
     // then every Proxy is listed.
-    let mut slots = host_slots(&pool, &ctx.config, health.as_ref(), &BTreeMap::new());
+    let mut slots = host_slots(&pool, &ctx.current_config(), health.as_ref(), &BTreeMap::new());
     let mut p = plan::plan(&shape, &members, &slots, now);
     if !p.create.is_empty() {
         let all = Api::<Proxy>::all(ctx.client.clone())
             .list(&ListParams::default())
             .await?;
-        slots = host_slots(&pool, &ctx.config, health.as_ref(), &usage(&all.items));
+        slots = host_slots(&pool, &ctx.current_config(), health.as_ref(), &usage(&all.items));
         p = plan::plan(&shape, &members, &slots, now);
     }
     // What each Proxy was when the plan was made: the drain and the delete apply only to
@@ -693,18 +719,30 @@ pub(super) fn next_status(
         generation,
         now,
     );
+    // A rollout whose new members keep failing halts: the backoff holds creates back and
+    // no serving old member goes (surge-first), until the template or the config changes
+    // again or a new member serves.
+    let stalled = c.progressing && failures.streak.is_some();
     set_condition(
         &mut conditions,
         "Progressing",
-        c.progressing,
-        if c.progressing {
+        c.progressing && !stalled,
+        if stalled {
+            "RolloutStalled"
+        } else if c.progressing {
             "RollingOut"
         } else {
             "Settled"
         },
         &format!(
-            "{} of {} made from the current template",
-            c.updated, shape.replicas
+            "{} of {} made from the current template and config{}",
+            c.updated,
+            shape.replicas,
+            if stalled {
+                "; new members keep failing, so no old member is removed (see Degraded)"
+            } else {
+                ""
+            }
         ),
         generation,
         now,

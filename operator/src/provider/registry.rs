@@ -58,6 +58,19 @@ impl Registry {
         options: Kvm2Options,
         registry: Option<&mut prometheus_client::registry::Registry>,
     ) -> Result<(Self, Kvm2Parts), HostError> {
+        let live = Arc::new(crate::config::live::Live::new(config, templates));
+        Self::from_live(live, options, registry)
+    }
+
+    /// Builds every provider the config in `live` defines, rendering with the config a
+    /// reload installs there (the hosts' connections are made now, from the config in
+    /// force).
+    pub fn from_live(
+        live: Arc<crate::config::live::Live>,
+        options: Kvm2Options,
+        registry: Option<&mut prometheus_client::registry::Registry>,
+    ) -> Result<(Self, Kvm2Parts), HostError> {
+        let config = live.config();
         let mut options = options;
         let (call_metrics, image_metrics, metrics) = match registry {
             Some(r) => {
@@ -83,13 +96,7 @@ impl Registry {
         )?);
         let ops = Arc::new(LibvirtOps::new(hosts.clone()));
         let health = options.health.clone();
-        let kvm2 = Arc::new(Kvm2Provider::new(
-            config,
-            ops,
-            templates,
-            options,
-            image_metrics,
-        ));
+        let kvm2 = Arc::new(Kvm2Provider::with_live(live, ops, options, image_metrics));
         let mut me = Self::new();
         me.insert(decorate(kvm2.clone(), metrics.clone()));
         Ok((

@@ -56,9 +56,23 @@ pub struct Probes {
     role: AtomicU8,
     wedged: AtomicBool,
     watch: std::sync::OnceLock<crate::controller::watch::WatchHealth>,
+    /// The config in force (its plugins are reported) and the last reload's refusal.
+    live: std::sync::OnceLock<(
+        Arc<crate::config::live::Live>,
+        Arc<super::reload::ReloadState>,
+    )>,
 }
 
 impl Probes {
+    /// Reports the plugins of the config in force in `live`, and `reload`'s refusals.
+    pub fn set_live(
+        &self,
+        live: Arc<crate::config::live::Live>,
+        reload: Arc<super::reload::ReloadState>,
+    ) {
+        let _ = self.live.set((live, reload));
+    }
+
     /// Records the role.
     pub fn set_role(&self, role: Role) {
         self.role.store(role as u8, Ordering::SeqCst);
@@ -213,7 +227,10 @@ async fn readyz(State(s): State<AppState>) -> Response {
     {
         body.push_str(&watch_report(health));
     }
-    if let Some(set) = &s.plugins {
+    if let Some((live, reload)) = s.probes.live.get() {
+        body.push_str(&plugin_report(&live.templates()));
+        body.push_str(&reload.report());
+    } else if let Some(set) = &s.plugins {
         body.push_str(&plugin_report(set));
     }
     (code, body).into_response()

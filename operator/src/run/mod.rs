@@ -22,6 +22,7 @@
 pub mod api_metrics;
 pub mod endpoints;
 pub mod plugins;
+pub mod reload;
 
 use std::collections::BTreeMap;
 use std::net::SocketAddr;
@@ -191,7 +192,12 @@ pub fn run(args: &RunArgs, err: &mut dyn std::io::Write) -> std::io::Result<u8> 
 
 /// Everything built once at start and shared by every leadership term.
 struct Parts {
+    /// The config read at start (the fields a reload cannot change).
     config: Arc<ValidConfig>,
+    /// The config and plugins in force.
+    live: Arc<crate::config::live::Live>,
+    /// Watches the config file; the leader runs it during its terms.
+    reloader: Arc<tokio::sync::Mutex<reload::Reloader>>,
     providers: Arc<Registry>,
     templates: Arc<TemplateSet>,
     boards: BTreeMap<String, crate::provider::health::HealthBoard>,
@@ -239,13 +245,25 @@ async fn serve(args: RunArgs, config: Arc<ValidConfig>) -> Result<(), RunError> 
     let engine = Arc::new(engine(&args)?);
     let templates = Arc::new(TemplateSet::loading(&config.kvm2.templates));
     let plugin_metrics = PluginMetrics::register(&mut registry);
-    let (providers, kvm2) = Registry::from_config(
+    let live = Arc::new(crate::config::live::Live::new(
         config.clone(),
         templates.clone(),
-        Kvm2Options::default(),
-        Some(&mut registry),
-    )
-    .map_err(|e| RunError::Providers(e.to_string()))?;
+    ));
+    let (providers, kvm2) =
+        Registry::from_live(live.clone(), Kvm2Options::default(), Some(&mut registry))
+            .map_err(|e| RunError::Providers(e.to_string()))?;
+    // What the file holds now: a later change of it is what a reload installs. (Read
+    // after the load at start: a change in between is seen as unchanged until the next.)
+    let initial = std::fs::read(&args.config).unwrap_or_default();
+    let reload_state = Arc::new(reload::ReloadState::default());
+    let reloader = reload::Reloader::new(
+        args.config.clone(),
+        &initial,
+        live.clone(),
+        engine.clone(),
+        reload_state.clone(),
+        reload::ReloadMetrics::register(&mut registry),
+    );
     let mut boards = BTreeMap::new();
     boards.insert(
         crate::provider::registry::KVM2.to_string(),
@@ -259,6 +277,8 @@ async fn serve(args: RunArgs, config: Arc<ValidConfig>) -> Result<(), RunError> 
     let controller_metrics = ControllerMetrics::register(&mut registry);
     let parts = Parts {
         config,
+        live: live.clone(),
+        reloader: Arc::new(tokio::sync::Mutex::new(reloader)),
         providers: Arc::new(providers),
         templates: templates.clone(),
         boards,
@@ -277,6 +297,7 @@ async fn serve(args: RunArgs, config: Arc<ValidConfig>) -> Result<(), RunError> 
 
     let probes = Arc::new(Probes::default());
     probes.set_watch(parts.controller_metrics.watch.clone());
+    probes.set_live(live, reload_state);
     let listener = tokio::net::TcpListener::bind(args.http_addr)
         .await
         .map_err(|source| RunError::Listen {
@@ -528,7 +549,8 @@ fn spawn_fleet<S, F>(
             leading.clone(),
             Some(parts.identity.clone()),
         )
-        .with_state(parts.state_metrics.clone()),
+        .with_state(parts.state_metrics.clone())
+        .with_live(parts.live.clone()),
     );
     let options = LivenessOptions {
         port: parts.config.serving.port,
@@ -605,7 +627,8 @@ async fn run_term(
             Some(parts.identity.clone()),
         )
         .with_fence(fence)
-        .with_state(parts.state_metrics.clone()),
+        .with_state(parts.state_metrics.clone())
+        .with_live(parts.live.clone()),
     );
     let gc = GarbageCollector::new(
         fenced
@@ -643,8 +666,17 @@ async fn run_term(
         MonitorOptions::from_config(&parts.config.health_check),
         parts.health_metrics.clone(),
     )
-    .with_plugins(crate::provider::registry::KVM2, parts.templates.clone());
+    .with_live_plugins(crate::provider::registry::KVM2, parts.live.clone());
     let mut tasks = tokio::task::JoinSet::new();
+    {
+        let reloader = parts.reloader.clone();
+        let (client, identity, stopped) = (client.clone(), parts.identity.clone(), stop());
+        tasks.spawn(async move {
+            let mut r = reloader.lock().await;
+            r.set_events(client, identity, crate::provider::registry::KVM2);
+            r.run(stopped).await;
+        });
+    }
     tasks.spawn(controller::run(ctx, args.concurrency, stop()));
     tasks.spawn(gc.run(stop()));
     tasks.spawn(monitor.run(stop()));

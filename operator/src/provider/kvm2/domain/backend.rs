@@ -340,10 +340,11 @@ type HeartbeatSeen = (Option<Vec<u8>>, tokio::time::Instant);
 
 /// The kvm2 provider.
 pub struct Kvm2Provider {
-    config: Arc<ValidConfig>,
+    /// The config and plugins in force: a reload replaces them while the provider runs
+    /// (the hosts' connections and create slots stay as made at start).
+    live: Arc<crate::config::live::Live>,
     ops: Arc<dyn HostOps>,
     images: ImageCache,
-    templates: Arc<TemplateSet>,
     names: KeyedLocks,
     creates: BTreeMap<String, Arc<Semaphore>>,
     /// Creates in flight per host that have passed the room check: they count against
@@ -457,6 +458,19 @@ impl Kvm2Provider {
         options: Kvm2Options,
         image_metrics: ImageMetrics,
     ) -> Self {
+        let live = Arc::new(crate::config::live::Live::new(config, templates));
+        Self::with_live(live, ops, options, image_metrics)
+    }
+
+    /// A provider over `ops` for the hosts of the config in `live`, which a reload may
+    /// replace.
+    pub fn with_live(
+        live: Arc<crate::config::live::Live>,
+        ops: Arc<dyn HostOps>,
+        options: Kvm2Options,
+        image_metrics: ImageMetrics,
+    ) -> Self {
+        let config = live.config();
         let creates = config
             .kvm2
             .hosts
@@ -477,9 +491,8 @@ impl Kvm2Provider {
         );
         Self {
             images: ImageCache::new(ops.clone(), options.images.clone(), image_metrics),
-            config,
+            live,
             ops,
-            templates,
             names: KeyedLocks::new(),
             creates,
             reserved: Arc::default(),
@@ -506,15 +519,26 @@ impl Kvm2Provider {
         &self.ops
     }
 
-    fn host(&self, name: &str) -> Result<&HostConfig, Kvm2Error> {
-        self.config
+    /// The config in force now (take it once per step).
+    fn config(&self) -> Arc<ValidConfig> {
+        self.live.config()
+    }
+
+    fn host(&self, name: &str) -> Result<HostConfig, Kvm2Error> {
+        self.config()
             .host(name)
+            .cloned()
             .ok_or_else(|| Kvm2Error::HostNotConfigured { host: name.into() })
     }
 
     /// This cluster's identity; an error until it is known (nothing is written before).
-    fn me(&self) -> Result<&Resolved, Kvm2Error> {
-        self.config.identity().get().map_err(Kvm2Error::Identity)
+    /// Every config a reload installs shares the identity resolved at start.
+    fn me(&self) -> Result<Resolved, Kvm2Error> {
+        self.config()
+            .identity()
+            .get()
+            .cloned()
+            .map_err(Kvm2Error::Identity)
     }
 
     /// Whether a mark is this cluster's. Nothing is ours while the identity is unknown,
@@ -592,8 +616,8 @@ impl Kvm2Provider {
             }
             return Ok(h.clone());
         }
-        let (healthy, unhealthy): (Vec<&HostConfig>, Vec<&HostConfig>) = self
-            .config
+        let config = self.config();
+        let (healthy, unhealthy): (Vec<&HostConfig>, Vec<&HostConfig>) = config
             .kvm2
             .hosts
             .iter()
@@ -676,7 +700,7 @@ impl Kvm2Provider {
             None if failures.len() == healthy.len() || !skipped.is_empty() => {
                 let mut why = skipped;
                 why.extend(failures);
-                if why.len() < self.config.kvm2.hosts.len() {
+                if why.len() < self.config().kvm2.hosts.len() {
                     why.push("every other host is at maxDomains".into());
                 }
                 Err(Kvm2Error::Unreachable(why.join(", ")))
@@ -723,7 +747,7 @@ impl Kvm2Provider {
         T: Send + 'static,
         F: FnOnce(&TemplateSet) -> Result<T, Kvm2Error> + Send + 'static,
     {
-        let templates = self.templates.clone();
+        let templates = self.live.templates();
         tokio::task::spawn_blocking(move || f(&templates))
             .await
             .map_err(|e| Kvm2Error::Runtime(e.to_string()))?
@@ -731,7 +755,7 @@ impl Kvm2Provider {
 
     async fn create_inner(&self, req: &CreateRequest) -> Result<Instance, Kvm2Error> {
         let mut problems = Problems::default();
-        req.spec.check(&self.config, &mut problems);
+        req.spec.check(&self.config(), &mut problems);
         if !problems.is_empty() {
             let all: Vec<String> = problems.into_vec().iter().map(|p| p.to_string()).collect();
             return Err(Kvm2Error::InvalidRequest(all.join("; ")));
@@ -741,7 +765,7 @@ impl Kvm2Provider {
         self.check_overrides(req).await?;
         let _name_lock = self.names.lock(&identity.domain_name).await;
         let host_name = self.place(req, &identity.domain_name).await?;
-        let host = self.host(&host_name)?.clone();
+        let host = self.host(&host_name)?;
         let h = host.name.as_str();
         let pool = host.storage_pool.as_str();
 
@@ -868,7 +892,7 @@ impl Kvm2Provider {
         };
         // The MAC and address the mark records: what the domain was rendered with.
         let mut inputs = crate::render::inputs_with(
-            &self.config,
+            &self.config(),
             &owner,
             &req.spec,
             Some(h),
@@ -907,7 +931,7 @@ impl Kvm2Provider {
         // The host's policy (bridge MTU, CPU placement, NVRAM templates); a host no longer
         // configured gets the strictest.
         let policy = self
-            .config
+            .config()
             .host(host)
             .map(|h| HostPolicy::for_render(h, &input))
             .unwrap_or_default();
@@ -988,7 +1012,7 @@ impl Kvm2Provider {
         // Provisional: the mark that is defined is stamped again right before the define.
         let created_at = self.options.clock.rfc3339();
         let inputs = crate::render::inputs_with(
-            &self.config,
+            &self.config(),
             &req.proxy,
             &req.spec,
             Some(h),
@@ -1002,7 +1026,7 @@ impl Kvm2Provider {
         // a cluster sharing the host does not collect it under the overlay to come.
         let base = self.images.ensure(host, &inputs.image).await?;
         self.uses
-            .announce(self.me()?, self.ops.as_ref(), h, pool)
+            .announce(&self.me()?, self.ops.as_ref(), h, pool)
             .await
             .map_err(step("image announcement"))?;
         let base_info = self
@@ -1441,14 +1465,14 @@ impl Kvm2Provider {
         // Only a running instance has addresses: a stopped domain's lease or ARP entry
         // can outlive it, and its static address answers nothing.
         if rec.state == InstanceState::Running {
-            let host = self.host(&id.host)?.clone();
+            let host = self.host(&id.host)?;
             self.report(&host, &mark, &mut inst).await;
         }
         Ok(inst)
     }
 
     async fn delete_inner(&self, id: &InstanceId) -> Result<(), Kvm2Error> {
-        let host = self.host(&id.host)?.clone();
+        let host = self.host(&id.host)?;
         let (h, pool) = (host.name.as_str(), host.storage_pool.as_str());
         let _name_lock = self.names.lock(&id.name).await;
         let rec = self
@@ -1518,7 +1542,8 @@ impl Kvm2Provider {
     }
 
     async fn list_inner(&self) -> Vec<TargetListing> {
-        let futures = self.config.kvm2.hosts.iter().map(|host| async move {
+        let config = self.config();
+        let futures = config.kvm2.hosts.iter().map(|host| async move {
             let result = self
                 .ops
                 .list_domains(&host.name)
@@ -1609,14 +1634,14 @@ impl Provider for Kvm2Provider {
     ) -> Option<Result<crate::revision::Revision, String>> {
         // Until both plugins are loaded their digests are not known (a `path` plugin need
         // not pin one), and neither is the revision.
-        let domain = self.templates.domain().ok()?;
-        let vendor_data = self.templates.vendor_data().ok()?;
+        let domain = self.live.templates().domain().ok()?;
+        let vendor_data = self.live.templates().vendor_data().ok()?;
         let digests = crate::revision::PluginDigests {
             domain: domain.sha256(),
             vendor_data: vendor_data.sha256(),
         };
         Some(crate::revision::Revision::of(
-            &self.config,
+            &self.config(),
             digests,
             spec,
             host,
@@ -1634,7 +1659,8 @@ impl HealthCheck for Kvm2Provider {
     /// [`HostOps::health_probe`]), reporting the dial stage that failed.
     fn check(&self, timeout: Duration) -> BoxFuture<'_, Vec<TargetHealth>> {
         Box::pin(async move {
-            let futures = self.config.kvm2.hosts.iter().map(|host| async move {
+            let config = self.config();
+        let futures = config.kvm2.hosts.iter().map(|host| async move {
                 let started = Instant::now();
                 let probe = self
                     .ops
@@ -1702,7 +1728,7 @@ impl Kvm2Provider {
     /// Digests (as in volume names) of the images the config has: their volumes belong to
     /// the image cache's protocol and are never offered for collection.
     fn configured_digests(&self) -> BTreeSet<String> {
-        self.config
+        self.config()
             .kvm2
             .images
             .iter()
@@ -1737,7 +1763,7 @@ impl Kvm2Provider {
         let me = self.me()?;
         let others = self
             .uses
-            .others(me, self.ops.as_ref(), h, pool, &volumes)
+            .others(&me, self.ops.as_ref(), h, pool, &volumes)
             .await
             .map_err(step("image announcements read"))?;
         let image_prefix = format!("{}image-", crate::instance::NAME_PREFIX);
@@ -1807,7 +1833,7 @@ impl Kvm2Provider {
         target: &str,
         candidate: &VolumeCandidate,
     ) -> Result<VolumeDeleteOutcome, Kvm2Error> {
-        let host = self.host(target)?.clone();
+        let host = self.host(target)?;
         let (h, pool) = (host.name.as_str(), host.storage_pool.as_str());
         let volumes: Vec<String> = match candidate.kind {
             VolumeKind::Instance => {
@@ -1995,7 +2021,8 @@ impl VolumeCollector for Kvm2Provider {
 
     fn volume_candidates(&self) -> BoxFuture<'_, Vec<VolumeListing>> {
         Box::pin(async move {
-            let futures = self.config.kvm2.hosts.iter().map(|host| async move {
+            let config = self.config();
+        let futures = config.kvm2.hosts.iter().map(|host| async move {
                 VolumeListing {
                     target: host.name.clone(),
                     result: self
