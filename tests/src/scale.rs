@@ -434,6 +434,26 @@ serving: {{{serving}}}
         })
     }
 
+    /// The admin client of the control plane.
+    pub fn client(&self) -> &kube::Client {
+        &self.client
+    }
+
+    /// The namespace the rig made for its Proxies.
+    pub fn namespace(&self) -> &str {
+        self.ns.name()
+    }
+
+    /// The providers config file the operator reads (and reloads when it changes).
+    pub fn config_path(&self) -> PathBuf {
+        self._dir.path().join("providers-config.yaml")
+    }
+
+    /// GET `path` on the operator's HTTP endpoint.
+    pub fn operator_get(&self, path: &str) -> Option<(u16, String)> {
+        self.operator.http_get(path)
+    }
+
     /// The operator's log so far (for failures).
     pub fn operator_log(&self) -> String {
         self.operator.log()
