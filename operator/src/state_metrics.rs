@@ -51,6 +51,15 @@ struct PoolLabels {
 }
 
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct DriftLabels {
+    namespace: String,
+    provider: String,
+    /// The pool that controls the Proxy (by its owner reference, not a label anyone can
+    /// write); empty for a standalone Proxy.
+    pool: String,
+}
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
 struct LeaseLabels {
     namespace: String,
     lease: String,
@@ -168,6 +177,17 @@ struct Rows {
     not_serving: Family<ProxyLabels, Gauge<f64, AtomicU64>>,
     pools: Family<PoolLabels, Gauge>,
     waiting: Family<LeaseLabels, Gauge<f64, AtomicU64>>,
+    out_of_date: Family<DriftLabels, Gauge>,
+    out_of_date_oldest: Family<DriftLabels, Gauge<f64, AtomicU64>>,
+}
+
+/// The pool that controls `p`, from its controller owner reference.
+fn controlling_pool(p: &Proxy) -> String {
+    p.owner_references()
+        .iter()
+        .find(|o| o.controller == Some(true) && o.kind == "ProxyPool")
+        .map(|o| o.name.clone())
+        .unwrap_or_default()
 }
 
 fn rows(
@@ -191,6 +211,20 @@ fn rows(
         // no proxy to serve (its phase tells that story).
         if p.metadata.deletion_timestamp.is_some() || phase == Some(ProxyPhase::Deleting) {
             continue;
+        }
+        let outdated = status.and_then(|s| condition(&s.conditions, "UpToDate"));
+        if let Some(c) = outdated.filter(|c| c.status == "False") {
+            let labels = DriftLabels {
+                namespace: ns.clone(),
+                provider: p.spec.provider.clone(),
+                pool: controlling_pool(p),
+            };
+            r.out_of_date.get_or_create(&labels).inc();
+            let waited = age(&c.last_transition_time, now);
+            let oldest = r.out_of_date_oldest.get_or_create(&labels);
+            if waited > oldest.get() {
+                oldest.set(waited);
+            }
         }
         let serving = status.and_then(|s| condition(&s.conditions, "Serving"));
         if let Some(c) = serving.filter(|c| c.status != "True") {
@@ -276,6 +310,20 @@ impl Collector for StateMetrics {
         )?;
         emit(
             &mut encoder,
+            "egress_proxies_out_of_date",
+            "Proxies whose UpToDate condition is False (made from inputs the config no longer \
+             has), by namespace, provider and controlling pool (empty: standalone) (leader only)",
+            &r.out_of_date,
+        )?;
+        emit(
+            &mut encoder,
+            "egress_proxy_out_of_date_oldest_seconds",
+            "seconds since the longest out-of-date Proxy of each namespace, provider and pool \
+             turned UpToDate=False (leader only)",
+            &r.out_of_date_oldest,
+        )?;
+        emit(
+            &mut encoder,
             "egress_lease_waiting_seconds",
             "seconds a Pending or Lost lease has waited for its proxies (leader only)",
             &r.waiting,
@@ -319,6 +367,74 @@ mod tests {
         let mut out = String::new();
         encode(&mut out, &registry).unwrap();
         out
+    }
+
+    #[test]
+    fn out_of_date_proxies_are_counted_by_controlling_pool_with_the_oldest_age() {
+        let now = Timestamp::now();
+        let ago = |s: u64| now - std::time::Duration::from_secs(s);
+        let stale = |name: &str, since: u64, pool: Option<&str>| {
+            let mut p = (*proxy(
+                name,
+                ProxyPhase::Running,
+                Some(cond("UpToDate", "False", "InputsChanged", ago(since))),
+            ))
+            .clone();
+            p.spec.provider = "kvm2".into();
+            if let Some(pool) = pool {
+                p.metadata.owner_references = Some(vec![
+                    k8s_openapi::apimachinery::pkg::apis::meta::v1::OwnerReference {
+                        api_version: "egress-operator.dev/v1alpha1".into(),
+                        kind: "ProxyPool".into(),
+                        name: pool.into(),
+                        uid: "u".into(),
+                        controller: Some(true),
+                        ..Default::default()
+                    },
+                ]);
+            }
+            Arc::new(p)
+        };
+        let mut labelled = (*stale("copied-label", 30, None)).clone();
+        labelled
+            .metadata
+            .labels
+            .get_or_insert_default()
+            .insert("egress-operator.dev/pool".into(), "office".into());
+        let proxies = [
+            stale("a", 600, Some("office")),
+            stale("b", 60, Some("office")),
+            stale("c", 90, None),
+            Arc::new(labelled),
+            proxy(
+                "current",
+                ProxyPhase::Running,
+                Some(cond("UpToDate", "True", "Current", ago(5))),
+            ),
+        ];
+        let r = rows(&proxies, &[], &[], now);
+        let mut registry = Registry::default();
+        registry.register("x", "x", r.out_of_date.clone());
+        registry.register("y", "y", r.out_of_date_oldest.clone());
+        let mut out = String::new();
+        encode(&mut out, &registry).unwrap();
+        assert!(
+            out.contains(r#"x{namespace="team-a",provider="kvm2",pool="office"} 2"#),
+            "{out}"
+        );
+        // A copied pool label does not make a Proxy the pool's.
+        assert!(
+            out.contains(r#"x{namespace="team-a",provider="kvm2",pool=""} 2"#),
+            "{out}"
+        );
+        let oldest = out
+            .lines()
+            .find(|l| l.starts_with(r#"y{namespace="team-a",provider="kvm2",pool="office"}"#))
+            .and_then(|l| l.rsplit(' ').next())
+            .and_then(|v| v.parse::<f64>().ok())
+            .unwrap();
+        assert!((599.0..=601.0).contains(&oldest), "{out}");
+        assert!(!out.contains("current"), "{out}");
     }
 
     #[test]

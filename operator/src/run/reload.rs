@@ -206,6 +206,7 @@ impl Reloader {
         }
         self.seen = digest;
         let outcome = self.check_and_install().await;
+        let mut why = None;
         let (result, note, type_) = match &outcome {
             Ok(generation) => (
                 "installed",
@@ -217,15 +218,13 @@ impl Reloader {
                 EventType::Normal,
             ),
             Err(e) => {
-                let why = crate::controller::event_note(e.to_string());
-                (
-                    "refused",
-                    format!(
-                        "config {} refused, the previous config runs: {why}",
-                        self.path.display()
-                    ),
-                    EventType::Warning,
-                )
+                let short = crate::controller::event_note(e.to_string());
+                let note = format!(
+                    "config {} refused, the previous config runs: {short}",
+                    self.path.display()
+                );
+                why = Some(short);
+                ("refused", note, EventType::Warning)
             }
         };
         self.metrics
@@ -246,7 +245,7 @@ impl Reloader {
             Err(e) => {
                 tracing::error!(path = %self.path.display(), error = %e, "config reload refused; the previous config runs");
                 self.metrics.refused.set(1);
-                self.state.set(Some(note.clone()));
+                self.state.set(why);
             }
         }
         if let Some((recorder, provider)) = &self.events {
