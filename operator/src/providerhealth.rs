@@ -348,7 +348,11 @@ impl HealthMonitor {
     }
 
     /// Reports the plugins of the config in force in `live` (a reload replaces them).
-    pub fn with_live_plugins(mut self, provider: &str, live: Arc<crate::config::live::Live>) -> Self {
+    pub fn with_live_plugins(
+        mut self,
+        provider: &str,
+        live: Arc<crate::config::live::Live>,
+    ) -> Self {
         self.plugins
             .insert(provider.to_string(), PluginSource::Live(live));
         self

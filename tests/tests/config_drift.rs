@@ -124,7 +124,10 @@ async fn wait_metric(rig: &ScaleRig, name: &str, filter: &[(&str, &str)], want: 
         {
             return;
         }
-        assert!(Instant::now() < deadline, "{name} {filter:?} never reached {want}");
+        assert!(
+            Instant::now() < deadline,
+            "{name} {filter:?} never reached {want}"
+        );
         tokio::time::sleep(Duration::from_millis(200)).await;
     }
 }
@@ -193,14 +196,24 @@ async fn a_changed_plugin_rolls_the_pool_live_a_bad_config_changes_nothing_and_a
         &format!("domain: {{path: {}}}", domain.display()),
         &format!("domain: {{path: {}}}", rebuilt.display()),
     );
-    assert_ne!(changed, original, "the config names the domain plugin as expected");
+    assert_ne!(
+        changed, original,
+        "the config names the domain plugin as expected"
+    );
     swap_config(&config_path, &changed);
-    wait_metric(&rig, "egress_config_reloads_total", &[("result", "installed")], 1.0).await;
+    wait_metric(
+        &rig,
+        "egress_config_reloads_total",
+        &[("result", "installed")],
+        1.0,
+    )
+    .await;
     // Seen out of date, naming the input, before they are replaced.
     let deadline = Instant::now() + GUARD;
     let named = loop {
         let hit = members(&api).await.into_iter().find_map(|p| {
-            condition(&p, status::UP_TO_DATE).filter(|(s, m)| s == "False" && m.contains("domainPlugin"))
+            condition(&p, status::UP_TO_DATE)
+                .filter(|(s, m)| s == "False" && m.contains("domainPlugin"))
         });
         if let Some(h) = hit {
             break h;
@@ -233,22 +246,44 @@ async fn a_changed_plugin_rolls_the_pool_live_a_bad_config_changes_nothing_and_a
         &format!("domain: {{path: {}}}", garbage.display()),
     );
     swap_config(&config_path, &bad);
-    wait_metric(&rig, "egress_config_reloads_total", &[("result", "refused")], 1.0).await;
+    wait_metric(
+        &rig,
+        "egress_config_reloads_total",
+        &[("result", "refused")],
+        1.0,
+    )
+    .await;
     let (code, body) = rig.operator_get("/readyz").unwrap();
     println!("/readyz ({code}):\n{body}");
     assert!(body.contains("config: reload refused"), "{body}");
-    assert!(body.contains("not-a-component.wasm"), "names the plugin: {body}");
+    assert!(
+        body.contains("not-a-component.wasm"),
+        "names the plugin: {body}"
+    );
     // Several probe periods later, the same members, all up to date.
     tokio::time::sleep(Duration::from_secs(6)).await;
     let still = settled(&api, &BTreeSet::new(), "after the refusal").await;
-    assert_eq!(names(&still), names(&second), "a refused config changed the pool");
+    assert_eq!(
+        names(&still),
+        names(&second),
+        "a refused config changed the pool"
+    );
 
     // 4. The old config back: the pool rolls back to the first revision.
     swap_config(&config_path, &original);
-    wait_metric(&rig, "egress_config_reloads_total", &[("result", "installed")], 2.0).await;
+    wait_metric(
+        &rig,
+        "egress_config_reloads_total",
+        &[("result", "installed")],
+        2.0,
+    )
+    .await;
     let third = settled(&api, &names(&second), "the rollback").await;
     let third_rev: BTreeSet<String> = third.iter().filter_map(revision).collect();
-    assert_eq!(third_rev, first_rev, "the rollback restores the first revision");
+    assert_eq!(
+        third_rev, first_rev,
+        "the rollback restores the first revision"
+    );
     stop.store(true, Ordering::SeqCst);
     sampler.await.unwrap();
     println!(
@@ -260,7 +295,10 @@ async fn a_changed_plugin_rolls_the_pool_live_a_bad_config_changes_nothing_and_a
     pools.delete(POOL, &DeleteParams::default()).await.unwrap();
     let deadline = Instant::now() + GUARD;
     while !members(&api).await.is_empty() {
-        assert!(Instant::now() < deadline, "members left after the pool's delete");
+        assert!(
+            Instant::now() < deadline,
+            "members left after the pool's delete"
+        );
         tokio::time::sleep(Duration::from_millis(300)).await;
     }
     let log = rig.operator_log();

@@ -104,6 +104,23 @@ pub struct ProxySpec {
     /// accepted; the merged settings are checked against the plugin's schema.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub template_settings: Option<TemplateSettingsOverrides>,
+    /// What happens when the instance was made from inputs the config no longer has (its
+    /// `UpToDate` condition turns False): `Manual` (the default) only shows it; `Replace`
+    /// replaces the instance in place: deleted, then made again from the current inputs,
+    /// so the proxy is down for one Create and its address may change. A pool's members
+    /// leave this unset: the pool rolls them surge-first instead.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub update_policy: Option<UpdatePolicy>,
+}
+
+/// See [`ProxySpec::update_policy`].
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize, JsonSchema)]
+pub enum UpdatePolicy {
+    /// Only the `UpToDate` condition says the instance is out of date.
+    #[default]
+    Manual,
+    /// An out-of-date instance is replaced in place.
+    Replace,
 }
 
 /// CEL rule at the CRD's root: a Proxy's name must be a DNS-1123 label. Kubernetes already

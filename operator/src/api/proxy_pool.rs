@@ -171,6 +171,8 @@ impl ProxyTemplate {
             host,
             user_data: self.user_data.clone(),
             template_settings: self.template_settings.clone(),
+            // The pool rolls its members itself, surge-first.
+            update_policy: None,
         }
     }
 

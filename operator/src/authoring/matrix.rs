@@ -343,6 +343,7 @@ pub fn inputs(config: &ValidConfig, case: &Case, facts: &Facts) -> Result<Inputs
         host: Some(case.host.clone()),
         user_data: None,
         template_settings: None,
+        update_policy: None,
     };
     let mut net = InstanceNet::preview(&owner.uid);
     net.address = match case.addressing {

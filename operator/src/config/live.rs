@@ -168,7 +168,10 @@ kvm2:
             assert!(needs_restart(&old, &parse(text)).is_empty(), "{text}");
         }
         let restart = [
-            (CONFIG.replace("clusterId: test", "clusterId: other"), "clusterId"),
+            (
+                CONFIG.replace("clusterId: test", "clusterId: other"),
+                "clusterId",
+            ),
             (CONFIG.replace("user: egress", "user: root"), "kvm2.ssh"),
             (
                 CONFIG.replace("127.0.0.1:2222", "127.0.0.1:2223"),

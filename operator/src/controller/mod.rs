@@ -458,6 +458,7 @@ enum Change {
     ReplacedLost,
     ReplacedFailed,
     ReplacedNotServing,
+    ReplacedOutOfDate,
 }
 
 struct Target<'a> {
@@ -506,12 +507,18 @@ async fn apply(proxy: &Proxy, ctx: &Context) -> Result<Action, ControllerError> 
                         "Replace",
                         "replaced an instance whose proxy did not serve with",
                     ),
+                    Change::ReplacedOutOfDate => (
+                        "Replaced",
+                        "Replace",
+                        "replaced an out-of-date instance (updatePolicy Replace) with",
+                    ),
                 };
                 ctx.metrics.instance(match change {
                     Change::Created => "created",
                     Change::ReplacedLost => "replaced-lost",
                     Change::ReplacedFailed => "replaced-failed",
                     Change::ReplacedNotServing => "replaced-not-serving",
+                    Change::ReplacedOutOfDate => "replaced-out-of-date",
                 });
                 let mut note = format!("{note} instance {}", instance.id);
                 if became_ready {
@@ -619,7 +626,27 @@ async fn converge_serving(
     ctx: &Context,
     current: &mut ProxyStatus,
 ) -> Result<(Instance, Option<Change>, serving::Check, u32), ControllerError> {
-    let (instance, change) = converge(t, ctx, current).await?;
+    let (mut instance, mut change) = converge(t, ctx, current).await?;
+    if change.is_none()
+        && let Some(changed) =
+            uptodate::replace_due(ctx, t.proxy, &instance, current.revision.as_ref())
+    {
+        let id = instance.id.clone();
+        let note = format!(
+            "instance {id} was made from inputs that changed since ({}); replacing it              (updatePolicy Replace)",
+            changed.join(", ")
+        );
+        instance = replace(
+            t,
+            ctx,
+            current,
+            &id,
+            (EventType::Normal, "InstanceOutOfDate"),
+            &note,
+        )
+        .await?;
+        change = Some(Change::ReplacedOutOfDate);
+    }
     let check = serving::check(&ctx.prober, &instance).await;
     // The probe took time: a replica that lost the lease meanwhile reports nothing.
     ctx.fence.check("reporting the probe")?;
@@ -650,30 +677,44 @@ async fn converge_serving(
         grace.as_secs(),
         check.message
     );
-    mark_provisioning(ctx, t, current, "Replacing", &note).await?;
-    if announce(ctx, &t.owner.uid, t.generation, "InstanceNotServing") {
-        event(
-            ctx,
-            t.proxy,
-            EventType::Warning,
-            "InstanceNotServing",
-            "Replace",
-            note,
-        )
-        .await;
+    let instance = replace(
+        t,
+        ctx,
+        current,
+        &id,
+        (EventType::Warning, "InstanceNotServing"),
+        &note,
+    )
+    .await?;
+    let check = serving::check(&ctx.prober, &instance).await;
+    ctx.fence.check("reporting the probe")?;
+    let failures = ctx.serving.checked(&t.owner.uid, &instance.id.host, &check);
+    Ok((instance, Some(Change::ReplacedNotServing), check, failures))
+}
+
+/// Replaces the instance `id` that still runs: says why (`reason`, `note`: in status, and
+/// in an event of `type_` once per streak), deletes it (checking it is the Proxy's) and
+/// creates another.
+async fn replace(
+    t: &Target<'_>,
+    ctx: &Context,
+    current: &mut ProxyStatus,
+    id: &InstanceId,
+    (type_, reason): (EventType, &str),
+    note: &str,
+) -> Result<Instance, ControllerError> {
+    mark_provisioning(ctx, t, current, "Replacing", note).await?;
+    if announce(ctx, &t.owner.uid, t.generation, reason) {
+        event(ctx, t.proxy, type_, reason, "Replace", note.to_string()).await;
     }
     let provider = provider_for(ctx, &t.proxy.spec.provider)?;
-    match provider.delete_owned(&id, &t.owner.uid).await {
+    match provider.delete_owned(id, &t.owner.uid).await {
         Ok(()) => {}
         Err(e) if e.is_not_found() => {}
         Err(e) => return Err(e.into()),
     }
     forget_instance(current);
-    let instance = create(t, ctx, &provider, current).await?;
-    let check = serving::check(&ctx.prober, &instance).await;
-    ctx.fence.check("reporting the probe")?;
-    let failures = ctx.serving.checked(&t.owner.uid, &instance.id.host, &check);
-    Ok((instance, Some(Change::ReplacedNotServing), check, failures))
+    create(t, ctx, &provider, current).await
 }
 
 /// Brings the instance to "exists and is not failed"; returns it and what changed.

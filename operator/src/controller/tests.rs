@@ -353,6 +353,15 @@ impl Provider for Logged {
         self.inner.name()
     }
 
+    fn revision(
+        &self,
+        spec: &ProxySpec,
+        host: Option<&str>,
+        user_data: crate::revision::UserData<'_>,
+    ) -> Option<Result<crate::revision::Revision, String>> {
+        self.inner.revision(spec, host, user_data)
+    }
+
     fn create<'a>(
         &'a self,
         req: &'a CreateRequest,
@@ -3083,6 +3092,7 @@ fn is_ready_value(p: &Proxy) -> bool {
 }
 
 mod churn;
+mod drift;
 mod server_rules;
 
 #[test]

@@ -50,6 +50,41 @@ pub(super) fn judge(
     }
 }
 
+/// The inputs that changed since `instance` was made, when the Proxy asks for such an
+/// instance to be replaced (`spec.updatePolicy: Replace`) and no pool controls it (a pool
+/// rolls its members surge-first instead); else `None`.
+pub(super) fn replace_due(
+    ctx: &Context,
+    proxy: &Proxy,
+    instance: &Instance,
+    recorded: Option<&crate::api::proxy::ProxyRevision>,
+) -> Option<Vec<&'static str>> {
+    if proxy.spec.update_policy != Some(crate::api::proxy::UpdatePolicy::Replace) {
+        return None;
+    }
+    let in_pool = proxy
+        .metadata
+        .owner_references
+        .iter()
+        .flatten()
+        .any(|o| o.controller == Some(true) && o.kind == "ProxyPool");
+    if in_pool {
+        return None;
+    }
+    let recorded = recorded?;
+    let provider = super::provider_for(ctx, &proxy.spec.provider).ok()?;
+    let user_data = recorded.parts.get(USER_DATA).map(String::as_str);
+    let now = provider
+        .revision(
+            &proxy.spec,
+            Some(&instance.id.host),
+            UserData::Recorded(user_data),
+        )?
+        .ok()?;
+    let changed = now.changed_from(recorded);
+    (!changed.is_empty()).then_some(changed)
+}
+
 /// The pure half of [`judge`]: compares `rev` (what would be made now) with the recorded
 /// revision and writes the condition.
 pub fn apply(new: &mut ProxyStatus, rev: &Revision, generation: Option<i64>, now: jiff::Timestamp) {

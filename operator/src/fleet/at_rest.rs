@@ -82,7 +82,12 @@ pub fn look(
     shape.replicas += super::lease::surge::waiting(name, &leases).min(limit);
     shape.creates = CreateGate::Open;
     let now = ctx.now();
-    let slots = host_slots(pool, &ctx.current_config(), health.as_deref(), &BTreeMap::new());
+    let slots = host_slots(
+        pool,
+        &ctx.current_config(),
+        health.as_deref(),
+        &BTreeMap::new(),
+    );
     let p = plan::plan(&shape, &members, &slots, now);
     let acting = !p.create.is_empty() || !p.drain.is_empty() || !p.delete.is_empty();
     if acting || p.insufficient_hosts || p.held_back {

@@ -303,11 +303,23 @@ mod tests {
                 .is_some()
         );
         let reloaded = book.observe("s", "t2", 1, 2, &[], &none, at(2), b);
-        assert!(reloaded.streak.is_none(), "the config changed: {reloaded:?}");
+        assert!(
+            reloaded.streak.is_none(),
+            "the config changed: {reloaded:?}"
+        );
         // An out-of-date member that fails is not the current config's failure.
         let mut stale = member("o", "t2", 0, true, false);
         stale.outdated = true;
-        let old = book.observe("s", "t2", 1, 2, std::slice::from_ref(&stale), &none, at(3), b);
+        let old = book.observe(
+            "s",
+            "t2",
+            1,
+            2,
+            std::slice::from_ref(&stale),
+            &none,
+            at(3),
+            b,
+        );
         assert!(old.streak.is_none() && old.new.is_empty(), "{old:?}");
 
         let book = FailureBook::default();

@@ -172,7 +172,8 @@ impl Member {
             serving,
             failed: st.phase == Some(crate::api::proxy::ProxyPhase::Failed),
             not_serving_since,
-            outdated: status::condition(&st, status::UP_TO_DATE).is_some_and(|c| c.status == "False"),
+            outdated: status::condition(&st, status::UP_TO_DATE)
+                .is_some_and(|c| c.status == "False"),
         }
     }
 

@@ -117,8 +117,7 @@ pub struct Counts {
 }
 
 fn is_old(m: &Member, shape: &PoolShape, hosts: &[HostSlot], now: jiff::Timestamp) -> bool {
-    if m.template_hash.as_deref() != Some(shape.template_hash.as_str()) || m.failed || m.outdated
-    {
+    if m.template_hash.as_deref() != Some(shape.template_hash.as_str()) || m.failed || m.outdated {
         return true;
     }
     if m.serving {

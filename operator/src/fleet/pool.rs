@@ -356,13 +356,23 @@ pub async fn reconcile(pool: Arc<ProxyPool>, ctx: Arc<FleetContext>) -> Result<A
     shape.creates = failures.gate();
     // First without the cluster's usage (cheap); creates need the real room, so only
     // then every Proxy is listed.
-    let mut slots = host_slots(&pool, &ctx.current_config(), health.as_ref(), &BTreeMap::new());
+    let mut slots = host_slots(
+        &pool,
+        &ctx.current_config(),
+        health.as_ref(),
+        &BTreeMap::new(),
+    );
     let mut p = plan::plan(&shape, &members, &slots, now);
     if !p.create.is_empty() {
         let all = Api::<Proxy>::all(ctx.client.clone())
             .list(&ListParams::default())
             .await?;
-        slots = host_slots(&pool, &ctx.current_config(), health.as_ref(), &usage(&all.items));
+        slots = host_slots(
+            &pool,
+            &ctx.current_config(),
+            health.as_ref(),
+            &usage(&all.items),
+        );
         p = plan::plan(&shape, &members, &slots, now);
     }
     // What each Proxy was when the plan was made: the drain and the delete apply only to

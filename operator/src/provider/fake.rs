@@ -24,6 +24,8 @@ struct State {
     create_delay: Duration,
     calls: Vec<&'static str>,
     create_requests: Vec<CreateRequest>,
+    /// The revision parts a Create would record now (`None`: keeps no revisions).
+    inputs: Option<BTreeMap<String, String>>,
 }
 
 /// The in-memory provider.
@@ -106,6 +108,17 @@ impl FakeProvider {
         }
     }
 
+    /// From now on, Creates are made from `parts` (input name → digest): what
+    /// [`Provider::revision`] answers, as a real provider's config would.
+    pub fn set_inputs(&self, parts: &[(&str, &str)]) {
+        self.state().inputs = Some(
+            parts
+                .iter()
+                .map(|(k, v)| ((*k).to_string(), (*v).to_string()))
+                .collect(),
+        );
+    }
+
     /// Puts an instance in place (e.g. an orphan for GC tests).
     pub fn insert(&self, instance: Instance) {
         self.state().instances.insert(instance.id.clone(), instance);
@@ -156,6 +169,28 @@ impl FakeProvider {
 impl Provider for FakeProvider {
     fn name(&self) -> &str {
         &self.name
+    }
+
+    fn revision(
+        &self,
+        _spec: &crate::api::proxy::ProxySpec,
+        host: Option<&str>,
+        user_data: crate::revision::UserData<'_>,
+    ) -> Option<Result<crate::revision::Revision, String>> {
+        use crate::revision::{HOST_POLICY, USER_DATA, UserData};
+        let mut parts = self.state().inputs.clone()?;
+        if let Some(h) = host {
+            parts.insert(HOST_POLICY.into(), format!("host-{h}"));
+        }
+        let ud = match user_data {
+            UserData::Read(None) => Some("none".to_string()),
+            UserData::Read(Some(b)) => Some(format!("{} bytes", b.len())),
+            UserData::Recorded(p) => p.map(str::to_string),
+        };
+        if let Some(u) = ud {
+            parts.insert(USER_DATA.into(), u);
+        }
+        Some(Ok(crate::revision::Revision { parts }))
     }
 
     fn create<'a>(

@@ -77,16 +77,25 @@ fn each_input_changes_its_own_part_only() {
         vendor_data: "v2",
         ..DIGESTS
     };
-    assert_eq!(changed(rev(CONFIG, vendor, &spec(), "h1")), [VENDOR_DATA_PLUGIN]);
+    assert_eq!(
+        changed(rev(CONFIG, vendor, &spec(), "h1")),
+        [VENDOR_DATA_PLUGIN]
+    );
     let image = CONFIG.replace(
         "0000000000000000000000000000000000000000000000000000000000000000",
         "1111111111111111111111111111111111111111111111111111111111111111",
     );
     assert_eq!(changed(rev(&image, DIGESTS, &spec(), "h1")), [IMAGE]);
     let memory = CONFIG.replace("memoryMiB: 512", "memoryMiB: 1024");
-    assert_eq!(changed(rev(&memory, DIGESTS, &spec(), "h1")), [MACHINE_TYPE]);
+    assert_eq!(
+        changed(rev(&memory, DIGESTS, &spec(), "h1")),
+        [MACHINE_TYPE]
+    );
     let setting = CONFIG.replace("settings: {a: 1,", "settings: {a: 2,");
-    assert_eq!(changed(rev(&setting, DIGESTS, &spec(), "h1")), [DOMAIN_PLUGIN]);
+    assert_eq!(
+        changed(rev(&setting, DIGESTS, &spec(), "h1")),
+        [DOMAIN_PLUGIN]
+    );
     // Another bridge is another render; another maxDomains or address is not.
     assert_eq!(changed(rev(CONFIG, DIGESTS, &spec(), "h3")), [HOST_POLICY]);
     assert!(changed(rev(CONFIG, DIGESTS, &spec(), "h2")).is_empty());
@@ -101,13 +110,21 @@ fn each_input_changes_its_own_part_only() {
 fn key_order_and_renames_do_not_count_as_changes() {
     let base = rev(CONFIG, DIGESTS, &spec(), "h1").to_status(false);
     let reordered = CONFIG.replace("b: {y: 2, x: 1}", "b: {x: 1, y: 2}");
-    assert!(rev(&reordered, DIGESTS, &spec(), "h1").changed_from(&base).is_empty());
+    assert!(
+        rev(&reordered, DIGESTS, &spec(), "h1")
+            .changed_from(&base)
+            .is_empty()
+    );
     // A machine type is its values: renamed (and the default with it), nothing changed.
     let renamed = CONFIG.replace("name: small", "name: tiny").replace(
         "defaults: {machineType: small",
         "defaults: {machineType: tiny",
     );
-    assert!(rev(&renamed, DIGESTS, &spec(), "h1").changed_from(&base).is_empty());
+    assert!(
+        rev(&renamed, DIGESTS, &spec(), "h1")
+            .changed_from(&base)
+            .is_empty()
+    );
 }
 
 #[test]
@@ -130,7 +147,11 @@ fn a_proxy_override_is_part_of_the_plugin_part() {
         domain: Some(domain),
         vendor_data: None,
     });
-    assert!(rev(CONFIG, DIGESTS, &s, "h1").changed_from(&base).is_empty());
+    assert!(
+        rev(CONFIG, DIGESTS, &s, "h1")
+            .changed_from(&base)
+            .is_empty()
+    );
 }
 
 #[test]
@@ -145,14 +166,20 @@ fn user_data_is_hashed_at_create_and_carried_over_after() {
         "never the content"
     );
     let recorded = with.to_status(false);
-    let later = made(UserData::Recorded(recorded.parts.get(USER_DATA).map(String::as_str)));
+    let later = made(UserData::Recorded(
+        recorded.parts.get(USER_DATA).map(String::as_str),
+    ));
     assert!(later.changed_from(&recorded).is_empty());
     // An adopted revision has no user-data part, and one computed later does not invent
     // one.
     let adopted = made(UserData::Recorded(None)).to_status(true);
     assert!(!adopted.parts.contains_key(USER_DATA));
     assert_eq!(adopted.adopted, Some(true));
-    assert!(made(UserData::Recorded(None)).changed_from(&adopted).is_empty());
+    assert!(
+        made(UserData::Recorded(None))
+            .changed_from(&adopted)
+            .is_empty()
+    );
 }
 
 #[test]

@@ -1660,7 +1660,7 @@ impl HealthCheck for Kvm2Provider {
     fn check(&self, timeout: Duration) -> BoxFuture<'_, Vec<TargetHealth>> {
         Box::pin(async move {
             let config = self.config();
-        let futures = config.kvm2.hosts.iter().map(|host| async move {
+            let futures = config.kvm2.hosts.iter().map(|host| async move {
                 let started = Instant::now();
                 let probe = self
                     .ops
@@ -2022,7 +2022,7 @@ impl VolumeCollector for Kvm2Provider {
     fn volume_candidates(&self) -> BoxFuture<'_, Vec<VolumeListing>> {
         Box::pin(async move {
             let config = self.config();
-        let futures = config.kvm2.hosts.iter().map(|host| async move {
+            let futures = config.kvm2.hosts.iter().map(|host| async move {
                 VolumeListing {
                     target: host.name.clone(),
                     result: self
