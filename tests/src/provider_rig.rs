@@ -206,6 +206,7 @@ pub fn request(uid: &str, name: &str) -> CreateRequest {
             host: Some("h1".into()),
             user_data: None,
             template_settings: None,
+            update_policy: None,
         },
         user_data: Some(UserData::new(
             b"#cloud-config\npassword: not-in-any-log\n".to_vec(),

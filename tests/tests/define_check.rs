@@ -175,6 +175,7 @@ fn fake_request(uid: &str) -> CreateRequest {
             host: Some("h1".into()),
             user_data: None,
             template_settings: None,
+            update_policy: None,
         },
         user_data: Some(UserData::new(b"#cloud-config\n".to_vec())),
         fence: egress_operator::provider::Fence::unfenced(),

@@ -263,6 +263,7 @@ fn request(uid: &str, name: &str, host: Option<&str>) -> CreateRequest {
             host: host.map(String::from),
             user_data: None,
             template_settings: None,
+            update_policy: None,
         },
         user_data: Some(UserData::new(
             format!("#cloud-config\npassword: {SECRET}\n").into_bytes(),

@@ -152,6 +152,7 @@ fn request(uid: &str, name: &str, host: &str) -> CreateRequest {
             host: Some(host.into()),
             user_data: None,
             template_settings: None,
+            update_policy: None,
         },
         user_data: None,
         fence: egress_operator::provider::Fence::unfenced(),
