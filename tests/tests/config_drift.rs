@@ -13,7 +13,10 @@
 //!    throughout: those that serve and do not drain never drop below 3;
 //! 3. a config whose domain plugin is not a component is refused whole: `/readyz` and
 //!    the metric say so, and no member changes;
-//! 4. the old config put back rolls the pool back to the first revision.
+//! 4. the old config put back rolls the pool back to the first revision;
+//! 5. a config whose new proxies cannot be made (a wrong image sha256) stalls the rollout
+//!    (`Progressing=False`, `RolloutStalled`) with every old member in place and serving;
+//!    the fixed config resumes it, keeping the members of the restored revision.
 //!
 //! Timeouts are hang guards only.
 
@@ -284,10 +287,79 @@ async fn a_changed_plugin_rolls_the_pool_live_a_bad_config_changes_nothing_and_a
         third_rev, first_rev,
         "the rollback restores the first revision"
     );
+    println!(
+        "rolled back to {third_rev:?}; lowest serving count over both rollouts {}",
+        low.load(Ordering::SeqCst)
+    );
+
+    // 5. A config whose new proxies cannot be made (the image's sha256 is not the file's):
+    // the rollout halts with every old member in place, then resumes when the config is
+    // fixed.
+    let sha = original
+        .split("sha256: \"")
+        .nth(1)
+        .and_then(|r| r.split('"').next())
+        .unwrap()
+        .to_string();
+    let broken = original.replace(&sha, &"1".repeat(64));
+    swap_config(&config_path, &broken);
+    wait_metric(
+        &rig,
+        "egress_config_reloads_total",
+        &[("result", "installed")],
+        3.0,
+    )
+    .await;
+    let deadline = Instant::now() + GUARD;
+    let stalled = loop {
+        let p = pools.get(POOL).await.unwrap();
+        let progressing = p.status.as_ref().and_then(|s| {
+            s.conditions
+                .iter()
+                .find(|c| c.type_ == "Progressing")
+                .cloned()
+        });
+        if let Some(c) = progressing.filter(|c| c.reason == "RolloutStalled") {
+            break c;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "the rollout never stalled: {:#?}",
+            p.status
+        );
+        tokio::time::sleep(Duration::from_millis(300)).await;
+    };
+    assert_eq!(stalled.status, "False");
+    println!("stalled: {}", stalled.message);
+    let now_members = members(&api).await;
+    for name in names(&third) {
+        let m = now_members
+            .iter()
+            .find(|p| p.name_any() == name)
+            .unwrap_or_else(|| panic!("old member {name} was removed during a stalled rollout"));
+        assert!(
+            serving_not_draining(m),
+            "old member {name} no longer serves"
+        );
+    }
+    swap_config(&config_path, &original);
+    wait_metric(
+        &rig,
+        "egress_config_reloads_total",
+        &[("result", "installed")],
+        4.0,
+    )
+    .await;
+    let fixed = settled(&api, &BTreeSet::new(), "after the fix").await;
+    assert_eq!(
+        names(&fixed),
+        names(&third),
+        "the members of the restored revision stay; the failed ones go"
+    );
     stop.store(true, Ordering::SeqCst);
     sampler.await.unwrap();
     println!(
-        "rolled back to {third_rev:?}; lowest serving count over both rollouts {}",
+        "lowest serving count over the whole story: {}",
         low.load(Ordering::SeqCst)
     );
     assert!(low.load(Ordering::SeqCst) >= REPLICAS);

@@ -108,6 +108,13 @@ pub struct ProxyPoolSpec {
     #[serde(default)]
     #[schemars(range(min = 0, max = 100))]
     pub lease_surge: i32,
+    /// How long a new Proxy of the current template and config may take to serve. One
+    /// that has not served by then counts as failed: the pool backs off its creates and
+    /// its rollout halts (`Progressing=False`, reason `RolloutStalled`) instead of
+    /// replacing it over and over. 0: no deadline.
+    #[serde(default = "default_progress_deadline_seconds")]
+    #[schemars(range(min = 0, max = 86400))]
+    pub progress_deadline_seconds: u32,
 }
 
 /// CEL rule at the CRD's root, on create only (as the Proxy's name rule): a pool's name
@@ -136,6 +143,10 @@ fn default_max_surge() -> i32 {
 }
 fn default_drain_seconds() -> u32 {
     10
+}
+/// As a Deployment's: a VM boot and its proxy's first answer take well under it.
+fn default_progress_deadline_seconds() -> u32 {
+    600
 }
 
 /// The Proxy spec a pool's Proxies get, apart from `host` (the pool places them).
@@ -282,5 +293,6 @@ mod tests {
         assert_eq!(spec.max_surge, 1);
         assert_eq!(spec.max_unavailable, 0);
         assert_eq!(spec.drain_seconds, 10);
+        assert_eq!(spec.progress_deadline_seconds, 600);
     }
 }

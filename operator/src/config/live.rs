@@ -29,6 +29,8 @@ pub struct Snapshot {
     pub templates: Arc<TemplateSet>,
     /// How many reloads installed a config before this one (0: the one read at start).
     pub generation: u64,
+    /// When it was installed.
+    pub installed_at: std::time::Instant,
 }
 
 /// The snapshot in force.
@@ -42,6 +44,7 @@ impl Live {
             config,
             templates,
             generation: 0,
+            installed_at: std::time::Instant::now(),
         })))
     }
 
@@ -75,6 +78,7 @@ impl Live {
             config,
             templates,
             generation,
+            installed_at: std::time::Instant::now(),
         });
         generation
     }

@@ -96,6 +96,22 @@ struct PoolMemory {
     counted: BTreeSet<String>,
 }
 
+/// Whether `m` has not served since it was made, for `deadline` or longer (zero: never
+/// late). A member whose `Serving` turned False well after it was made served once: what
+/// it does now is the replacement grace's business, not the rollout's.
+fn missed_deadline(m: &Member, deadline: Duration, now: jiff::Timestamp) -> bool {
+    let Ok(deadline) = jiff::SignedDuration::try_from(deadline) else {
+        return false;
+    };
+    if deadline.is_zero() || m.serving || m.ready || m.failed {
+        return false;
+    }
+    let never_served = m
+        .not_serving_since
+        .is_none_or(|since| since.duration_since(m.created) < deadline);
+    never_served && now.duration_since(m.created) >= deadline
+}
+
 /// The leader's streaks, by pool UID.
 #[derive(Debug, Default)]
 pub struct FailureBook {
@@ -113,6 +129,7 @@ impl FailureBook {
         pool_uid: &str,
         template_hash: &str,
         config_generation: u64,
+        deadline: Duration,
         replicas: usize,
         members: &[Member],
         messages: &BTreeMap<String, String>,
@@ -143,15 +160,25 @@ impl FailureBook {
                 out.cleared = !other_template;
             }
         }
-        for m in current.iter().filter(|m| m.failed) {
+        let late = |m: &Member| missed_deadline(m, deadline, now);
+        for m in current.iter().filter(|m| m.failed || late(m)) {
             if !memory.counted.insert(m.uid.clone()) {
                 continue;
             }
+            let why = if m.failed {
+                messages
+                    .get(&m.uid)
+                    .map_or_else(|| "failed".to_string(), Clone::clone)
+            } else {
+                format!(
+                    "did not serve within progressDeadlineSeconds ({} s)",
+                    deadline.as_secs()
+                )
+            };
             let what = format!(
-                "{} on {}: {}",
+                "{} on {}: {why}",
                 m.name,
                 m.host.as_deref().unwrap_or("no host"),
-                messages.get(&m.uid).map_or("failed", String::as_str)
             );
             let s = memory.streak.get_or_insert_with(|| Streak {
                 template_hash: template_hash.to_string(),
@@ -238,7 +265,17 @@ mod tests {
                 "uid-a".to_string(),
                 "RenderFailed: bad settings".to_string(),
             )]);
-            book.observe("pool", "t2", 0, 2, members, &messages, at(now), b)
+            book.observe(
+                "pool",
+                "t2",
+                0,
+                Duration::ZERO,
+                2,
+                members,
+                &messages,
+                at(now),
+                b,
+            )
         };
         let a = member("a", "t2", 0, true, false);
         let old = member("o", "t1", 0, true, false);
@@ -282,27 +319,122 @@ mod tests {
     }
 
     #[test]
+    fn a_member_that_never_serves_by_the_deadline_counts_as_failed_once() {
+        let book = FailureBook::default();
+        let b = CreateBackoff::default();
+        let none = BTreeMap::new();
+        let deadline = Duration::from_secs(600);
+        // Made at 0, never served.
+        let mut silent = member("s", "t2", 0, false, false);
+        silent.not_serving_since = Some(at(5));
+        let look = |m: &Member, now: i64| {
+            book.observe(
+                "p",
+                "t2",
+                0,
+                deadline,
+                2,
+                std::slice::from_ref(m),
+                &none,
+                at(now),
+                b,
+            )
+        };
+        assert!(look(&silent, 599).streak.is_none(), "not late yet");
+        let late = look(&silent, 600);
+        let s = late.streak.expect("late: a failure");
+        assert_eq!(s.count, 1);
+        assert!(
+            s.last
+                .contains("did not serve within progressDeadlineSeconds (600 s)"),
+            "{}",
+            s.last
+        );
+        assert_eq!(look(&silent, 700).streak.unwrap().count, 1, "counted once");
+
+        // One that served and stopped long after it was made is not the rollout's.
+        let book = FailureBook::default();
+        let mut stopped = member("x", "t2", 0, false, false);
+        stopped.not_serving_since = Some(at(900));
+        let seen = book.observe(
+            "q",
+            "t2",
+            0,
+            deadline,
+            2,
+            std::slice::from_ref(&stopped),
+            &none,
+            at(1000),
+            b,
+        );
+        assert!(seen.streak.is_none(), "{seen:?}");
+        // No deadline: never late.
+        let seen = book.observe(
+            "r",
+            "t2",
+            0,
+            Duration::ZERO,
+            2,
+            std::slice::from_ref(&silent),
+            &none,
+            at(10_000),
+            b,
+        );
+        assert!(seen.streak.is_none(), "{seen:?}");
+    }
+
+    #[test]
     fn a_new_template_or_a_whole_pool_ends_the_streak() {
         let book = FailureBook::default();
         let b = CreateBackoff::default();
         let none = BTreeMap::new();
         let a = member("a", "t2", 0, true, false);
         assert!(
-            book.observe("p", "t2", 0, 2, std::slice::from_ref(&a), &none, at(1), b)
-                .streak
-                .is_some()
+            book.observe(
+                "p",
+                "t2",
+                0,
+                Duration::ZERO,
+                2,
+                std::slice::from_ref(&a),
+                &none,
+                at(1),
+                b
+            )
+            .streak
+            .is_some()
         );
-        let fixed = book.observe("p", "t3", 0, 2, std::slice::from_ref(&a), &none, at(2), b);
+        let fixed = book.observe(
+            "p",
+            "t3",
+            0,
+            Duration::ZERO,
+            2,
+            std::slice::from_ref(&a),
+            &none,
+            at(2),
+            b,
+        );
         assert!(fixed.streak.is_none(), "the template changed: {fixed:?}");
 
         // A reload (another config generation) ends it too: a stalled rollout resumes.
         let book = FailureBook::default();
         assert!(
-            book.observe("s", "t2", 0, 2, std::slice::from_ref(&a), &none, at(1), b)
-                .streak
-                .is_some()
+            book.observe(
+                "s",
+                "t2",
+                0,
+                Duration::ZERO,
+                2,
+                std::slice::from_ref(&a),
+                &none,
+                at(1),
+                b
+            )
+            .streak
+            .is_some()
         );
-        let reloaded = book.observe("s", "t2", 1, 2, &[], &none, at(2), b);
+        let reloaded = book.observe("s", "t2", 1, Duration::ZERO, 2, &[], &none, at(2), b);
         assert!(
             reloaded.streak.is_none(),
             "the config changed: {reloaded:?}"
@@ -314,6 +446,7 @@ mod tests {
             "s",
             "t2",
             1,
+            Duration::ZERO,
             2,
             std::slice::from_ref(&stale),
             &none,
@@ -324,24 +457,44 @@ mod tests {
 
         let book = FailureBook::default();
         assert!(
-            book.observe("q", "t2", 0, 2, std::slice::from_ref(&a), &none, at(1), b)
-                .streak
-                .is_some()
+            book.observe(
+                "q",
+                "t2",
+                0,
+                Duration::ZERO,
+                2,
+                std::slice::from_ref(&a),
+                &none,
+                at(1),
+                b
+            )
+            .streak
+            .is_some()
         );
         // The failed one is gone and two made before the failure serve: nothing waits.
         let up = [
             member("x", "t2", 0, false, true),
             member("y", "t2", 0, false, true),
         ];
-        let whole = book.observe("q", "t2", 0, 2, &up, &none, at(3), b);
+        let whole = book.observe("q", "t2", 0, Duration::ZERO, 2, &up, &none, at(3), b);
         assert!(whole.cleared && whole.streak.is_none(), "{whole:?}");
         // An empty pool is not whole.
         assert!(
-            book.observe("r", "t2", 0, 2, std::slice::from_ref(&a), &none, at(1), b)
-                .streak
-                .is_some()
+            book.observe(
+                "r",
+                "t2",
+                0,
+                Duration::ZERO,
+                2,
+                std::slice::from_ref(&a),
+                &none,
+                at(1),
+                b
+            )
+            .streak
+            .is_some()
         );
-        let empty = book.observe("r", "t2", 0, 2, &[], &none, at(3), b);
+        let empty = book.observe("r", "t2", 0, Duration::ZERO, 2, &[], &none, at(3), b);
         assert!(empty.streak.is_some(), "{empty:?}");
     }
 }

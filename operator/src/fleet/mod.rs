@@ -291,6 +291,7 @@ mod tests {
             template_hash: "new".into(),
             replace_after: Duration::ZERO,
             creates: super::plan::CreateGate::Open,
+            progress_deadline: Duration::ZERO,
         }
     }
 

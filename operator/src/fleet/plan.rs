@@ -47,6 +47,9 @@ pub struct PoolShape {
     pub replace_after: Duration,
     /// Whether creates may go ahead (held back while members keep failing).
     pub creates: CreateGate,
+    /// How long a new member may take to serve before it counts as failed (zero: no
+    /// deadline); see [`super::failures`].
+    pub progress_deadline: Duration,
 }
 
 /// Whether the pool may create members now. A template whose proxies all fail (a render
@@ -353,6 +356,7 @@ mod tests {
             template_hash: "t2".into(),
             replace_after: Duration::from_secs(900),
             creates: CreateGate::Open,
+            progress_deadline: Duration::ZERO,
         }
     }
 

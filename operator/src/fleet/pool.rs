@@ -142,6 +142,22 @@ impl FleetContext {
             .map_or_else(|| self.config.clone(), |l| l.config())
     }
 
+    /// Whether the Proxies' `UpToDate` conditions can be trusted: not while a reload is
+    /// younger than two probe periods. The Proxy controller judges each Proxy again at its
+    /// next look (one probe period at most); until then a condition may still say what the
+    /// previous config made of it, and a pool acting on that would replace members a
+    /// rollback just made current again.
+    pub fn drift_settled(&self) -> bool {
+        self.drift_settles_in().is_none()
+    }
+
+    /// How long until [`FleetContext::drift_settled`]; `None` once it is.
+    pub fn drift_settles_in(&self) -> Option<Duration> {
+        let window = 2 * Duration::from_secs(u64::from(self.config.serving.period_seconds));
+        let age = self.live.as_ref()?.snapshot().installed_at.elapsed();
+        window.checked_sub(age).filter(|d| !d.is_zero())
+    }
+
     /// A key that changes whenever a reload installs another config: a streak of failed
     /// members is of one template under one config, and a new config starts afresh.
     pub fn config_generation(&self) -> u64 {
@@ -236,6 +252,7 @@ pub fn shape_of(pool: &ProxyPool, config: &ValidConfig) -> PoolShape {
         template_hash: s.template.hash(),
         replace_after: Duration::from_secs(u64::from(config.serving.replace_after_seconds)),
         creates: plan::CreateGate::Open,
+        progress_deadline: Duration::from_secs(u64::from(s.progress_deadline_seconds)),
     }
 }
 
@@ -320,6 +337,7 @@ pub async fn reconcile(pool: Arc<ProxyPool>, ctx: Arc<FleetContext>) -> Result<A
         .list(&ListParams::default().labels(&pool_selector(&name)))
         .await?;
     let demand = super::lease::surge::for_pool(&ctx.client, &pool).await?;
+    let drift_settled = ctx.drift_settled();
     let members: Vec<Member> = mine
         .items
         .iter()
@@ -330,6 +348,7 @@ pub async fn reconcile(pool: Arc<ProxyPool>, ctx: Arc<FleetContext>) -> Result<A
             let mut m = Member::of(p, &ctx.board);
             // Claimed by a lease: the lease's to take, not the pool's to remove.
             m.leased |= demand.claimed.contains(&m.uid);
+            m.outdated &= drift_settled;
             m
         })
         .collect();
@@ -345,6 +364,7 @@ pub async fn reconcile(pool: Arc<ProxyPool>, ctx: Arc<FleetContext>) -> Result<A
         owner.uid.as_str(),
         &shape.template_hash,
         ctx.config_generation(),
+        shape.progress_deadline,
         shape.replicas,
         &members,
         &failure_messages(&mine.items),
@@ -413,7 +433,12 @@ pub async fn reconcile(pool: Arc<ProxyPool>, ctx: Arc<FleetContext>) -> Result<A
         i32::try_from(p.counts.updated).unwrap_or(i32::MAX),
         pool.spec.replicas,
     );
-    Ok(Action::requeue(next_look(&p)))
+    // Conditions turned meanwhile are masked until the window ends: look again then.
+    let next = match ctx.drift_settles_in() {
+        Some(left) => next_look(&p).min(left + Duration::from_millis(100)),
+        None => next_look(&p),
+    };
+    Ok(Action::requeue(next))
 }
 
 /// When to look at a pool again if nothing wakes it sooner. A pool under way is looked at

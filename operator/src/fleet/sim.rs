@@ -69,6 +69,7 @@ impl World {
                 template_hash: "t1".into(),
                 replace_after: Duration::from_secs(900),
                 creates: super::plan::CreateGate::Open,
+                progress_deadline: Duration::ZERO,
             },
             samples: Vec::new(),
             log: Vec::new(),
