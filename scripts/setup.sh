@@ -45,10 +45,15 @@ set -euo pipefail
 #                                with no daemon and no registry
 #   busybox-static gcc libc6-dev the workload image's shell and tools; the static pause
 #   debootstrap                  the images' debian:12-slim base, made here
+#   docker-registry              the CNCF distribution registry (2.8): the harness starts
+#                                its own on a loopback port to test OCI plugin push/pull;
+#                                the package's service is not started (policy-rc.d below)
+#   apache2-utils                htpasswd: the bcrypt password file of that registry
 BOOKWORM_PKGS=(pkg-config libvirt-dev libvirt-daemon-system libvirt-clients libxml2-utils
   openssh-server netcat-openbsd socat xorriso iproute2 dnsmasq-base syslinux mtools dosfstools
   python3 python3-yaml cloud-init curl shellcheck nftables prometheus containerd runc
-  containernetworking-plugins buildah busybox-static gcc libc6-dev debootstrap)
+  containernetworking-plugins buildah busybox-static gcc libc6-dev debootstrap docker-registry
+  apache2-utils)
 # QEMU 10 from bookworm-backports: the emulator and qemu-img (qemu-utils) from the same
 # suite. Some machines come with qemu-utils 10 preinstalled (apt refuses to mix suites
 # then); on others libvirt-daemon-system would pull bookworm's qemu-utils 7.2 beside a

@@ -69,6 +69,27 @@ pub enum PluginCommand {
     /// each value of its own enum and boolean settings; check every output as the operator
     /// does, and print a table. Exits non-zero when any case fails.
     Test(PluginTestArgs),
+    /// Publish a built plugin to an OCI registry as an artifact (artifactType
+    /// `application/vnd.egress-operator.plugin.v1+wasm`, one layer
+    /// `application/vnd.wasm.content.layer.v1+wasm`) and print the digest-pinned
+    /// `oci://` reference to configure.
+    Push(PluginPushArgs),
+}
+
+/// Arguments of `plugin push`.
+#[derive(Debug, clap::Args)]
+pub struct PluginPushArgs {
+    /// The built component (`target/wasm32-wasip2/release/<crate_name>.wasm`).
+    pub plugin: PathBuf,
+    /// Where to push it: `oci://REGISTRY/REPOSITORY:TAG` (no digest: the push prints it).
+    pub reference: String,
+    /// Registry credentials: a Docker config JSON (`~/.docker/config.json`, or the
+    /// `.dockerconfigjson` of a Secret) with an `auths` entry for the registry.
+    #[arg(long, value_name = "FILE")]
+    pub credentials_file: Option<PathBuf>,
+    /// Trust only these PEM certificates for the registry (a private CA).
+    #[arg(long, value_name = "PEM")]
+    pub ca_file: Option<PathBuf>,
 }
 
 /// Arguments of `plugin new`.
@@ -87,8 +108,16 @@ pub struct PluginNewArgs {
 /// Arguments of `plugin test`.
 #[derive(Debug, clap::Args)]
 pub struct PluginTestArgs {
-    /// The built component (`target/wasm32-wasip2/release/<crate_name>.wasm`).
+    /// The built component (`target/wasm32-wasip2/release/<crate_name>.wasm`), or an
+    /// `oci://REGISTRY/REPOSITORY:TAG@sha256:DIGEST` reference to pull (with --cache-dir,
+    /// the pull is recorded so `validate-config --plugin-cache-dir` needs no registry).
     pub plugin: PathBuf,
+    /// Registry credentials for an `oci://` plugin (a Docker config JSON).
+    #[arg(long, value_name = "FILE")]
+    pub credentials_file: Option<PathBuf>,
+    /// Trust only these PEM certificates for an `oci://` plugin's registry.
+    #[arg(long, value_name = "PEM")]
+    pub ca_file: Option<PathBuf>,
     /// What the plugin renders; found from its exports when left out.
     #[arg(long, value_enum)]
     pub kind: Option<crate::authoring::Kind>,
@@ -226,6 +255,9 @@ pub struct RenderArgs {
     /// Cache compiled plugins here.
     #[arg(long, value_name = "DIR")]
     pub cache_dir: Option<PathBuf>,
+    /// Trust only these PEM certificates for `url` plugin downloads and `oci://` pulls.
+    #[arg(long, value_name = "PEM")]
+    pub plugin_ca_file: Option<PathBuf>,
     /// Host fact: KVM is available.
     #[arg(long)]
     pub kvm: bool,
@@ -293,6 +325,7 @@ pub fn execute(command: Command, out: &mut dyn Write, err: &mut dyn Write) -> u8
         Command::Run(args) => crate::run::run(&args, err),
         Command::Plugin(PluginCommand::New(args)) => plugin_new(&args, out, err),
         Command::Plugin(PluginCommand::Test(args)) => plugin_test(&args, out, err),
+        Command::Plugin(PluginCommand::Push(args)) => plugin_push(&args, out, err),
     };
     result.unwrap_or(2)
 }
@@ -337,6 +370,8 @@ fn plugin_test(
         config: args.config.clone(),
         snapshot: args.snapshot.clone(),
         cache_dir: args.cache_dir.clone(),
+        credentials_file: args.credentials_file.clone(),
+        ca_file: args.ca_file.clone(),
         facts: crate::render::Facts {
             kvm: args.kvm,
             cpus: args.host_cpus,
@@ -366,6 +401,38 @@ fn plugin_test(
                 _ => writeln!(err, "{e}")?,
             }
             Ok(1)
+        }
+        Err(e) => {
+            writeln!(err, "{e}")?;
+            Ok(1)
+        }
+    }
+}
+
+fn plugin_push(
+    args: &PluginPushArgs,
+    out: &mut dyn Write,
+    err: &mut dyn Write,
+) -> std::io::Result<u8> {
+    match crate::authoring::push::push(
+        &args.plugin,
+        &args.reference,
+        args.credentials_file.as_deref(),
+        args.ca_file.as_deref(),
+    ) {
+        Ok(pushed) => {
+            writeln!(
+                out,
+                "pushed {} ({} bytes) to {}\n  wasm layer sha256:{} ({})\n\
+                 configure it in kvm2.templates.<domain|vendorData> as\nurl: {}",
+                args.plugin.display(),
+                pushed.size,
+                pushed.target,
+                pushed.layer_sha256,
+                crate::templates::oci::WASM_LAYER_MEDIA_TYPE,
+                pushed.reference
+            )?;
+            Ok(0)
         }
         Err(e) => {
             writeln!(err, "{e}")?;
@@ -435,7 +502,17 @@ fn render_inner(args: &RenderArgs) -> Result<(String, String), String> {
     for t in [&mut templates.domain, &mut templates.vendor_data] {
         *t = crate::validate_config::entry_in(t, args.plugin_dir.as_deref());
     }
-    let engine = TemplateEngine::new(args.cache_dir.as_deref()).map_err(|e| e.to_string())?;
+    let download_ca_pem = match &args.plugin_ca_file {
+        Some(p) => {
+            Some(std::fs::read(p).map_err(|e| format!("--plugin-ca-file {}: {e}", p.display()))?)
+        }
+        None => None,
+    };
+    let engine = TemplateEngine::with_options(&crate::templates::EngineOptions {
+        cache_dir: args.cache_dir.clone(),
+        download_ca_pem,
+    })
+    .map_err(|e| e.to_string())?;
     let domain = engine
         .load_domain(&templates.domain)
         .map_err(|e| e.to_string())?;

@@ -251,6 +251,23 @@ fn unreachable(kind: &TemplateErrorKind, options: &ValidateOptions) -> Option<St
                 "{url} cannot be downloaded from here ({reason}), and {cache}"
             ))
         }
+        // The registry cannot be had here (not what it served: that is a refusal).
+        TemplateErrorKind::Oci { reference, source }
+            if crate::error::Classified::class(source) == crate::error::ErrorClass::Transient =>
+        {
+            let cache = match &options.plugin_cache_dir {
+                Some(dir) => format!(
+                    "it is not in the plugin cache {} (`plugin test {reference} --cache-dir {}` \
+                     records it there)",
+                    dir.display(),
+                    dir.display()
+                ),
+                None => "no --plugin-cache-dir was given to look in".into(),
+            };
+            Some(format!(
+                "{reference} cannot be pulled from here ({source}), and {cache}"
+            ))
+        }
         _ => None,
     }
 }

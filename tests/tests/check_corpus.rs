@@ -18,6 +18,7 @@ fn domain_template(settings: serde_json::Value) -> TemplateConfig {
         path: Some(plugin_path("domain-default").unwrap().display().to_string()),
         url: None,
         sha256: None,
+        credentials_file: None,
         settings,
         overridable_settings: Vec::new(),
         timeout_millis: 2000,

@@ -255,6 +255,7 @@ fn default_plugin_renders() -> Vec<String> {
                 ),
                 url: None,
                 sha256: None,
+                credentials_file: None,
                 settings: settings.clone(),
                 overridable_settings: Vec::new(),
                 timeout_millis: 2000,

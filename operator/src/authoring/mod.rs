@@ -10,9 +10,11 @@
 //! - [`sdk`]: the SDK's sources, embedded in the binary, and the pinned versions;
 //! - [`matrix`]: the cases `plugin test` renders (machine types, NICs, addressing, hosts);
 //! - [`runner`]: loads the plugin with the given settings and renders every case;
-//! - [`table`]: the report, one row per case with the rule and path of each refusal.
+//! - [`table`]: the report, one row per case with the rule and path of each refusal;
+//! - [`push`]: `plugin push`, which publishes a built plugin to an OCI registry.
 
 pub mod matrix;
+pub mod push;
 pub mod runner;
 pub mod scaffold;
 pub mod sdk;
@@ -76,6 +78,17 @@ pub enum AuthoringError {
         /// Why it did not load as a vendor-data plugin.
         vendor_data: String,
     },
+    /// The file given to `plugin push` is not a WebAssembly component.
+    #[error("PLUGIN {path}: {reason}")]
+    NotAComponent {
+        /// The file.
+        path: String,
+        /// Why.
+        reason: String,
+    },
+    /// A registry push or pull failed, or its reference was refused.
+    #[error("{0}")]
+    Oci(#[from] crate::templates::oci::OciError),
     /// The matrix could not be set up from the config (no machine types, say).
     #[error("cannot set up the test matrix: {reason}")]
     Matrix {
@@ -109,6 +122,7 @@ impl Classified for AuthoringError {
             }
             AuthoringError::Io { .. } => ErrorClass::Transient,
             AuthoringError::Plugin(e) => e.class(),
+            AuthoringError::Oci(e) => e.class(),
             // Everything else repeats until the input changes.
             _ => ErrorClass::Permanent,
         }

@@ -38,6 +38,10 @@ pub struct TestOptions {
     pub snapshot: Option<PathBuf>,
     /// Cache compiled plugins here.
     pub cache_dir: Option<PathBuf>,
+    /// Registry credentials (Docker config JSON) when `plugin` is an `oci://` reference.
+    pub credentials_file: Option<PathBuf>,
+    /// PEM certificates to trust instead of the system's for an `oci://` plugin.
+    pub ca_file: Option<PathBuf>,
     /// What every host is taken to have (KVM, CPUs, NUMA nodes); a host with `disableKvm`
     /// still renders for emulation.
     pub facts: Facts,
@@ -116,22 +120,33 @@ pub fn read_settings(path: &Path) -> Result<Value, AuthoringError> {
     serde_yaml_ng::from_str::<Value>(&text).map_err(|e| fail(e.to_string()))
 }
 
-/// The template entry `plugin test` loads: the file, the settings, the defaults of every
-/// limit, and [`NICS_SETTING`] and `overridable` overridable so the matrix can set them
-/// per case.
+/// The template entry `plugin test` loads: the file (or the `oci://` reference, with its
+/// credentials), the settings, the defaults of every limit, and [`NICS_SETTING`] and
+/// `overridable` overridable so the matrix can set them per case.
 fn template_config(
     plugin: &Path,
+    credentials: Option<&Path>,
     settings: Value,
     overridable: &[&str],
 ) -> Result<TemplateConfig, AuthoringError> {
     let mut keys = vec![NICS_SETTING];
     keys.extend(overridable.iter().filter(|k| **k != NICS_SETTING));
-    serde_json::from_value(json!({
-        "path": plugin.display().to_string(),
+    let source = plugin.display().to_string();
+    let mut entry = json!({
         "settings": settings,
         "overridableSettings": keys,
-    }))
-    .map_err(|e| AuthoringError::Matrix {
+    });
+    if source.starts_with("oci://") {
+        // Refused here, with the reason, rather than as a file that does not exist.
+        crate::templates::oci::OciRef::parse(&source)?;
+        entry["url"] = json!(source);
+        if let Some(c) = credentials {
+            entry["credentialsFile"] = json!(c.display().to_string());
+        }
+    } else {
+        entry["path"] = json!(source);
+    }
+    serde_json::from_value(entry).map_err(|e| AuthoringError::Matrix {
         reason: format!("cannot make the template entry: {e}"),
     })
 }
@@ -236,8 +251,16 @@ pub fn run(opts: &TestOptions) -> Result<Report, AuthoringError> {
         None => None,
     };
     let (config, types) = matrix::prepare(config)?;
-    let engine = TemplateEngine::new(opts.cache_dir.as_deref())?;
-    let t = template_config(&opts.plugin, settings.clone(), &[])?;
+    let download_ca_pem = match &opts.ca_file {
+        Some(p) => Some(std::fs::read(p).map_err(|e| AuthoringError::io(p, e))?),
+        None => None,
+    };
+    let engine = TemplateEngine::with_options(&crate::templates::EngineOptions {
+        cache_dir: opts.cache_dir.clone(),
+        download_ca_pem,
+    })?;
+    let credentials = opts.credentials_file.as_deref();
+    let t = template_config(&opts.plugin, credentials, settings.clone(), &[])?;
     let mut loaded = load(&engine, &t, opts.kind)?;
     let facts = &opts.facts;
     let (kind, plugin, sha256, schema) = match &loaded {
@@ -273,7 +296,7 @@ pub fn run(opts: &TestOptions) -> Result<Report, AuthoringError> {
         // Loaded again with those settings overridable, as a config could list them.
         let mut keys: Vec<&str> = variants.iter().map(|(k, _)| k.as_str()).collect();
         keys.dedup();
-        let t = template_config(&opts.plugin, settings, &keys)?;
+        let t = template_config(&opts.plugin, credentials, settings, &keys)?;
         loaded = load(
             &engine,
             &t,

@@ -208,6 +208,9 @@ pub fn parse(text: &str, source: &str, base_dir: &Path) -> Result<ValidConfig, C
         if let Some(p) = t.path.as_mut() {
             *p = resolve(base_dir, p);
         }
+        if let Some(p) = t.credentials_file.as_mut() {
+            *p = resolve(base_dir, p);
+        }
     }
     let ssh = &mut config.kvm2.ssh;
     ssh.private_key_file = resolve(base_dir, &ssh.private_key_file);

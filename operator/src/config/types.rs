@@ -517,15 +517,28 @@ pub struct TemplateConfig {
     #[serde(default, skip_serializing_if = "Option::is_none")]
     #[schemars(length(min = 1, max = FILE_PATH_MAX))]
     pub path: Option<String>,
-    /// https URL of the component. Exactly one of `path` and `url`; needs `sha256`.
+    /// Where to download the component: an `https://` URL (needs `sha256`), or an OCI
+    /// artifact `oci://REGISTRY/REPOSITORY[:TAG]@sha256:<manifest digest>` as
+    /// `egress-operator plugin push` publishes it (the digest is mandatory and pins the
+    /// manifest, which pins the wasm layer). Exactly one of `path` and `url`.
     #[serde(default, skip_serializing_if = "Option::is_none")]
-    #[schemars(length(min = 1, max = URL_MAX), pattern("^https://"))]
+    #[schemars(length(min = 1, max = URL_MAX), pattern("^(https|oci)://"))]
     pub url: Option<String>,
-    /// sha256 of the component; mandatory with `url`, checked before compiling. With
-    /// `path` it is optional and, when given, checked too.
+    /// sha256 of the component (the wasm bytes); mandatory with an `https://` URL,
+    /// checked before compiling. With `path` or an `oci://` URL it is optional and, when
+    /// given, checked too (for OCI: against the wasm layer the manifest names).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     #[schemars(pattern(SHA256_PATTERN))]
     pub sha256: Option<String>,
+    /// Registry credentials for an `oci://` URL: a Docker config JSON file (the
+    /// `.dockerconfigjson` key of a `kubernetes.io/dockerconfigjson` Secret, mounted as a
+    /// file), whose `auths` entry for the registry gives a username and password (HTTP
+    /// basic auth, or the registry's token flow). Read at every load attempt, so a
+    /// rotated Secret is picked up on the next retry. Without it the pull is anonymous.
+    /// Relative paths are resolved against the directory of the config file.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[schemars(length(min = 1, max = FILE_PATH_MAX))]
+    pub credentials_file: Option<String>,
     /// Plugin-specific settings, validated against the JSON Schema the plugin exports.
     #[serde(default = "defaults::settings")]
     #[schemars(extend("default" = {}))]

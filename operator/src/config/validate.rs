@@ -441,6 +441,22 @@ fn validate_template(path: &str, t: &TemplateConfig, p: &mut Problems) {
         (Some(_), Some(_)) => p.push(path, "set exactly one of `path` and `url`, not both"),
         (None, None) => p.push(path, "set exactly one of `path` and `url`"),
         (Some(file), None) => p.check(at("path"), rules::file_path(file)),
+        (None, Some(url)) if url.starts_with("oci://") => {
+            let checked = crate::templates::oci::OciRef::parse(url)
+                .map_err(|e| match e {
+                    crate::templates::oci::OciError::BadReference { reason, .. } => reason,
+                    other => other.to_string(),
+                })
+                .and_then(|r| match r.digest {
+                    Some(_) => Ok(()),
+                    None => Err(format!(
+                        "{}: needs the manifest digest (oci://REGISTRY/REPOSITORY:TAG@sha256:...); \
+                         a plugin is pulled only by digest, as `plugin push` prints it",
+                        rules::show(url)
+                    )),
+                });
+            p.check(at("url"), checked);
+        }
         (None, Some(url)) => {
             // A plugin's URL is its name in logs, in ProviderHealth's status and in the
             // `plugin` metric label; a query string there (a presigned URL's signature)
@@ -469,6 +485,17 @@ fn validate_template(path: &str, t: &TemplateConfig, p: &mut Problems) {
     }
     if let Some(sum) = &t.sha256 {
         p.check(at("sha256"), rules::sha256_hex(sum));
+    }
+    if let Some(file) = &t.credentials_file {
+        if t.url.as_deref().is_some_and(|u| u.starts_with("oci://")) {
+            p.check(at("credentialsFile"), rules::file_path(file));
+        } else {
+            p.push(
+                at("credentialsFile"),
+                "is only for an `oci://` url (registry credentials); an https plugin is \
+                 served at a plain URL and a `path` plugin is read from disk",
+            );
+        }
     }
     if !t.settings.is_object() {
         p.push(at("settings"), "must be a mapping (JSON object)");

@@ -162,6 +162,46 @@ impl CodeCache {
     }
 }
 
+impl CodeCache {
+    fn link_path(&self, manifest_sha256: &str) -> PathBuf {
+        self.dir.join(format!("oci-{manifest_sha256}.layer"))
+    }
+
+    /// Records that the OCI manifest of that sha256 names the wasm layer of that sha256,
+    /// so a later load of the same `oci://` reference finds the compiled code without
+    /// asking the registry (a manifest digest pins its layers for good). Failures are
+    /// logged, never fatal.
+    pub fn link(&self, manifest_sha256: &str, layer_sha256: &str) {
+        let path = self.link_path(manifest_sha256);
+        let result = tempfile::NamedTempFile::new_in(&self.dir).and_then(|mut tmp| {
+            tmp.write_all(layer_sha256.as_bytes())?;
+            tmp.as_file().sync_all()?;
+            tmp.persist(&path).map_err(|e| e.error)?;
+            Ok(())
+        });
+        if let Err(e) = result {
+            tracing::warn!(path = %path.display(), error = %e, "cannot write the OCI manifest link of the compiled-code cache");
+        }
+    }
+
+    /// The wasm layer's sha256 recorded by [`CodeCache::link`] for that manifest, if a
+    /// private file of ours holds one (anything else is ignored and removed).
+    pub fn linked(&self, manifest_sha256: &str) -> Option<String> {
+        let path = self.link_path(manifest_sha256);
+        let meta = std::fs::symlink_metadata(&path).ok()?;
+        let ours = current_uid().is_some_and(|me| meta.uid() == me);
+        let text = (meta.is_file() && ours && meta.mode() & FOREIGN_WRITE_BITS == 0)
+            .then(|| std::fs::read_to_string(&path).ok())
+            .flatten()
+            .filter(|t| t.len() == 64 && t.bytes().all(|b| matches!(b, b'0'..=b'9' | b'a'..=b'f')));
+        if text.is_none() {
+            tracing::warn!(path = %path.display(), "OCI manifest link of the compiled-code cache is unusable; pulling again");
+            let _ = std::fs::remove_file(&path);
+        }
+        text
+    }
+}
+
 fn refused(why: String) -> std::io::Error {
     std::io::Error::new(std::io::ErrorKind::InvalidInput, why)
 }

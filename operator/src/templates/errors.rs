@@ -98,6 +98,16 @@ pub enum TemplateErrorKind {
         /// Why.
         reason: String,
     },
+    /// The component could not be pulled from an OCI registry (or what the registry
+    /// served is not the pinned plugin).
+    #[error("cannot pull {reference}: {source}")]
+    Oci {
+        /// The `oci://` reference.
+        reference: String,
+        /// Why.
+        #[source]
+        source: super::oci::OciError,
+    },
     /// The component's sha256 differs from the configured one.
     #[error("sha256 mismatch: expected {expected}, got {actual}")]
     Sha256Mismatch {
@@ -230,6 +240,7 @@ impl Classified for TemplateError {
             TemplateErrorKind::CacheDir { .. } | TemplateErrorKind::Download { .. } => {
                 ErrorClass::Transient
             }
+            TemplateErrorKind::Oci { source, .. } => source.class(),
             // Everything else is deterministic: same plugin, same input, same failure.
             _ => ErrorClass::Permanent,
         }

@@ -32,6 +32,7 @@ fn hostile(mode: &str, memory_mib: u32, timeout_millis: u32) -> TemplateConfig {
         path: Some(plugin("hostile-domain")),
         url: None,
         sha256: None,
+        credentials_file: None,
         settings: json!({ "mode": mode }),
         overridable_settings: vec!["mode".into()],
         timeout_millis,
