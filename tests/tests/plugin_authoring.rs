@@ -14,6 +14,7 @@ use std::process::Command;
 use std::time::Duration;
 
 use integration_tests::guest_lab::{Finished, run_guarded};
+use integration_tests::harness::{self, Need, Registry};
 use integration_tests::{plugin_path, target_dir, workspace_root};
 
 /// A hang fails the test instead of blocking CI; never a timing assertion. A cold build of
@@ -472,11 +473,24 @@ fn walkthrough() -> Vec<Block> {
     blocks
 }
 
+/// The walkthrough from `plugin new` to `plugin push` into a registry of the test's own
+/// (TLS with its own CA, htpasswd basic auth) and a `render` that pulls the plugin by
+/// digest, with a second NIC from the plugin's own `extraNics` setting. The wall time of
+/// each step is printed (never asserted).
 #[test]
 fn your_first_plugin_walkthrough_runs_as_written() {
+    if harness::skip(&[Need::Registry]) {
+        return;
+    }
     let blocks = walkthrough();
     let langs: Vec<&str> = blocks.iter().map(|b| b.lang.as_str()).collect();
-    assert_eq!(langs, ["sh", "sh", "rust", "sh", "sh", "sh", "yaml"]);
+    assert_eq!(
+        langs,
+        [
+            "sh", "sh", "rust", "sh", "sh", "sh", "yaml", "sh", "yaml", "sh"
+        ]
+    );
+    let registry = Registry::start("author", "walkthrough-pw").unwrap();
 
     let work = outside_dir("walkthrough");
     let bin = work.path().join("bin");
@@ -490,7 +504,9 @@ fn your_first_plugin_walkthrough_runs_as_written() {
     let plugins = target_dir().join("plugins");
     let mut cwd = work.path().to_path_buf();
     let mut last_stdout = String::new();
-    for block in &blocks {
+    let mut timings = Vec::new();
+    for (step, block) in blocks.iter().enumerate() {
+        let started = std::time::Instant::now();
         match block.lang.as_str() {
             "sh" => {
                 // The directory a block ends in is where the next one starts, as in one
@@ -506,6 +522,7 @@ fn your_first_plugin_walkthrough_runs_as_written() {
                         .arg(&script)
                         .env("PATH", &path)
                         .env("EGRESS_PLUGINS", &plugins)
+                        .env("REGISTRY", registry.host())
                         .env("CARGO", cargo())
                         // As in the reader's shell: cargo's default `target/` (a link to
                         // the shared directory, made below), not the one of this test run.
@@ -539,6 +556,11 @@ fn your_first_plugin_walkthrough_runs_as_written() {
                     )
                     .unwrap();
                     std::fs::copy(samples.join("proxy_kvm2.yaml"), cwd.join("proxy.yaml")).unwrap();
+                    // And the registry's credentials and CA.
+                    registry
+                        .write_docker_config(&cwd.join("registry-auth.json"))
+                        .unwrap();
+                    std::fs::copy(registry.ca_file(), cwd.join("registry-ca.pem")).unwrap();
                 }
             }
             "rust" => {
@@ -553,6 +575,35 @@ fn your_first_plugin_walkthrough_runs_as_written() {
                     .map(|l| format!("        {l}\n"))
                     .collect();
                 std::fs::write(&lib, format!("{}{indented}{}", &text[..at], &text[at..])).unwrap();
+            }
+            "yaml" if block.body.contains("<the url plugin push printed>") => {
+                // The reader's edit: the domain entry of their providers config takes the
+                // url `plugin push` printed and the block's other keys.
+                let url = last_stdout
+                    .lines()
+                    .find_map(|l| l.strip_prefix("url: "))
+                    .unwrap_or_else(|| panic!("plugin push printed no url: line:\n{last_stdout}"))
+                    .to_string();
+                assert!(
+                    url.starts_with(&format!(
+                        "oci://{}/plugins/my-domain:v1@sha256:",
+                        registry.host()
+                    )),
+                    "{url}"
+                );
+                let entry = block.body.replace("<the url plugin push printed>", &url);
+                let entry: serde_json::Value = serde_yaml_ng::from_str(&entry).unwrap();
+                let path = cwd.join("providers-config.yaml");
+                let mut config: serde_json::Value =
+                    serde_yaml_ng::from_str(&std::fs::read_to_string(&path).unwrap()).unwrap();
+                let domain = config["kvm2"]["templates"]["domain"]
+                    .as_object_mut()
+                    .unwrap();
+                domain.remove("path");
+                for (k, v) in entry["kvm2"]["templates"]["domain"].as_object().unwrap() {
+                    domain.insert(k.clone(), v.clone());
+                }
+                std::fs::write(&path, serde_json::to_string_pretty(&config).unwrap()).unwrap();
             }
             "yaml" => {
                 // The digest `sha256sum` printed goes into the entry, which must then be
@@ -578,7 +629,24 @@ fn your_first_plugin_walkthrough_runs_as_written() {
             }
             other => panic!("unexpected block language {other:?}"),
         }
+        let first = block.body.lines().next().unwrap_or_default();
+        timings.push((
+            step + 1,
+            block.lang.clone(),
+            first.to_string(),
+            started.elapsed(),
+        ));
     }
+    // Authoring time, step by step (printed for the record; machines differ too much to
+    // assert on it).
+    let total: Duration = timings.iter().map(|t| t.3).sum();
+    for (step, lang, first, took) in &timings {
+        eprintln!(
+            "walkthrough step {step:2} ({lang:4}) {:>7.1}s  {first}",
+            took.as_secs_f64()
+        );
+    }
+    eprintln!("walkthrough total {:>7.1}s", total.as_secs_f64());
     // The edit is in every rendered case and in the Proxy rendered with the config.
     let snapshots: Vec<PathBuf> = std::fs::read_dir(cwd.join("snapshots"))
         .unwrap()
@@ -594,4 +662,14 @@ fn your_first_plugin_walkthrough_runs_as_written() {
     }
     let rendered = std::fs::read_to_string(cwd.join("rendered/domain.xml")).unwrap();
     assert!(rendered.contains("<rng model=\"virtio\">"), "{rendered}");
+    // The render that pulled the pushed plugin: the edit, and the second NIC its own
+    // setting asked for.
+    let pulled = std::fs::read_to_string(cwd.join("pulled/domain.xml")).unwrap();
+    assert!(pulled.contains("<rng model=\"virtio\">"), "{pulled}");
+    assert_eq!(
+        pulled.matches("<interface type=\"bridge\">").count(),
+        2,
+        "{pulled}"
+    );
+    assert_eq!(last_stdout.lines().last(), Some("2"), "{last_stdout}");
 }

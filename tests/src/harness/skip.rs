@@ -25,6 +25,9 @@ pub enum Need {
     Promtool,
     /// The node tier (`scripts/node.sh`): root, containerd, runc, the CNI plugins, buildah.
     Node,
+    /// The CNCF distribution registry (Debian's `docker-registry`) and htpasswd
+    /// (apache2-utils), for OCI plugin push and pull.
+    Registry,
 }
 
 /// Binaries behind each [`Need`]; all must exist.
@@ -78,6 +81,7 @@ pub fn skip_reason(needs: &[Need]) -> Option<String> {
             Need::Libvirtd => LIBVIRTD_BINARIES,
             Need::Promtool => &["promtool"],
             Need::Node => NODE_BINARIES,
+            Need::Registry => &[super::registry::REGISTRY, super::registry::HTPASSWD],
         };
         missing.extend(
             binaries
