@@ -673,3 +673,192 @@ fn your_first_plugin_walkthrough_runs_as_written() {
     );
     assert_eq!(last_stdout.lines().last(), Some("2"), "{last_stdout}");
 }
+
+/// `plugin push` and an `oci://` pull against a real registry (TLS with its own CA, basic
+/// auth): wrong credentials, an untrusted certificate, an unknown digest and tampered
+/// content are refused, each saying why; a pull by digest is recorded in the plugin cache,
+/// so `validate-config --plugin-cache-dir` checks the plugin with the registry gone.
+#[test]
+fn an_oci_plugin_is_pushed_pulled_by_digest_verified_and_checked_offline() {
+    if harness::skip(&[Need::Registry]) {
+        return;
+    }
+    let registry = Registry::start("pusher", "right-pw").unwrap();
+    let dir = tempfile::tempdir().unwrap();
+    let p = |name: &str| dir.path().join(name).display().to_string();
+    registry
+        .write_docker_config(&dir.path().join("auth.json"))
+        .unwrap();
+    std::fs::write(
+        p("wrong.json"),
+        serde_json::json!({"auths": {registry.host(): {"username": "pusher", "password": "wrong"}}})
+            .to_string(),
+    )
+    .unwrap();
+    let ca = registry.ca_file().display().to_string();
+    let wasm = plugin_path("domain-default").unwrap().display().to_string();
+    let target = registry.reference("plugins/domain-default:v1");
+
+    // Wrong password: refused by the registry, nothing published.
+    let out = operator(&[
+        "plugin",
+        "push",
+        &wasm,
+        &target,
+        "--credentials-file",
+        &p("wrong.json"),
+        "--ca-file",
+        &ca,
+    ]);
+    assert_eq!(out.code, 1, "{}", out.stdout);
+    assert!(
+        out.stderr
+            .contains(&format!("registry {}", registry.host())),
+        "{}",
+        out.stderr
+    );
+    assert!(!out.stderr.contains("wrong"), "{}", out.stderr);
+    // Not a component: refused before the registry is asked.
+    std::fs::write(p("core.wasm"), b"\0asm\x01\0\0\0").unwrap();
+    let out = operator(&["plugin", "push", &p("core.wasm"), &target]);
+    assert_eq!(out.code, 1);
+    assert!(
+        out.stderr.contains("core WebAssembly module"),
+        "{}",
+        out.stderr
+    );
+
+    let out = operator(&[
+        "plugin",
+        "push",
+        &wasm,
+        &target,
+        "--credentials-file",
+        &p("auth.json"),
+        "--ca-file",
+        &ca,
+    ]);
+    assert_eq!(out.code, 0, "{}", out.stderr);
+    let url = out
+        .stdout
+        .lines()
+        .find_map(|l| l.strip_prefix("url: "))
+        .unwrap()
+        .to_string();
+    let layer = integration_tests::sha256_hex(&std::fs::read(&wasm).unwrap());
+    assert!(
+        out.stdout.contains(&format!("wasm layer sha256:{layer}")),
+        "{}",
+        out.stdout
+    );
+    // The same component again: the same manifest digest.
+    let again = operator(&[
+        "plugin",
+        "push",
+        &wasm,
+        &target,
+        "--credentials-file",
+        &p("auth.json"),
+        "--ca-file",
+        &ca,
+    ]);
+    assert!(
+        again.stdout.contains(&format!("url: {url}")),
+        "{}",
+        again.stdout
+    );
+
+    let test = |reference: &str, extra: &[&str]| {
+        let mut args = vec!["plugin", "test", reference];
+        args.extend_from_slice(extra);
+        operator(&args)
+    };
+    // No CA: the registry's certificate is not trusted.
+    let out = test(&url, &["--credentials-file", &p("auth.json")]);
+    assert_eq!(out.code, 1);
+    assert!(out.stderr.contains("certificate"), "{}", out.stderr);
+    // No credentials: the pull is anonymous, and this registry refuses it.
+    let out = test(&url, &["--ca-file", &ca]);
+    assert_eq!(out.code, 1);
+    assert!(
+        out.stderr.contains(&format!("cannot pull {url}")),
+        "{}",
+        out.stderr
+    );
+    // A digest the registry does not have.
+    let unknown = format!("{}@sha256:{}", target, "0".repeat(64));
+    let out = test(
+        &unknown,
+        &["--credentials-file", &p("auth.json"), "--ca-file", &ca],
+    );
+    assert_eq!(out.code, 1);
+    assert!(out.stderr.contains("manifest unknown"), "{}", out.stderr);
+    // Pulled, verified, tested, and recorded in the cache.
+    let cache = p("cache");
+    let out = test(
+        &url,
+        &[
+            "--credentials-file",
+            &p("auth.json"),
+            "--ca-file",
+            &ca,
+            "--cache-dir",
+            &cache,
+        ],
+    );
+    assert_eq!(out.code, 0, "{}{}", out.stdout, out.stderr);
+    assert!(out.stdout.contains("0 failed"), "{}", out.stdout);
+
+    // Tampered content in the registry's storage: the layer no longer matches the
+    // manifest, and the pull says so instead of compiling it.
+    let blob = registry.blob_path(&layer);
+    let original = std::fs::read(&blob).unwrap();
+    let mut tampered = original.clone();
+    let last = tampered.len() - 1;
+    tampered[last] ^= 0xff;
+    std::fs::write(&blob, &tampered).unwrap();
+    let out = test(
+        &url,
+        &["--credentials-file", &p("auth.json"), "--ca-file", &ca],
+    );
+    assert_eq!(out.code, 1);
+    assert!(
+        out.stderr.contains(&format!(
+            "wasm layer digest mismatch: the manifest names sha256:{layer}"
+        )),
+        "{}",
+        out.stderr
+    );
+    std::fs::write(&blob, &original).unwrap();
+
+    // The config names the plugin by its oci:// url; the registry is gone.
+    let config = p("providers-config.yaml");
+    let sample =
+        std::fs::read_to_string(workspace_root().join("config/samples/providers-config.yaml"))
+            .unwrap();
+    let entry = format!("url: {url}\n      credentialsFile: auth.json");
+    std::fs::write(
+        &config,
+        sample.replace(
+            "path: /usr/lib/egress-operator/plugins/domain-default.wasm",
+            &entry,
+        ),
+    )
+    .unwrap();
+    drop(registry);
+    let out = operator(&["validate-config", &config, "--plugin-cache-dir", &cache]);
+    assert_eq!(out.code, 0, "{}", out.stderr);
+    assert!(
+        !out.stderr.contains("kvm2.templates.domain: not checked"),
+        "{}",
+        out.stderr
+    );
+    let out = operator(&["validate-config", &config]);
+    assert_eq!(out.code, 0, "{}", out.stderr);
+    assert!(
+        out.stderr.contains(&format!("cannot be pulled from here"))
+            && out.stderr.contains("no --plugin-cache-dir was given"),
+        "{}",
+        out.stderr
+    );
+}

@@ -710,6 +710,19 @@ kvm2:
     }
 
     #[test]
+    fn an_oci_plugin_needs_only_its_digest_and_may_name_credentials() {
+        let problems = problems_of(|c| {
+            c.kvm2.templates.vendor_data.url = Some(format!(
+                "oci://registry.example.org:5000/plugins/v:1@sha256:{}",
+                "a".repeat(64)
+            ));
+            c.kvm2.templates.vendor_data.sha256 = None;
+            c.kvm2.templates.vendor_data.credentials_file = Some("/etc/eo/registry.json".into());
+        });
+        assert!(problems.is_empty(), "{problems:?}");
+    }
+
+    #[test]
     fn a_refused_plugin_url_does_not_echo_its_signature() {
         let problems = problems_of(|c| {
             c.kvm2.templates.domain.path = None;
@@ -996,6 +1009,53 @@ kvm2:
                 |c| c.kvm2.templates.vendor_data.sha256 = None,
                 "kvm2.templates.vendorData.sha256",
                 "required",
+            ),
+            (
+                "oci without digest",
+                |c| {
+                    c.kvm2.templates.vendor_data.url =
+                        Some("oci://r.example.org/plugins/v:1".into());
+                },
+                "kvm2.templates.vendorData.url",
+                "needs the manifest digest",
+            ),
+            (
+                "oci with credentials in the host",
+                |c| {
+                    c.kvm2.templates.vendor_data.url = Some(format!(
+                        "oci://u:p@r.example.org/plugins/v:1@sha256:{}",
+                        "a".repeat(64)
+                    ));
+                },
+                "kvm2.templates.vendorData.url",
+                "give them in `credentialsFile`",
+            ),
+            (
+                "oci with a bad repository",
+                |c| {
+                    c.kvm2.templates.vendor_data.url = Some(format!(
+                        "oci://r.example.org/Plugins@sha256:{}",
+                        "a".repeat(64)
+                    ));
+                },
+                "kvm2.templates.vendorData.url",
+                "lower-case letters and digits",
+            ),
+            (
+                "credentials without oci",
+                |c| c.kvm2.templates.vendor_data.credentials_file = Some("/c.json".into()),
+                "kvm2.templates.vendorData.credentialsFile",
+                "only for an `oci://` url",
+            ),
+            (
+                "oci credentials path",
+                |c| {
+                    c.kvm2.templates.vendor_data.url =
+                        Some(format!("oci://r.example.org/v@sha256:{}", "a".repeat(64)));
+                    c.kvm2.templates.vendor_data.credentials_file = Some("a\nb".into());
+                },
+                "kvm2.templates.vendorData.credentialsFile",
+                "control",
             ),
             (
                 "template sha",

@@ -495,6 +495,27 @@ fn chain(e: &dyn std::error::Error) -> String {
     text
 }
 
+/// A failed read of the wasm layer: the client's own digest check (which sees the end of
+/// the stream before we do) is a [`OciError::LayerDigest`], like ours; anything else is
+/// the registry's or the network's.
+fn layer_read_error(registry: &str, e: &std::io::Error) -> OciError {
+    use oci_client::errors::DigestError;
+    let hex = |d: &str| d.strip_prefix("sha256:").unwrap_or(d).to_string();
+    match e
+        .get_ref()
+        .and_then(|inner| inner.downcast_ref::<DigestError>())
+    {
+        Some(DigestError::VerificationError { expected, actual }) => OciError::LayerDigest {
+            expected: hex(expected),
+            actual: hex(actual),
+        },
+        _ => OciError::Registry {
+            registry: registry.to_string(),
+            reason: format!("reading the wasm layer: {}", chain(e)),
+        },
+    }
+}
+
 /// A verified pull.
 #[derive(Debug)]
 pub struct Pulled {
@@ -592,10 +613,7 @@ pub fn pull(
             .map_err(registry_err(&reg))?;
         let mut bytes = Vec::with_capacity(usize::try_from(declared).unwrap_or(0));
         while let Some(chunk) = stream.next().await {
-            let chunk = chunk.map_err(|e| OciError::Registry {
-                registry: reg.clone(),
-                reason: format!("reading the wasm layer: {e}"),
-            })?;
+            let chunk = chunk.map_err(|e| layer_read_error(&reg, &e))?;
             if (bytes.len() + chunk.len()) as u64 > declared {
                 return Err(OciError::Artifact(format!(
                     "the registry sent more than the {declared} bytes the manifest declares"

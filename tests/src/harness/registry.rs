@@ -116,6 +116,17 @@ impl Registry {
             .with_context(|| format!("cannot write {}", path.display()))
     }
 
+    /// Where the registry stores the blob of that sha256 (filesystem driver layout), so a
+    /// test can tamper with what it serves.
+    pub fn blob_path(&self, sha256: &str) -> PathBuf {
+        self.dir
+            .path()
+            .join("storage/docker/registry/v2/blobs/sha256")
+            .join(&sha256[..2])
+            .join(sha256)
+            .join("data")
+    }
+
     fn log_path(&self) -> PathBuf {
         self.dir.path().join("registry.log")
     }
