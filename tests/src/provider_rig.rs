@@ -119,6 +119,15 @@ impl Rig {
     pub fn provider(&self, ops: Arc<dyn HostOps>) -> Kvm2Provider {
         let engine = TemplateEngine::new(None).unwrap();
         let templates = Arc::new(TemplateSet::load(&engine, &self.config.kvm2.templates));
+        self.provider_with(ops, templates)
+    }
+
+    /// [`Rig::provider`] with plugins loaded elsewhere (another source, engine options).
+    pub fn provider_with(
+        &self,
+        ops: Arc<dyn HostOps>,
+        templates: Arc<TemplateSet>,
+    ) -> Kvm2Provider {
         assert!(templates.is_healthy(), "{:?}", templates.health());
         let images = ImageCacheOptions {
             // A crashed uploader's staging volume is taken over quickly here.

@@ -329,3 +329,59 @@ fn adoption_resumes_a_paused_domain_and_volumes_list_their_backing_store() {
         rig.hosts.close().await;
     });
 }
+
+/// A domain plugin pushed with `plugin push` to a registry of the test's own (TLS with its
+/// own CA, basic auth from a Docker config JSON) is pulled by digest and renders a Create
+/// on the real daemons, its settings (one further NIC) included.
+#[test]
+fn a_create_renders_with_a_domain_plugin_pulled_from_an_oci_registry() {
+    use egress_operator::templates::{EngineOptions, TemplateEngine, TemplateSet};
+    use integration_tests::harness::{self, Need, Registry};
+
+    if harness::skip(&[Need::Registry]) {
+        return;
+    }
+    let Some(rig) = Rig::start(vec![], Rig::base_image) else {
+        return;
+    };
+    let registry = Registry::start("operator", "pull-pw").unwrap();
+    let dir = tempfile::tempdir().unwrap();
+    let auth = dir.path().join("dockerconfig.json");
+    registry.write_docker_config(&auth).unwrap();
+    let wasm = integration_tests::plugin_path("domain-default").unwrap();
+    let pushed = egress_operator::authoring::push::push(
+        &wasm,
+        &registry.reference("plugins/domain-default:create"),
+        Some(&auth),
+        Some(&registry.ca_file()),
+    )
+    .unwrap();
+    let url = pushed.reference.to_string();
+
+    let mut templates = rig.config.kvm2.templates.clone();
+    templates.domain = serde_json::from_value(serde_json::json!({
+        "url": url,
+        "credentialsFile": auth,
+        "settings": { "extraNics": 1 },
+    }))
+    .unwrap();
+    let engine = TemplateEngine::with_options(&EngineOptions {
+        cache_dir: Some(dir.path().join("cache")),
+        download_ca_pem: Some(std::fs::read(registry.ca_file()).unwrap()),
+    })
+    .unwrap();
+    let set = Arc::new(TemplateSet::load(&engine, &templates));
+    assert_eq!(set.health()[0].plugin, format!("domain:{url}"));
+    // Pulled once; the registry is not needed after the load.
+    drop(registry);
+    run(async {
+        let p = rig.provider_with(rig.ops.clone(), set);
+        let inst = p.create(&request(&uid(7), "oci-egress")).await.unwrap();
+        assert_eq!(inst.state, InstanceState::Running);
+        let xml = rig.virsh(&["dumpxml", &inst.id.name]);
+        assert_eq!(xml.matches("<interface type='bridge'>").count(), 2, "{xml}");
+        p.delete(&inst.id).await.unwrap();
+        assert!(rig.domains().is_empty(), "{:?}", rig.domains());
+        rig.hosts.close().await;
+    });
+}
