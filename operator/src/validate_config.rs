@@ -253,7 +253,8 @@ fn unreachable(kind: &TemplateErrorKind, options: &ValidateOptions) -> Option<St
         }
         // The registry cannot be had here (not what it served: that is a refusal).
         TemplateErrorKind::Oci { reference, source }
-            if crate::error::Classified::class(source) == crate::error::ErrorClass::Transient =>
+            if crate::error::Classified::class(source.as_ref())
+                == crate::error::ErrorClass::Transient =>
         {
             let cache = match &options.plugin_cache_dir {
                 Some(dir) => format!(

@@ -856,7 +856,7 @@ fn an_oci_plugin_is_pushed_pulled_by_digest_verified_and_checked_offline() {
     let out = operator(&["validate-config", &config]);
     assert_eq!(out.code, 0, "{}", out.stderr);
     assert!(
-        out.stderr.contains(&format!("cannot be pulled from here"))
+        out.stderr.contains("cannot be pulled from here")
             && out.stderr.contains("no --plugin-cache-dir was given"),
         "{}",
         out.stderr

@@ -885,6 +885,7 @@ fn render_command_honours_a_manifests_settings_overrides() {
                     .into(),
             ),
             cache_dir: None,
+            plugin_ca_file: None,
             kvm: false,
             arch: "x86_64".into(),
             libvirt_version: "9.0.0".into(),

@@ -104,9 +104,10 @@ pub enum TemplateErrorKind {
     Oci {
         /// The `oci://` reference.
         reference: String,
-        /// Why.
+        /// Why (boxed: the other variants are small, and every `Result` carrying a
+        /// template error pays for the largest).
         #[source]
-        source: super::oci::OciError,
+        source: Box<super::oci::OciError>,
     },
     /// The component's sha256 differs from the configured one.
     #[error("sha256 mismatch: expected {expected}, got {actual}")]

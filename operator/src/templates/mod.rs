@@ -331,7 +331,7 @@ impl TemplateEngine {
     ) -> Result<(Component, String, CacheOutcome), TemplateErrorKind> {
         let oci_fail = |source: oci::OciError| TemplateErrorKind::Oci {
             reference: url.to_string(),
-            source,
+            source: Box::new(source),
         };
         let reference = oci::OciRef::parse(url).map_err(oci_fail)?;
         let manifest = reference.digest.clone().ok_or_else(|| {
