@@ -520,6 +520,72 @@ fn a_plugin_url_that_does_not_answer_leaves_it_ready_but_degraded_until_it_answe
     );
 }
 
+/// The domain plugin comes from a registry by `oci://` digest, with credentials from a
+/// file that is not there at start (a Secret created after the pod): the plugin is
+/// *loading* with that reason, and loads without a restart once the file appears.
+#[test]
+fn an_oci_plugin_loads_once_its_registry_credentials_appear() {
+    use integration_tests::harness::{self, Need, Registry};
+
+    if harness::skip(&[Need::Registry]) {
+        return;
+    }
+    let registry = Registry::start("operator", "run-pw").unwrap();
+    let dir = tempfile::tempdir().unwrap();
+    let auth = dir.path().join("registry/.dockerconfigjson");
+    std::fs::create_dir(dir.path().join("registry")).unwrap();
+    let staged = dir.path().join("staged.json");
+    registry.write_docker_config(&staged).unwrap();
+    let pushed = egress_operator::authoring::push::push(
+        &integration_tests::plugin_path("domain-default").unwrap(),
+        &registry.reference("plugins/domain:run"),
+        Some(&staged),
+        Some(&registry.ca_file()),
+    )
+    .unwrap();
+    let url = pushed.reference.to_string();
+    let plugin = format!("domain:{url}");
+
+    let runtime = tokio::runtime::Runtime::new().unwrap();
+    let (_seen, api_addr) = start_fake_api(&runtime);
+    let cfg = write_config(
+        dir.path(),
+        &format!(
+            "{{url: \"{url}\", credentialsFile: \"{}\"}}",
+            auth.display()
+        ),
+    );
+    let kubeconfig = write_kubeconfig(dir.path(), api_addr);
+    let ca = registry.ca_file();
+    let mut op = Operator::start(
+        &cfg,
+        dir.path(),
+        &kubeconfig,
+        &["--plugin-ca-file".as_ref(), ca.as_os_str()],
+    );
+    let waiting = format!(
+        "plugin domain \"{plugin}\": loading (retried in the background): cannot pull {url}: \
+         credentials file {}: cannot read it",
+        auth.display()
+    );
+    op.wait_for_answer("loading without credentials", "/readyz", |code, body| {
+        code == 200 && body.contains(&waiting)
+    });
+    std::fs::rename(&staged, &auth).unwrap();
+    op.wait_for_answer("the plugin loaded", "/readyz", |code, body| {
+        code == 200
+            && body.contains("plugins: ok\n")
+            && body.contains(&format!("plugin domain \"{plugin}\": loaded\n"))
+    });
+    assert!(op.child.try_wait().unwrap().is_none(), "never restarted");
+    let (status, stderr) = op.terminate();
+    assert_eq!(status.code(), Some(0), "stderr:\n{stderr}");
+    assert!(
+        !stderr.contains("run-pw"),
+        "the registry password leaked into the logs"
+    );
+}
+
 /// A plugin cache directory that others may write holds code anyone could have put
 /// there: start-up refuses it, naming the directory and why, before serving anything.
 #[test]

@@ -86,8 +86,8 @@ pub struct RunArgs {
     /// is created 0700 (the Deployment points it below an emptyDir).
     #[arg(long, value_name = "DIR")]
     pub plugin_cache_dir: Option<PathBuf>,
-    /// PEM certificates to trust for `url` plugin downloads instead of Mozilla's roots
-    /// (a site's internal CA).
+    /// PEM certificates to trust for `url` plugin downloads (instead of Mozilla's roots)
+    /// and `oci://` pulls (instead of the system's): a site's internal CA.
     #[arg(long, value_name = "FILE")]
     pub plugin_ca_file: Option<PathBuf>,
     /// Run without leader election (a single replica only).
