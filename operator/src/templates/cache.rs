@@ -352,6 +352,26 @@ mod tests {
     }
 
     #[test]
+    fn an_oci_manifest_link_is_kept_private_and_only_a_sha256_is_read_back() {
+        let tmp = tempfile::tempdir().unwrap();
+        let cache = CodeCache::new(tmp.path(), &engine()).unwrap();
+        let (manifest, layer) = ("1".repeat(64), "ab".repeat(32));
+        assert_eq!(cache.linked(&manifest), None);
+        cache.link(&manifest, &layer);
+        assert_eq!(cache.linked(&manifest), Some(layer.clone()));
+        let path = cache.link_path(&manifest);
+        assert_eq!(mode_of(&path) & FOREIGN_WRITE_BITS, 0);
+        // Writable by others: ignored and removed (someone could point it elsewhere).
+        chmod(&path, 0o666);
+        assert_eq!(cache.linked(&manifest), None);
+        assert!(!path.exists());
+        // Not a sha256: ignored and removed.
+        std::fs::write(&path, "../../etc/passwd").unwrap();
+        assert_eq!(cache.linked(&manifest), None);
+        assert!(!path.exists());
+    }
+
+    #[test]
     fn an_entry_others_may_write_is_a_miss_and_removed() {
         let tmp = tempfile::tempdir().unwrap();
         let engine = engine();
