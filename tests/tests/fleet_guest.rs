@@ -9,7 +9,10 @@
 //! set, then starts tinyproxy and measures how long it takes to come back. The times are
 //! printed with their median and maximum; the 5 s bound of the issue is only printed
 //! beside them, as the measurement is noisy on a loaded machine (the hang guard is
-//! generous). Finally the pool is deleted and nothing is left on the host.
+//! generous). Then a vendor-data setting (a new `connectPorts` entry) is changed in the
+//! config file the running operator reads: the pool rolls onto a new VM, whose tinyproxy
+//! config carries the new port. Finally the pool is deleted and nothing is left on the
+//! host.
 
 use std::net::Ipv4Addr;
 use std::path::PathBuf;
@@ -86,6 +89,41 @@ fn systemctl(lab: &GuestLab, domain: &str, verb: &str) {
             &["qemu-agent-command", domain, &cmd],
         )
         .unwrap_or_else(|e| panic!("systemctl {verb} tinyproxy in {domain}: {e:#}"));
+}
+
+/// A file's content inside the guest, read through the guest agent.
+fn guest_read(lab: &GuestLab, domain: &str, path: &str) -> String {
+    use base64::Engine as _;
+    let uri = lab.libvirtd.qemu_uri();
+    let cmd = format!(
+        r#"{{"execute":"guest-exec","arguments":{{"path":"/usr/bin/cat","arg":["{path}"],"capture-output":true}}}}"#
+    );
+    let started = lab
+        .libvirtd
+        .virsh(&uri, &["qemu-agent-command", domain, &cmd])
+        .unwrap_or_else(|e| panic!("cat {path} in {domain}: {e:#}"));
+    let pid = serde_json::from_str::<serde_json::Value>(&started).unwrap()["return"]["pid"]
+        .as_i64()
+        .unwrap_or_else(|| panic!("guest-exec answered {started}"));
+    let status = format!(r#"{{"execute":"guest-exec-status","arguments":{{"pid":{pid}}}}}"#);
+    let deadline = Instant::now() + CHANGE_GUARD;
+    loop {
+        let out = lab
+            .libvirtd
+            .virsh(&uri, &["qemu-agent-command", domain, &status])
+            .unwrap();
+        let v: serde_json::Value = serde_json::from_str(&out).unwrap();
+        if v["return"]["exited"] == true {
+            assert_eq!(v["return"]["exitcode"], 0, "cat {path}: {out}");
+            let data = v["return"]["out-data"].as_str().unwrap_or_default();
+            let bytes = base64::engine::general_purpose::STANDARD
+                .decode(data)
+                .unwrap();
+            return String::from_utf8_lossy(&bytes).into_owned();
+        }
+        assert!(Instant::now() < deadline, "cat {path} did not end: {out}");
+        std::thread::sleep(Duration::from_millis(200));
+    }
 }
 
 fn summary(times: &mut [Duration]) -> String {
@@ -277,6 +315,60 @@ async fn a_proxy_that_stops_serving_leaves_the_slice_and_comes_back() {
     // The VM stayed the same throughout: a flap is not a replacement.
     let still = proxies.get(&member.name_any()).await.unwrap();
     assert_eq!(still.uid(), member.uid(), "the Proxy was replaced");
+
+    // Drift (issue 30): a vendor-data setting changed in the config file reaches the VM
+    // through a rollout, without restarting the operator. The old VM stays until the new
+    // one serves (maxUnavailable 0), then goes.
+    let text = std::fs::read_to_string(&config).unwrap();
+    let changed = text.replace("connectPorts: [443]", "connectPorts: [443, 8443]");
+    assert_ne!(
+        changed, text,
+        "the lab's config lists connectPorts as expected"
+    );
+    let tmp = config.with_extension("new");
+    std::fs::write(&tmp, changed).unwrap();
+    std::fs::rename(&tmp, &config).unwrap();
+    let t = Instant::now();
+    let successor = wait_for(
+        "the pool rolled onto a VM made from the new setting",
+        BOOT_GUARD,
+        &op,
+        || async {
+            let items = proxies
+                .list(&ListParams::default().labels(&format!("{POOL_LABEL}={POOL}")))
+                .await
+                .ok()?
+                .items;
+            let fresh = items.iter().find(|p| {
+                p.uid() != member.uid()
+                    && p.status.as_ref().is_some_and(|s| {
+                        s.conditions
+                            .iter()
+                            .any(|c| c.type_ == "Ready" && c.status == "True")
+                    })
+            })?;
+            let old_gone = items.iter().all(|p| p.uid() != member.uid());
+            old_gone.then(|| fresh.clone())
+        },
+    )
+    .await;
+    println!(
+        "rolled onto {} after a vendor-data setting change in {:.0} s (guest boot included)",
+        successor.name_any(),
+        t.elapsed().as_secs_f64()
+    );
+    let new_domain = format!("egress-{}", successor.uid().unwrap());
+    let conf = guest_read(&lab, &new_domain, "/etc/tinyproxy/tinyproxy.conf");
+    assert!(
+        conf.lines().any(|l| l.trim() == "ConnectPort 8443"),
+        "the new VM's tinyproxy does not have the new setting:\n{conf}"
+    );
+    let up = successor
+        .status
+        .as_ref()
+        .and_then(|s| s.conditions.iter().find(|c| c.type_ == "UpToDate"))
+        .map(|c| c.status.clone());
+    assert_eq!(up.as_deref(), Some("True"));
 
     // Deleting the pool takes its Proxy and VM with it.
     pools.delete(POOL, &DeleteParams::default()).await.unwrap();

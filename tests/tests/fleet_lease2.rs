@@ -1143,3 +1143,68 @@ async fn bound_name(admin: &Client, ns: &str, lease: &str) -> String {
         .name
         .clone()
 }
+
+/// Issue 30: a lease's proxies are never rolled while it holds them; the lease says when
+/// they were made from inputs that changed since (`UpToDate=False`, naming them).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_lease_says_when_its_proxies_are_out_of_date_and_keeps_them() {
+    let _serial = SERIAL.lock().await;
+    let s = setup("lease-drift").await;
+    let (admin, ns) = (s.admin.clone(), s.ns.clone());
+    let metrics = LeaseMetrics::default();
+    let inst = instance(s.cp, &metrics, Arc::new(LivenessBoard::default())).await;
+    let pool = make_pool(&admin, &ns, "office", serde_json::json!({})).await;
+    let proxy = make_proxy(&admin, &ns, &pool, "office-a", "198.51.100.1").await;
+    create_lease(
+        &admin,
+        &ns,
+        "held",
+        "office",
+        serde_json::json!({"service": false}),
+    )
+    .await;
+    wait_phase(&admin, &ns, "held", LeasePhase::Bound).await;
+    let up_to_date = |want: &'static str| {
+        let (admin, ns) = (admin.clone(), ns.clone());
+        async move {
+            poll(&format!("the lease's UpToDate {want}"), || async {
+                let l = get_lease(&admin, &ns, "held").await?;
+                let c = l
+                    .status
+                    .as_ref()?
+                    .conditions
+                    .iter()
+                    .find(|c| c.type_ == "UpToDate" && c.status == want)
+                    .cloned()?;
+                Some((l, c))
+            })
+            .await
+        }
+    };
+    let (_, current) = up_to_date("True").await;
+    assert_eq!(current.reason, "Current");
+
+    // The Proxy controller finds the proxy made from inputs that changed since.
+    let now = jiff::Timestamp::now().to_string();
+    let cond = |t: &str, status: &str, reason: &str| {
+        serde_json::json!({"type": t, "status": status, "reason": reason, "message": "",
+                           "lastTransitionTime": now})
+    };
+    let body = serde_json::json!({"status": {"conditions": [
+        cond("Ready", "True", "ProbePassed"),
+        cond("Serving", "True", "ProbePassed"),
+        cond("UpToDate", "False", "InputsChanged"),
+    ]}});
+    Api::<Proxy>::namespaced(admin.clone(), &ns)
+        .patch_status("office-a", &PatchParams::default(), &Patch::Merge(&body))
+        .await
+        .unwrap();
+    let (lease, stale) = up_to_date("False").await;
+    assert_eq!(stale.reason, "InputsChanged");
+    assert!(stale.message.contains("office-a"), "{}", stale.message);
+    assert_eq!(phase(&lease), Some(LeasePhase::Bound), "kept while leased");
+    assert_eq!(listed(&lease), vec![proxy.uid().unwrap()]);
+
+    delete_leases(&admin, &ns).await;
+    inst.shutdown().await;
+}

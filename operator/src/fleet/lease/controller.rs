@@ -547,6 +547,51 @@ async fn bind_with(
             now,
         );
     }
+    // The lease's proxies are never rolled while it holds them: it says when they were
+    // made from inputs that changed since (they are replaced once released).
+    if !step.status.proxies.is_empty() {
+        let outdated: Vec<&str> = step
+            .status
+            .proxies
+            .iter()
+            .filter(|b| {
+                view.seen
+                    .iter()
+                    .any(|s| s.member.uid == b.uid && s.member.outdated)
+            })
+            .map(|b| b.name.as_str())
+            .collect();
+        let (ok, reason, message) = if outdated.is_empty() {
+            (
+                true,
+                "Current",
+                "every bound proxy is up to date".to_string(),
+            )
+        } else {
+            (
+                false,
+                "InputsChanged",
+                format!(
+                    "bound proxies made from inputs that changed since (see their UpToDate \
+                     condition), replaced once released: {}",
+                    outdated.join(", ")
+                ),
+            )
+        };
+        set_condition(
+            &mut step.status.conditions,
+            crate::controller::status::UP_TO_DATE,
+            ok,
+            reason,
+            &message,
+            generation,
+            now,
+        );
+    } else {
+        step.status
+            .conditions
+            .retain(|c| c.type_ != crate::controller::status::UP_TO_DATE);
+    }
     step.status.expiry_time = Some(Time(expiry));
     step.status.observed_renew_time = observed_renew;
     let before = status.phase;
