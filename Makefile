@@ -129,6 +129,8 @@ bench: setup plugins guest-image
 	EGRESS_CONTROLPLANE_DIR="$$(bash scripts/controlplane.sh | tail -n 1)" \
 	  $(CARGO) bench --locked -p integration-tests --bench scale
 	EGRESS_CONTROLPLANE_DIR="$$(bash scripts/controlplane.sh | tail -n 1)" \
+	  $(CARGO) bench --locked -p integration-tests --bench drift
+	EGRESS_CONTROLPLANE_DIR="$$(bash scripts/controlplane.sh | tail -n 1)" \
 	  $(CARGO) bench --locked -p integration-tests --bench traffic
 	EGRESS_CONTROLPLANE_DIR="$$(bash scripts/controlplane.sh | tail -n 1)" \
 	  $(CARGO) bench --locked -p integration-tests --bench traffic_guests

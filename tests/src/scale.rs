@@ -454,6 +454,37 @@ serving: {{{serving}}}
         self.operator.http_get(path)
     }
 
+    /// Starts a phase's counters (peak RSS, CPU, the audit log, metrics, probes), for a
+    /// caller's own phase (the drift bench's rollout).
+    pub fn begin(&self) -> Result<Mark> {
+        self.mark()
+    }
+
+    /// Ends a phase begun with [`ScaleRig::begin`].
+    pub fn end(&self, mark: &Mark) -> Result<Phase> {
+        self.phase(mark)
+    }
+
+    /// The operator's metrics exposition now.
+    pub fn operator_metrics(&self) -> Result<String> {
+        self.metrics()
+    }
+
+    /// What is left on the hosts: domains, and volumes other than the cached base image.
+    pub fn leftovers_now(&self) -> Result<Vec<String>> {
+        self.leftovers()
+    }
+
+    /// The operator's `--concurrency`.
+    pub fn concurrency(&self) -> u16 {
+        self.concurrency
+    }
+
+    /// Each host's `maxConcurrentCreates`.
+    pub fn creates_per_host(&self) -> u32 {
+        self.creates_per_host
+    }
+
     /// The operator's log so far (for failures).
     pub fn operator_log(&self) -> String {
         self.operator.log()
@@ -832,7 +863,9 @@ impl Drop for TcpRelay {
     }
 }
 
-struct Mark {
+/// The counters at the start of a phase ([`ScaleRig::begin`]).
+#[derive(Debug)]
+pub struct Mark {
     at: Instant,
     cpu: f64,
     audit: usize,

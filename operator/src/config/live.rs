@@ -33,19 +33,27 @@ pub struct Snapshot {
     pub installed_at: std::time::Instant,
 }
 
-/// The snapshot in force.
+/// The snapshot in force, and a channel that tells each install.
 #[derive(Debug)]
-pub struct Live(RwLock<Arc<Snapshot>>);
+pub struct Live(RwLock<Arc<Snapshot>>, tokio::sync::watch::Sender<u64>);
 
 impl Live {
     /// The config read at start, with its plugins.
     pub fn new(config: Arc<ValidConfig>, templates: Arc<TemplateSet>) -> Self {
-        Self(RwLock::new(Arc::new(Snapshot {
-            config,
-            templates,
-            generation: 0,
-            installed_at: std::time::Instant::now(),
-        })))
+        Self(
+            RwLock::new(Arc::new(Snapshot {
+                config,
+                templates,
+                generation: 0,
+                installed_at: std::time::Instant::now(),
+            })),
+            tokio::sync::watch::Sender::new(0),
+        )
+    }
+
+    /// Sees each install's generation (what the pool controller reconciles every pool on).
+    pub fn subscribe(&self) -> tokio::sync::watch::Receiver<u64> {
+        self.1.subscribe()
     }
 
     /// The snapshot in force now; hold it for one step, not longer.
@@ -80,6 +88,8 @@ impl Live {
             generation,
             installed_at: std::time::Instant::now(),
         });
+        drop(slot);
+        self.1.send_replace(generation);
         generation
     }
 }

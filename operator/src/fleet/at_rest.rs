@@ -68,11 +68,6 @@ pub fn look(
     if !failure_messages(&mine).is_empty() || ctx.failures.in_streak(pool_uid) {
         return None;
     }
-    // Just after a reload the members' UpToDate conditions are not judged yet: no look
-    // from the caches then, the full reconcile masks them and looks again.
-    if !ctx.drift_settled() {
-        return None;
-    }
     let claimed = super::lease::surge::claimed(name, &leases);
     let limit = usize::try_from(pool.spec.lease_surge).unwrap_or(0);
     let members: Vec<Member> = mine
@@ -80,6 +75,9 @@ pub fn look(
         .map(|p| {
             let mut m = Member::of(p, &ctx.board);
             m.leased |= p.uid().is_some_and(|u| claimed.contains(&u));
+            if let Some(outdated) = ctx.member_outdated(p) {
+                m.outdated = outdated;
+            }
             m
         })
         .collect();

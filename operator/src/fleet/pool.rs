@@ -55,6 +55,8 @@ pub struct FleetContext {
     /// The config in force, which a reload replaces (hosts' `maxDomains`); `None`:
     /// `config` for good.
     pub live: Option<Arc<crate::config::live::Live>>,
+    /// The providers, to judge members' revisions (`None`: by their condition alone).
+    pub providers: Option<Arc<crate::provider::registry::Registry>>,
     /// The fast probe's verdicts.
     pub board: Arc<LivenessBoard>,
     /// Metrics.
@@ -110,6 +112,7 @@ impl FleetContext {
             client,
             config,
             live: None,
+            providers: None,
             board,
             metrics,
             recorder,
@@ -142,20 +145,33 @@ impl FleetContext {
             .map_or_else(|| self.config.clone(), |l| l.config())
     }
 
-    /// Whether the Proxies' `UpToDate` conditions can be trusted: not while a reload is
-    /// younger than two probe periods. The Proxy controller judges each Proxy again at its
-    /// next look (one probe period at most); until then a condition may still say what the
-    /// previous config made of it, and a pool acting on that would replace members a
-    /// rollback just made current again.
-    pub fn drift_settled(&self) -> bool {
-        self.drift_settles_in().is_none()
+    /// The same context, judging members' revisions with `providers` itself.
+    pub fn with_providers(mut self, providers: Arc<crate::provider::registry::Registry>) -> Self {
+        self.providers = Some(providers);
+        self
     }
 
-    /// How long until [`FleetContext::drift_settled`]; `None` once it is.
-    pub fn drift_settles_in(&self) -> Option<Duration> {
-        let window = 2 * Duration::from_secs(u64::from(self.config.serving.period_seconds));
-        let age = self.live.as_ref()?.snapshot().installed_at.elapsed();
-        window.checked_sub(age).filter(|d| !d.is_zero())
+    /// Whether `p` was made from inputs that changed since, judged now against the
+    /// config in force: its recorded revision against what its provider would make. The
+    /// Proxy controller's `UpToDate` condition says the same, but only at its next look
+    /// (up to a probe period after a reload); a pool acting on a condition not judged
+    /// again yet would roll too late, or replace members a rollback just made current
+    /// again. `None` when it cannot tell (no revision or host recorded, no provider, a
+    /// plugin still loading): the condition decides then.
+    pub fn member_outdated(&self, p: &Proxy) -> Option<bool> {
+        let status = p.status.as_ref()?;
+        let recorded = status.revision.as_ref()?;
+        let host = status.host.as_deref()?;
+        let provider = self.providers.as_ref()?.get(&p.spec.provider)?;
+        let user_data = recorded.parts.get(crate::revision::USER_DATA);
+        let now = provider
+            .revision(
+                &p.spec,
+                Some(host),
+                crate::revision::UserData::Recorded(user_data.map(String::as_str)),
+            )?
+            .ok()?;
+        Some(!now.changed_from(recorded).is_empty())
     }
 
     /// A key that changes whenever a reload installs another config: a streak of failed
@@ -236,6 +252,21 @@ pub(super) fn board_changes(
         match rx.recv().await {
             Ok(()) | Err(tokio::sync::broadcast::error::RecvError::Lagged(_)) => Some(((), rx)),
             Err(tokio::sync::broadcast::error::RecvError::Closed) => None,
+        }
+    })
+}
+
+/// A stream that yields once per config a reload installs (never without `live`): every
+/// pool then looks at once at which members the new config made out of date.
+fn config_changes(
+    live: Option<&crate::config::live::Live>,
+) -> impl futures_util::Stream<Item = ()> + Send + 'static {
+    let rx = live.map(crate::config::live::Live::subscribe);
+    futures_util::stream::unfold(rx, |rx| async move {
+        let mut rx = rx?;
+        match rx.changed().await {
+            Ok(()) => Some(((), Some(rx))),
+            Err(_) => None,
         }
     })
 }
@@ -337,7 +368,6 @@ pub async fn reconcile(pool: Arc<ProxyPool>, ctx: Arc<FleetContext>) -> Result<A
         .list(&ListParams::default().labels(&pool_selector(&name)))
         .await?;
     let demand = super::lease::surge::for_pool(&ctx.client, &pool).await?;
-    let drift_settled = ctx.drift_settled();
     let members: Vec<Member> = mine
         .items
         .iter()
@@ -348,7 +378,9 @@ pub async fn reconcile(pool: Arc<ProxyPool>, ctx: Arc<FleetContext>) -> Result<A
             let mut m = Member::of(p, &ctx.board);
             // Claimed by a lease: the lease's to take, not the pool's to remove.
             m.leased |= demand.claimed.contains(&m.uid);
-            m.outdated &= drift_settled;
+            if let Some(outdated) = ctx.member_outdated(p) {
+                m.outdated = outdated;
+            }
             m
         })
         .collect();
@@ -433,12 +465,7 @@ pub async fn reconcile(pool: Arc<ProxyPool>, ctx: Arc<FleetContext>) -> Result<A
         i32::try_from(p.counts.updated).unwrap_or(i32::MAX),
         pool.spec.replicas,
     );
-    // Conditions turned meanwhile are masked until the window ends: look again then.
-    let next = match ctx.drift_settles_in() {
-        Some(left) => next_look(&p).min(left + Duration::from_millis(100)),
-        None => next_look(&p),
-    };
-    Ok(Action::requeue(next))
+    Ok(Action::requeue(next_look(&p)))
 }
 
 /// When to look at a pool again if nothing wakes it sooner. A pool under way is looked at
@@ -911,7 +938,10 @@ where
                 .collect::<Vec<_>>()
         })
         .watches_stream(lease_events, super::lease::surge::pool_of)
-        .reconcile_all_on(board_changes(&ctx.board))
+        .reconcile_all_on(futures_util::stream::select(
+            board_changes(&ctx.board),
+            config_changes(ctx.live.as_deref()),
+        ))
         .with_config(super::controller_config())
         .graceful_shutdown_on(shutdown)
         .run(reconcile, error_policy, ctx)

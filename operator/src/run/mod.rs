@@ -550,7 +550,8 @@ fn spawn_fleet<S, F>(
             Some(parts.identity.clone()),
         )
         .with_state(parts.state_metrics.clone())
-        .with_live(parts.live.clone()),
+        .with_live(parts.live.clone())
+        .with_providers(parts.providers.clone()),
     );
     let options = LivenessOptions {
         port: parts.config.serving.port,
