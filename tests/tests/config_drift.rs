@@ -263,6 +263,26 @@ async fn a_changed_plugin_rolls_the_pool_live_a_bad_config_changes_nothing_and_a
         body.contains("not-a-component.wasm"),
         "names the plugin: {body}"
     );
+    // And an event on the ProviderHealth object users watch.
+    let events: Api<k8s_openapi::api::core::v1::Event> = Api::all(rig.client().clone());
+    let deadline = Instant::now() + GUARD;
+    let refused = loop {
+        let found = events
+            .list(&ListParams::default().fields("reason=ConfigRefused"))
+            .await
+            .unwrap()
+            .items
+            .into_iter()
+            .find(|e| e.involved_object.kind.as_deref() == Some("ProviderHealth"));
+        if let Some(e) = found {
+            break e;
+        }
+        assert!(Instant::now() < deadline, "no ConfigRefused event");
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    };
+    let note = refused.message.unwrap_or_default();
+    println!("event ConfigRefused on ProviderHealth/kvm2: {note}");
+    assert!(note.contains("not-a-component.wasm"), "{note}");
     // Several probe periods later, the same members, all up to date.
     tokio::time::sleep(Duration::from_secs(6)).await;
     let still = settled(&api, &BTreeSet::new(), "after the refusal").await;
