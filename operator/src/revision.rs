@@ -221,6 +221,32 @@ impl Revision {
     }
 }
 
+/// What `provider` would make now of `spec` on `host`, and the parts in which `recorded`
+/// (the status record, if any) differs from it: the one comparison the Proxy controller's
+/// `UpToDate`, its `updatePolicy: Replace` and the pool's rollout all make. The user-data
+/// part is carried over from the record (Secrets are not read again). `None` when the
+/// provider cannot tell (it keeps no revisions, a plugin still loads, the config cannot
+/// make the spec).
+pub fn compare(
+    provider: &dyn crate::provider::Provider,
+    spec: &ProxySpec,
+    host: &str,
+    recorded: Option<&ProxyRevision>,
+) -> Option<(Revision, Vec<&'static str>)> {
+    let user_data = recorded
+        .and_then(|r| r.parts.get(USER_DATA))
+        .map(String::as_str);
+    let now = match provider.revision(spec, Some(host), UserData::Recorded(user_data))? {
+        Ok(r) => r,
+        Err(e) => {
+            tracing::debug!(error = %e, "no revision for the Proxy's spec");
+            return None;
+        }
+    };
+    let changed = recorded.map(|r| now.changed_from(r)).unwrap_or_default();
+    Some((now, changed))
+}
+
 fn plugin_part(
     digest: &str,
     configured: &serde_json::Value,

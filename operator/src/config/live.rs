@@ -94,6 +94,11 @@ impl Live {
     }
 }
 
+/// The config in force: `live`'s, else `start` (a context built without a reload handle).
+pub fn current(start: &Arc<ValidConfig>, live: Option<&Live>) -> Arc<ValidConfig> {
+    live.map_or_else(|| start.clone(), Live::config)
+}
+
 /// The fields of `new` that differ from `old` but take effect only at start (see the
 /// module docs); empty when `new` can be installed live.
 pub fn needs_restart(old: &ValidConfig, new: &ValidConfig) -> Vec<String> {

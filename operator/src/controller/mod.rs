@@ -272,9 +272,7 @@ impl Context {
 
     /// The config in force now.
     pub fn current_config(&self) -> Arc<ValidConfig> {
-        self.live
-            .as_ref()
-            .map_or_else(|| self.config.clone(), |l| l.config())
+        crate::config::live::current(&self.config, self.live.as_deref())
     }
 }
 

@@ -9,7 +9,7 @@ use super::Context;
 use super::status::{UP_TO_DATE, set_condition};
 use crate::api::proxy::{Proxy, ProxyStatus};
 use crate::provider::Instance;
-use crate::revision::{Revision, USER_DATA, UserData};
+use crate::revision::Revision;
 
 /// Reason: the instance was made from the current inputs.
 pub const CURRENT: &str = "Current";
@@ -31,22 +31,14 @@ pub(super) fn judge(
     let Ok(provider) = super::provider_for(ctx, &proxy.spec.provider) else {
         return;
     };
-    let recorded_user_data = new
-        .revision
-        .as_ref()
-        .and_then(|r| r.parts.get(USER_DATA))
-        .cloned();
-    let now_rev = provider.revision(
+    let compared = crate::revision::compare(
+        provider.as_ref(),
         &proxy.spec,
-        Some(&instance.id.host),
-        UserData::Recorded(recorded_user_data.as_deref()),
+        &instance.id.host,
+        new.revision.as_ref(),
     );
-    match now_rev {
-        Some(Ok(rev)) => apply(new, &rev, proxy.metadata.generation, now),
-        Some(Err(e)) => {
-            tracing::debug!(error = %e, "no revision for the Proxy's spec; UpToDate left as it was");
-        }
-        None => {}
+    if let Some((rev, _)) = compared {
+        apply(new, &rev, proxy.metadata.generation, now);
     }
 }
 
@@ -71,17 +63,13 @@ pub(super) fn replace_due(
     if in_pool {
         return None;
     }
-    let recorded = recorded?;
     let provider = super::provider_for(ctx, &proxy.spec.provider).ok()?;
-    let user_data = recorded.parts.get(USER_DATA).map(String::as_str);
-    let now = provider
-        .revision(
-            &proxy.spec,
-            Some(&instance.id.host),
-            UserData::Recorded(user_data),
-        )?
-        .ok()?;
-    let changed = now.changed_from(recorded);
+    let (_, changed) = crate::revision::compare(
+        provider.as_ref(),
+        &proxy.spec,
+        &instance.id.host,
+        Some(recorded?),
+    )?;
     (!changed.is_empty()).then_some(changed)
 }
 

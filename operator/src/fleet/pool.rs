@@ -140,9 +140,7 @@ impl FleetContext {
 
     /// The config in force now.
     pub fn current_config(&self) -> Arc<ValidConfig> {
-        self.live
-            .as_ref()
-            .map_or_else(|| self.config.clone(), |l| l.config())
+        crate::config::live::current(&self.config, self.live.as_deref())
     }
 
     /// The same context, judging members' revisions with `providers` itself.
@@ -163,15 +161,9 @@ impl FleetContext {
         let recorded = status.revision.as_ref()?;
         let host = status.host.as_deref()?;
         let provider = self.providers.as_ref()?.get(&p.spec.provider)?;
-        let user_data = recorded.parts.get(crate::revision::USER_DATA);
-        let now = provider
-            .revision(
-                &p.spec,
-                Some(host),
-                crate::revision::UserData::Recorded(user_data.map(String::as_str)),
-            )?
-            .ok()?;
-        Some(!now.changed_from(recorded).is_empty())
+        let (_, changed) =
+            crate::revision::compare(provider.as_ref(), &p.spec, host, Some(recorded))?;
+        Some(!changed.is_empty())
     }
 
     /// A key that changes whenever a reload installs another config: a streak of failed
