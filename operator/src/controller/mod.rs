@@ -631,7 +631,8 @@ async fn converge_serving(
     {
         let id = instance.id.clone();
         let note = format!(
-            "instance {id} was made from inputs that changed since ({}); replacing it              (updatePolicy Replace)",
+            "instance {id} was made from inputs that changed since ({}); replacing it \
+             (updatePolicy Replace)",
             changed.join(", ")
         );
         instance = replace(

@@ -118,24 +118,42 @@ pub struct FailureBook {
     pools: Mutex<HashMap<String, PoolMemory>>,
 }
 
+/// What a pool's members are made from now, and what it asks of new ones: the streak is of
+/// members of this template under this config.
+#[derive(Debug, Clone, Copy)]
+pub struct Current<'a> {
+    /// The pool's template hash.
+    pub template_hash: &'a str,
+    /// The config generation in force ([`crate::config::live::Snapshot::generation`]).
+    pub config_generation: u64,
+    /// `progressDeadlineSeconds` (zero: none).
+    pub deadline: Duration,
+    /// How many members the pool wants.
+    pub replicas: usize,
+}
+
 impl FailureBook {
-    /// Counts the failed members of the current template in `members` (what failed, by
-    /// UID, in `messages`). The streak ends when the template changes, when a member made
-    /// after its last failure serves, or when `replicas` members of the template serve
-    /// and none of them failed (the pool is whole: nothing waits for a create).
-    #[allow(clippy::too_many_arguments)] // one look at the pool: each input is its own
+    /// Counts the failed members of `current` in `members` (what failed, by UID, in
+    /// `messages`): those the Proxy controller gave up on, and those that never served
+    /// within the deadline. The streak ends when the template or the config changes, when
+    /// a member made after its last failure serves, or when `replicas` members of the
+    /// template serve and none of them failed (the pool is whole: nothing waits for a
+    /// create).
     pub fn observe(
         &self,
         pool_uid: &str,
-        template_hash: &str,
-        config_generation: u64,
-        deadline: Duration,
-        replicas: usize,
+        current: Current<'_>,
         members: &[Member],
         messages: &BTreeMap<String, String>,
         now: jiff::Timestamp,
         backoff: CreateBackoff,
     ) -> Observed {
+        let Current {
+            template_hash,
+            config_generation,
+            deadline,
+            replicas,
+        } = current;
         let Ok(mut pools) = self.pools.lock() else {
             return Observed::default();
         };
@@ -229,6 +247,15 @@ mod tests {
         jiff::Timestamp::from_second(1_800_000_000 + s).unwrap()
     }
 
+    fn cur(template_hash: &str, config_generation: u64, deadline: Duration) -> Current<'_> {
+        Current {
+            template_hash,
+            config_generation,
+            deadline,
+            replicas: 2,
+        }
+    }
+
     fn member(name: &str, hash: &str, created: i64, failed: bool, serving: bool) -> Member {
         Member {
             name: name.into(),
@@ -267,10 +294,7 @@ mod tests {
             )]);
             book.observe(
                 "pool",
-                "t2",
-                0,
-                Duration::ZERO,
-                2,
+                cur("t2", 0, Duration::ZERO),
                 members,
                 &messages,
                 at(now),
@@ -330,10 +354,7 @@ mod tests {
         let look = |m: &Member, now: i64| {
             book.observe(
                 "p",
-                "t2",
-                0,
-                deadline,
-                2,
+                cur("t2", 0, deadline),
                 std::slice::from_ref(m),
                 &none,
                 at(now),
@@ -358,10 +379,7 @@ mod tests {
         stopped.not_serving_since = Some(at(900));
         let seen = book.observe(
             "q",
-            "t2",
-            0,
-            deadline,
-            2,
+            cur("t2", 0, deadline),
             std::slice::from_ref(&stopped),
             &none,
             at(1000),
@@ -371,10 +389,7 @@ mod tests {
         // No deadline: never late.
         let seen = book.observe(
             "r",
-            "t2",
-            0,
-            Duration::ZERO,
-            2,
+            cur("t2", 0, Duration::ZERO),
             std::slice::from_ref(&silent),
             &none,
             at(10_000),
@@ -392,10 +407,7 @@ mod tests {
         assert!(
             book.observe(
                 "p",
-                "t2",
-                0,
-                Duration::ZERO,
-                2,
+                cur("t2", 0, Duration::ZERO),
                 std::slice::from_ref(&a),
                 &none,
                 at(1),
@@ -406,10 +418,7 @@ mod tests {
         );
         let fixed = book.observe(
             "p",
-            "t3",
-            0,
-            Duration::ZERO,
-            2,
+            cur("t3", 0, Duration::ZERO),
             std::slice::from_ref(&a),
             &none,
             at(2),
@@ -422,10 +431,7 @@ mod tests {
         assert!(
             book.observe(
                 "s",
-                "t2",
-                0,
-                Duration::ZERO,
-                2,
+                cur("t2", 0, Duration::ZERO),
                 std::slice::from_ref(&a),
                 &none,
                 at(1),
@@ -434,7 +440,7 @@ mod tests {
             .streak
             .is_some()
         );
-        let reloaded = book.observe("s", "t2", 1, Duration::ZERO, 2, &[], &none, at(2), b);
+        let reloaded = book.observe("s", cur("t2", 1, Duration::ZERO), &[], &none, at(2), b);
         assert!(
             reloaded.streak.is_none(),
             "the config changed: {reloaded:?}"
@@ -444,10 +450,7 @@ mod tests {
         stale.outdated = true;
         let old = book.observe(
             "s",
-            "t2",
-            1,
-            Duration::ZERO,
-            2,
+            cur("t2", 1, Duration::ZERO),
             std::slice::from_ref(&stale),
             &none,
             at(3),
@@ -459,10 +462,7 @@ mod tests {
         assert!(
             book.observe(
                 "q",
-                "t2",
-                0,
-                Duration::ZERO,
-                2,
+                cur("t2", 0, Duration::ZERO),
                 std::slice::from_ref(&a),
                 &none,
                 at(1),
@@ -476,16 +476,13 @@ mod tests {
             member("x", "t2", 0, false, true),
             member("y", "t2", 0, false, true),
         ];
-        let whole = book.observe("q", "t2", 0, Duration::ZERO, 2, &up, &none, at(3), b);
+        let whole = book.observe("q", cur("t2", 0, Duration::ZERO), &up, &none, at(3), b);
         assert!(whole.cleared && whole.streak.is_none(), "{whole:?}");
         // An empty pool is not whole.
         assert!(
             book.observe(
                 "r",
-                "t2",
-                0,
-                Duration::ZERO,
-                2,
+                cur("t2", 0, Duration::ZERO),
                 std::slice::from_ref(&a),
                 &none,
                 at(1),
@@ -494,7 +491,7 @@ mod tests {
             .streak
             .is_some()
         );
-        let empty = book.observe("r", "t2", 0, Duration::ZERO, 2, &[], &none, at(3), b);
+        let empty = book.observe("r", cur("t2", 0, Duration::ZERO), &[], &none, at(3), b);
         assert!(empty.streak.is_some(), "{empty:?}");
     }
 }

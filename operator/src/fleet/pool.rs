@@ -386,10 +386,12 @@ pub async fn reconcile(pool: Arc<ProxyPool>, ctx: Arc<FleetContext>) -> Result<A
     // old digest put back) starts afresh, so a stalled rollout resumes.
     let failures = ctx.failures.observe(
         owner.uid.as_str(),
-        &shape.template_hash,
-        ctx.config_generation(),
-        shape.progress_deadline,
-        shape.replicas,
+        super::failures::Current {
+            template_hash: &shape.template_hash,
+            config_generation: ctx.config_generation(),
+            deadline: shape.progress_deadline,
+            replicas: shape.replicas,
+        },
         &members,
         &failure_messages(&mine.items),
         now,
