@@ -39,6 +39,10 @@ const GUARD: Duration = Duration::from_secs(300);
 const POOL: &str = "drift";
 const REPLICAS: usize = 3;
 
+fn reload_period() -> Duration {
+    egress_operator::run::reload::PERIOD
+}
+
 fn binary() -> PathBuf {
     PathBuf::from(env!("CARGO_BIN_EXE_operator-under-test"))
 }
@@ -190,9 +194,22 @@ async fn a_changed_plugin_rolls_the_pool_live_a_bad_config_changes_nothing_and_a
         })
     };
 
-    // 2. Another domain plugin digest, without a restart.
+    // 2. Another domain plugin digest, without a restart. (First an edit that changes
+    // only a comment: nothing is installed, nothing rolls.)
     let config_path = rig.config_path();
     let original = std::fs::read_to_string(&config_path).unwrap();
+    swap_config(&config_path, &format!("{original}\n# edited by hand\n"));
+    tokio::time::sleep(reload_period() * 3).await;
+    let (_, text) = rig.operator_get("/metrics").unwrap();
+    assert_eq!(
+        metric(
+            &text,
+            "egress_config_reloads_total",
+            &[("result", "installed")]
+        ),
+        0.0,
+        "a comment edit installed a config"
+    );
     let domain = integration_tests::plugin_path("domain-default").unwrap();
     let rebuilt = rebuilt_plugin(scratch.path());
     let changed = original.replace(

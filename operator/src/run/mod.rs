@@ -252,13 +252,9 @@ async fn serve(args: RunArgs, config: Arc<ValidConfig>) -> Result<(), RunError> 
     let (providers, kvm2) =
         Registry::from_live(live.clone(), Kvm2Options::default(), Some(&mut registry))
             .map_err(|e| RunError::Providers(e.to_string()))?;
-    // What the file holds now: a later change of it is what a reload installs. (Read
-    // after the load at start: a change in between is seen as unchanged until the next.)
-    let initial = std::fs::read(&args.config).unwrap_or_default();
     let reload_state = Arc::new(reload::ReloadState::default());
     let reloader = reload::Reloader::new(
         args.config.clone(),
-        &initial,
         live.clone(),
         engine.clone(),
         reload_state.clone(),

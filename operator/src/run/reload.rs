@@ -141,10 +141,11 @@ impl crate::error::Classified for Refused {
 }
 
 impl Reloader {
-    /// Watches `path`, whose content at start is `initial` (already in force in `live`).
+    /// Watches `path`, whose config is in force in `live`. Its first look reads the file
+    /// and finds the same config (the bytes are not known to be the ones loaded at start:
+    /// the file may have changed in between), which changes nothing.
     pub fn new(
         path: PathBuf,
-        initial: &[u8],
         live: Arc<Live>,
         engine: Arc<TemplateEngine>,
         state: Arc<ReloadState>,
@@ -157,7 +158,7 @@ impl Reloader {
             state,
             metrics,
             events: None,
-            seen: Sha256::digest(initial).into(),
+            seen: [0; 32],
         }
     }
 
@@ -186,7 +187,9 @@ impl Reloader {
         }
     }
 
-    /// One look at the file: installs or refuses a changed content; `None` when unchanged.
+    /// One look at the file: installs or refuses a changed content; `None` when the
+    /// content, or the config it holds, is the one in force (a comment edited, the first
+    /// look of a term).
     pub async fn look(&mut self) -> Option<Result<u64, String>> {
         let bytes = match tokio::fs::read(&self.path).await {
             Ok(b) => b,
@@ -205,7 +208,16 @@ impl Reloader {
             return None;
         }
         self.seen = digest;
-        let outcome = self.check_and_install().await;
+        let outcome = match self.check_and_install().await {
+            Ok(None) => {
+                // The config in force: a refusal before it no longer stands.
+                self.metrics.refused.set(0);
+                self.state.set(None);
+                return None;
+            }
+            Ok(Some(generation)) => Ok(generation),
+            Err(e) => Err(e),
+        };
         let mut why = None;
         let (result, note, type_) = match &outcome {
             Ok(generation) => (
@@ -274,7 +286,9 @@ impl Reloader {
         Some(outcome.map_err(|e| e.to_string()))
     }
 
-    async fn check_and_install(&self) -> Result<u64, Refused> {
+    /// Installs the file's config; `Ok(None)` when it equals the one in force (nothing
+    /// rolls for an edit that changes nothing).
+    async fn check_and_install(&self) -> Result<Option<u64>, Refused> {
         let path = self.path.clone();
         let engine = self.engine.clone();
         let old = self.live.config();
@@ -288,6 +302,9 @@ impl Reloader {
                         .join("; "),
                 )
             })?;
+            if new == *old {
+                return Ok(None);
+            }
             let restart = needs_restart(&old, &new);
             if !restart.is_empty() {
                 return Err(Refused::NeedsRestart(restart));
@@ -302,11 +319,10 @@ impl Reloader {
             if !problems.is_empty() {
                 return Err(Refused::Plugin(problems.join("; ")));
             }
-            Ok((new, set))
+            Ok(Some((new, set)))
         })
         .await
         .map_err(|e| Refused::Invalid(format!("the check panicked: {e}")))??;
-        let (new, set) = loaded;
-        Ok(self.live.install(Arc::new(new), Arc::new(set)))
+        Ok(loaded.map(|(new, set)| self.live.install(Arc::new(new), Arc::new(set))))
     }
 }
