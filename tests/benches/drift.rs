@@ -2,8 +2,8 @@
 //! scale rig: the real `egress-operator run`, the kvm2 provider over SSH to libvirtd's test
 //! driver, stand-in proxies on loopback; see `integration_tests::scale`) is rolled after
 //! its domain plugin changes in the config file, without a restart. Printed: the time
-//! until every member is up to date beside the provider's bound (each Create's time ×
-//! members / Creates at once), the operator's API writes per rolled proxy (audit log), and
+//! until every member is up to date beside the provider's bound (the Creates' time over
+//! the Creates at once, plus the Deletes' time over the workers), the operator's API writes per rolled proxy (audit log), and
 //! the serving floor sampled every 500 ms throughout. A floor below `replicas -
 //! maxUnavailable`, a refused request or a leftover fails the bench; times are printed,
 //! never asserted.
@@ -85,8 +85,9 @@ async fn settled(
     }
 }
 
-fn create_seconds(metrics: &str) -> (f64, f64) {
-    let f = [("op", "create"), ("outcome", "ok")];
+/// The provider's time in `op` calls so far, and their count.
+fn call_seconds(metrics: &str, op: &str) -> (f64, f64) {
+    let f = [("op", op), ("outcome", "ok")];
     (
         metric(metrics, "egress_provider_call_duration_seconds_sum", &f),
         metric(metrics, "egress_provider_call_duration_seconds_count", &f),
@@ -182,14 +183,22 @@ fn main() {
         sampler.await.unwrap();
         let after = rig.operator_metrics().unwrap();
 
-        let ((s0, c0), (s1, c1)) = (create_seconds(&before), create_seconds(&after));
-        let creates = c1 - c0;
-        let mean = if creates > 0.0 { (s1 - s0) / creates } else { 0.0 };
+        // The provider's own work in the rollout: every Create (at most `at_once` at a time:
+        // the workers, the hosts' create slots, the surge) and every Delete (at most one
+        // per worker).
+        let spent = |op: &str| {
+            let ((s0, c0), (s1, c1)) = (call_seconds(&before, op), call_seconds(&after, op));
+            (s1 - s0, c1 - c0)
+        };
+        let (create_s, creates) = spent("create");
+        let (delete_s, deletes) = spent("delete");
+        let mean = create_s / creates.max(1.0);
         let at_once = usize::from(rig.concurrency())
             .min(hosts * rig.creates_per_host() as usize)
             .min(surge)
             .max(1);
-        let bound = mean * n as f64 / at_once as f64;
+        let workers = f64::from(rig.concurrency().max(1));
+        let bound = create_s / at_once as f64 + delete_s / workers;
         let ratio = rolled_in.as_secs_f64() / bound.max(f64::EPSILON);
         let writes = ["proxies", "events"]
             .iter()
@@ -199,9 +208,11 @@ fn main() {
         let floor = low.load(Ordering::SeqCst);
         println!("drift: rolled {n} members after a domain plugin change, no restart:");
         println!(
-            "  time to all up to date: {:.1} s; provider bound {bound:.1} s (mean Create {mean:.2} s \
-             x {n} / {at_once} at once): {ratio:.2}x",
-            rolled_in.as_secs_f64()
+            "  time to all up to date: {:.1} s; provider bound {bound:.1} s ({creates:.0} \
+             Creates of mean {mean:.2} s, {at_once} at once; {deletes:.0} Deletes of mean \
+             {:.2} s, {workers:.0} at once): {ratio:.2}x",
+            rolled_in.as_secs_f64(),
+            delete_s / deletes.max(1.0),
         );
         println!(
             "  API writes per rolled proxy (Proxies, their status and events; creates and \
@@ -225,7 +236,10 @@ fn main() {
         pools.delete(POOL, &DeleteParams::default()).await.unwrap();
         let start = Instant::now();
         while !members(&api).await.is_empty() {
-            assert!(start.elapsed() < guard, "members left after the pool's delete");
+            assert!(
+                start.elapsed() < guard,
+                "members left after the pool's delete"
+            );
             tokio::time::sleep(Duration::from_secs(1)).await;
         }
         let left = tokio::task::block_in_place(|| rig.leftovers_now()).unwrap();
