@@ -194,7 +194,8 @@ impl Reloader {
         let bytes = match tokio::fs::read(&self.path).await {
             Ok(b) => b,
             Err(source) => {
-                // Mid-swap, or removed: keep the running config, say so once per state.
+                // Mid-swap, or removed: the running config stays; the next look reads
+                // the file again.
                 let e = Refused::Read {
                     path: self.path.display().to_string(),
                     source,
