@@ -501,6 +501,7 @@ mod tests {
             renew_time: None,
             rebind_after_seconds: 30,
             service: false,
+            replace_out_of_date: false,
         };
         let mut waiting = ProxyLease::new("crawler", spec.clone());
         waiting.metadata.namespace = Some("team-a".into());

@@ -230,6 +230,13 @@ fn main() {
             phase.cpu_seconds,
             phase.provider_calls
         );
+        println!(
+            "  Proxy reconcile latency during the rollout (histogram buckets' upper bounds): {}",
+            phase
+                .reconcile_p50_p99
+                .map(|(a, b)| format!("p50 <= {a} s, p99 <= {b} s"))
+                .unwrap_or_else(|| "none ended".into())
+        );
         assert!(floor >= n, "the serving floor dropped to {floor} of {n}");
         assert_eq!(phase.refused, 0, "requests refused: {:#?}", phase.requests);
 

@@ -4,14 +4,17 @@
 //! API server's audit log, by verb and resource), its writes per minute at rest, peak RSS
 //! and CPU per phase, probes per second and their CPU at rest, provider and libvirt calls
 //! per Proxy, the GC sweep time, time to all gone and leftovers; each figure beside its
-//! goal (issue 22). Wall-clock values are printed, never asserted; a leftover or a refused
-//! request fails the bench.
+//! goal (issue 22). Then (issue 32) the flat-cost run: one host, 250 Proxies and then 750
+//! more, a Create's libvirt round trips and mean time in each wave side by side
+//! (`EGRESS_FLAT_PROXIES` changes its size). Wall-clock values are printed, never
+//! asserted; a leftover or a refused request fails the bench.
 //!
 //! `EGRESS_SCALE_PROXIES`, `EGRESS_SCALE_HOSTS`, `EGRESS_SCALE_REST_SECONDS` (600 in the
 //! full run), `EGRESS_SCALE_CONCURRENCY`, `EGRESS_SCALE_CREATES_PER_HOST`,
 //! `EGRESS_SCALE_PROBE_PERIOD`, `EGRESS_SCALE_GC_PERIOD` change the run; unset, every knob
 //! is the operator's default. Under `cargo test --benches` (part of `make test`) it runs
-//! 20 Proxies on 2 hosts with a 10 s rest, so a broken bench fails CI.
+//! 20 Proxies on 2 hosts in two waves (5, then 15) with a 10 s rest, so a broken bench
+//! fails CI.
 #![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)] // a bench fails loudly
 
 use std::path::PathBuf;
@@ -26,6 +29,9 @@ const GOAL_CONVERGE_RATIO: f64 = 1.2;
 const GOAL_WRITES_PER_PROXY: f64 = 5.0;
 const GOAL_RSS_MIB: f64 = 150.0;
 const GOAL_PROBE_CORE_PERCENT: f64 = 5.0;
+/// Issue 32, item 4: one Proxy applied at rest is Ready within this many times its time on
+/// an empty fleet.
+const GOAL_SOLO_RATIO: f64 = 2.0;
 
 fn main() {
     if let Some(reason) = harness::skip_reason(&[Need::Sshd, Need::Libvirtd]) {
@@ -39,7 +45,12 @@ fn main() {
     } else {
         (20, 2, Duration::from_secs(10))
     };
-    let options = ScaleOptions::from_env(proxies, hosts, rest).unwrap();
+    let mut options = ScaleOptions::from_env(proxies, hosts, rest).unwrap();
+    // The quick run comes in two waves, so the side-by-side figures of the flat-cost run
+    // below are printed (and their code run) in `make test` too.
+    if !bench::full() {
+        options.first_wave = Some(options.proxies / 4);
+    }
     let binary = PathBuf::from(env!("CARGO_BIN_EXE_operator-under-test"));
     let rt = tokio::runtime::Builder::new_multi_thread()
         .worker_threads(2)
@@ -47,7 +58,7 @@ fn main() {
         .build()
         .unwrap();
     rt.block_on(async {
-        let rig = ScaleRig::start(binary, options)
+        let rig = ScaleRig::start(binary.clone(), options)
             .await
             .unwrap_or_else(|e| panic!("{e:#}"));
         let report = rig
@@ -64,7 +75,69 @@ fn main() {
             assert_eq!(phase.refused, 0, "requests refused: {:#?}", phase.requests);
         }
         rig.stop().unwrap();
+        if bench::full() {
+            flat_cost(binary).await;
+        }
     });
+}
+
+/// Issue 32, item 2: one host, 250 Proxies and then 750 more (250 and then up to 1000 per
+/// host): a Create's libvirt round trips and its mean time, side by side.
+/// `EGRESS_FLAT_PROXIES` changes the size (a quarter first).
+async fn flat_cost(binary: PathBuf) {
+    let proxies = std::env::var("EGRESS_FLAT_PROXIES")
+        .ok()
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(1000);
+    let mut options = ScaleOptions::from_env(proxies, 1, Duration::from_secs(5)).unwrap();
+    options.proxies = proxies;
+    options.hosts = 1;
+    options.first_wave = Some(proxies / 4);
+    let rig = ScaleRig::start(binary, options)
+        .await
+        .unwrap_or_else(|e| panic!("{e:#}"));
+    let report = rig
+        .run()
+        .await
+        .unwrap_or_else(|e| panic!("{e:#}\nthe operator logged:\n{}", rig.operator_log()));
+    println!("flat cost: {proxies} Proxies on one host, in two waves");
+    print_waves(&report);
+    assert!(
+        report.leftovers.is_empty(),
+        "left on the host: {:#?}",
+        report.leftovers
+    );
+    rig.stop().unwrap();
+}
+
+/// Goal of issue 32, item 2: per Create, the later wave within 10% of the first.
+const GOAL_FLAT_RATIO: f64 = 1.1;
+
+fn print_waves(r: &Report) {
+    let mut held = 0;
+    let mut rows = Vec::new();
+    for (k, p) in &r.waves {
+        let per_host = |n: usize| n.div_ceil(r.hosts.max(1));
+        let trips = p.path_round_trips() / *k as f64;
+        let mean = p.mean_create.unwrap_or_default();
+        println!(
+            "  wave of {k:>5} onto hosts holding {}..{} each: {trips:.2} libvirt round trips per Create on the Create path, mean Create {:.0} ms; index checks {:?}, domains read {:?}",
+            per_host(held),
+            per_host(held + k),
+            mean.as_secs_f64() * 1e3,
+            p.index_checks,
+            p.domains_read
+        );
+        rows.push((trips, mean.as_secs_f64()));
+        held += k;
+    }
+    if let [(t1, m1), (t2, m2)] = rows[..] {
+        let (tr, mr) = (t2 / t1.max(1e-9), m2 / m1.max(1e-9));
+        println!(
+            "  later wave against the first: round trips {tr:.2}x, mean Create {mr:.2}x (goal <= {GOAL_FLAT_RATIO}x each: {})",
+            verdict(tr <= GOAL_FLAT_RATIO && mr <= GOAL_FLAT_RATIO)
+        );
+    }
 }
 
 fn mib(kib: u64) -> f64 {
@@ -95,6 +168,29 @@ fn print(r: &Report) {
         r.effective_concurrency()
     );
     println!("placement: {:?}", r.proxies_per_host);
+    if let (Some(empty), Some(full)) = (r.solo_empty, r.solo_at_rest) {
+        let ratio = full.as_secs_f64() / empty.as_secs_f64().max(1e-9);
+        println!(
+            "one Proxy to Ready: {:.2} s on the empty fleet, {:.2} s with {n} at rest: {ratio:.2}x (goal <= {GOAL_SOLO_RATIO}x: {})",
+            empty.as_secs_f64(),
+            full.as_secs_f64(),
+            verdict(ratio <= GOAL_SOLO_RATIO)
+        );
+    }
+    let quantiles = |p: &Phase| {
+        p.reconcile_p50_p99
+            .map(|(a, b)| format!("p50 <= {a} s, p99 <= {b} s"))
+            .unwrap_or_else(|| "none ended".into())
+    };
+    println!(
+        "Proxy reconcile latency (histogram buckets' upper bounds): create {}; at rest {}; delete {}",
+        quantiles(&r.create),
+        quantiles(&r.rest),
+        quantiles(&r.delete)
+    );
+    if !r.waves.is_empty() {
+        print_waves(r);
+    }
     let bound = r.create_bound();
     let ratio = r.create.wall.as_secs_f64() / bound.as_secs_f64().max(1e-9);
     println!(

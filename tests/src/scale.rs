@@ -64,6 +64,10 @@ pub struct ScaleOptions {
     pub gc_period_seconds: Option<u32>,
     /// Hang guard of each wait (never a performance limit).
     pub guard: Duration,
+    /// Apply this many first, wait until they are Ready, then the rest: the two waves'
+    /// costs per Create side by side show whether a Create's cost grows with the fleet
+    /// (issue 32). `None`: all at once.
+    pub first_wave: Option<usize>,
 }
 
 fn env_num<T: std::str::FromStr>(name: &str) -> Result<Option<T>> {
@@ -97,6 +101,7 @@ impl ScaleOptions {
             creates_per_host: env_num("EGRESS_SCALE_CREATES_PER_HOST")?,
             probe_period_seconds: env_num("EGRESS_SCALE_PROBE_PERIOD")?,
             gc_period_seconds: env_num("EGRESS_SCALE_GC_PERIOD")?,
+            first_wave: None,
             guard: Duration::from_secs(
                 env_num("EGRESS_SCALE_GUARD_SECONDS")?.unwrap_or(600.max(proxies as u64)),
             ),
@@ -131,6 +136,31 @@ pub struct Phase {
     pub libvirt_calls: BTreeMap<String, f64>,
     /// CONNECTs the stand-in proxies answered (the operator's Serving probes).
     pub probes: u64,
+    /// The kvm2 domain index's checks of hosts by kind (`names`, `full`, `cached`).
+    pub index_checks: BTreeMap<String, f64>,
+    /// Domains whose state and XML the provider read, by way (`full`: a full listing;
+    /// `bulk`: a names check that found many new domains; `lookup`: one new domain).
+    pub domains_read: BTreeMap<String, f64>,
+    /// GC sweeps in this phase.
+    pub gc_sweeps: f64,
+    /// Mean duration of the provider Creates that succeeded in this phase.
+    pub mean_create: Option<Duration>,
+    /// The Proxy controller's reconcile latency in this phase, p50 and p99 in seconds,
+    /// read from its histogram's buckets (so as coarse as they are).
+    pub reconcile_p50_p99: Option<(f64, f64)>,
+}
+
+impl Phase {
+    /// The Create and Delete paths' work on the hosts, in libvirt round trips: each
+    /// names-only check is one, each domain read two (state and XML) plus its lookup; the
+    /// full listings (the GC's sweeps, a host's first look) are left out, as they are
+    /// per period, not per Proxy.
+    pub fn path_round_trips(&self) -> f64 {
+        let get = |m: &BTreeMap<String, f64>, k: &str| m.get(k).copied().unwrap_or(0.0);
+        get(&self.index_checks, "names")
+            + 3.0 * get(&self.domains_read, "lookup")
+            + 2.0 * get(&self.domains_read, "bulk")
+    }
 }
 
 impl Phase {
@@ -194,6 +224,13 @@ pub struct Report {
     pub proxies_per_host: BTreeMap<String, usize>,
     /// The operator's first warnings (at most 5), to tell a figure's cause.
     pub first_warnings: Vec<String>,
+    /// With [`ScaleOptions::first_wave`]: each wave's size and what it cost, until all
+    /// its Proxies were Ready.
+    pub waves: Vec<(usize, Phase)>,
+    /// One Proxy applied to the empty fleet: the time until it was Ready (issue 32, item 4).
+    pub solo_empty: Option<Duration>,
+    /// One Proxy applied to the whole fleet at rest: the time until it was Ready.
+    pub solo_at_rest: Option<Duration>,
     /// Events in the run's namespace by reason, once all were Ready.
     pub events_by_reason: BTreeMap<String, usize>,
 }
@@ -570,14 +607,15 @@ serving: {{{serving}}}
             }
         }
         let metrics = self.metrics()?;
-        let delta = |name: &str| {
-            let mut now = by_label(&metrics, name, "op");
-            for (op, v) in by_label(&mark.metrics, name, "op") {
+        let delta_by = |name: &str, key: &str| {
+            let mut now = by_label(&metrics, name, key);
+            for (op, v) in by_label(&mark.metrics, name, key) {
                 *now.entry(op).or_default() -= v;
             }
             now.retain(|_, v| *v > 0.0);
             now
         };
+        let delta = |name: &str| delta_by(name, "op");
         Ok(Phase {
             wall,
             cpu_seconds: self.cpu_seconds()? - mark.cpu,
@@ -587,6 +625,19 @@ serving: {{{serving}}}
             provider_calls: delta("egress_provider_calls_total"),
             libvirt_calls: delta("egress_libvirt_calls_total"),
             probes: self.responder.answered() - mark.probes,
+            index_checks: delta_by("egress_kvm2_domain_index_checks_total", "via"),
+            domains_read: delta_by("egress_kvm2_domains_read_total", "via"),
+            gc_sweeps: metric(&metrics, "egress_gc_sweeps_total", &[])
+                - metric(&mark.metrics, "egress_gc_sweeps_total", &[]),
+            reconcile_p50_p99: reconcile_quantiles(&mark.metrics, &metrics),
+            mean_create: {
+                let ok = [("op", "create"), ("outcome", "ok")];
+                let d = |name: &str| metric(&metrics, name, &ok) - metric(&mark.metrics, name, &ok);
+                let count = d("egress_provider_call_duration_seconds_count");
+                (count > 0.0).then(|| {
+                    Duration::from_secs_f64(d("egress_provider_call_duration_seconds_sum") / count)
+                })
+            },
         })
     }
 
@@ -596,10 +647,10 @@ serving: {{{serving}}}
 
     /// Applies every Proxy at once (the bench's own client, [`CLIENT_PARALLEL`] requests
     /// in flight).
-    async fn apply_all(&self) -> Result<()> {
+    async fn apply(&self, range: std::ops::Range<usize>) -> Result<()> {
         let sem = Arc::new(tokio::sync::Semaphore::new(CLIENT_PARALLEL));
         let mut tasks = tokio::task::JoinSet::new();
-        for i in 0..self.options.proxies {
+        for i in range {
             let api = self.proxies();
             let sem = sem.clone();
             tasks.spawn(async move {
@@ -703,8 +754,20 @@ serving: {{{serving}}}
             ..Report::default()
         };
 
+        report.solo_empty = Some(self.solo("solo-empty").await?);
         let mark = self.mark()?;
-        self.apply_all().await?;
+        let first = self.options.first_wave.filter(|k| (1..n).contains(k));
+        if let Some(k) = first {
+            self.apply(0..k).await?;
+            self.wait("the first wave Ready", |r, _| r == k).await?;
+            report.waves.push((k, self.phase(&mark)?));
+            let second = self.mark()?;
+            self.apply(k..n).await?;
+            self.wait("all Proxies Ready", |r, _| r == n).await?;
+            report.waves.push((n - k, self.phase(&second)?));
+        } else {
+            self.apply(0..n).await?;
+        }
         let ready = self.wait("all Proxies Ready", |r, _| r == n).await?;
         report.create = self.phase(&mark)?;
         for p in &ready {
@@ -750,6 +813,7 @@ serving: {{{serving}}}
             .wait("all Proxies still Ready after the rest", |r, _| r == n)
             .await;
         still?;
+        report.solo_at_rest = Some(self.solo("solo-at-rest").await?);
 
         let mark = self.mark()?;
         self.delete_all().await?;
@@ -758,6 +822,40 @@ serving: {{{serving}}}
         report.leftovers = tokio::task::block_in_place(|| self.leftovers())?;
         report.first_warnings = self.operator.warnings().into_iter().take(5).collect();
         Ok(report)
+    }
+
+    /// Applies one Proxy named `name`, times it to Ready (read every 50 ms), then deletes
+    /// it and waits until it is gone.
+    async fn solo(&self, name: &str) -> Result<Duration> {
+        let api = self.proxies();
+        let proxy: Proxy = serde_json::from_value(serde_json::json!({
+            "apiVersion": "egress-operator.dev/v1alpha1",
+            "kind": "Proxy",
+            "metadata": {"name": name},
+            "spec": {"provider": "kvm2"},
+        }))?;
+        let start = Instant::now();
+        api.create(&PostParams::default(), &proxy).await?;
+        let took = loop {
+            if api.get_opt(name).await?.as_ref().is_some_and(is_ready) {
+                break start.elapsed();
+            }
+            ensure!(
+                start.elapsed() < self.options.guard,
+                "{name}: not Ready within {:?} (hang guard)",
+                self.options.guard
+            );
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        };
+        api.delete(name, &DeleteParams::default()).await?;
+        while api.get_opt(name).await?.is_some() {
+            ensure!(
+                start.elapsed() < 2 * self.options.guard,
+                "{name}: not gone (hang guard)"
+            );
+            tokio::time::sleep(Duration::from_millis(100)).await;
+        }
+        Ok(took)
     }
 
     /// Stops the operator with SIGTERM; fails when it did not exit cleanly.
@@ -889,6 +987,46 @@ fn clock_ticks() -> f64 {
         .and_then(|o| String::from_utf8(o.stdout).ok())
         .and_then(|s| s.trim().parse().ok())
         .unwrap_or(100.0)
+}
+
+/// p50 and p99 of the Proxy controller's reconcile latency between two scrapes, from the
+/// histogram's cumulative buckets (every outcome), each the upper bound of the bucket it
+/// falls in; `None` when no reconcile ended between them.
+pub fn reconcile_quantiles(before: &str, after: &str) -> Option<(f64, f64)> {
+    let name = "egress_controller_reconcile_duration_seconds_bucket";
+    let buckets = |text: &str| {
+        let mut by_le: BTreeMap<String, f64> = BTreeMap::new();
+        for (labels, v) in samples(text, name) {
+            if let Some(le) = label(labels, "le") {
+                *by_le.entry(le.to_string()).or_default() += v;
+            }
+        }
+        by_le
+    };
+    let (b, a) = (buckets(before), buckets(after));
+    let mut cumulative: Vec<(f64, f64)> = a
+        .iter()
+        .map(|(le, v)| {
+            let bound = if le == "+Inf" {
+                f64::INFINITY
+            } else {
+                le.parse().unwrap_or(f64::INFINITY)
+            };
+            (bound, v - b.get(le).copied().unwrap_or(0.0))
+        })
+        .collect();
+    cumulative.sort_by(|x, y| x.0.total_cmp(&y.0));
+    let total = cumulative.last()?.1;
+    if total <= 0.0 {
+        return None;
+    }
+    let at = |q: f64| {
+        cumulative
+            .iter()
+            .find(|(_, c)| *c >= q * total)
+            .map_or(f64::INFINITY, |(le, _)| *le)
+    };
+    Some((at(0.5), at(0.99)))
 }
 
 /// Label `key`'s value in a Prometheus sample line's label set.

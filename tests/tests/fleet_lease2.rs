@@ -1208,3 +1208,171 @@ async fn a_lease_says_when_its_proxies_are_out_of_date_and_keeps_them() {
     delete_leases(&admin, &ns).await;
     inst.shutdown().await;
 }
+
+/// Issue 30, item 4: a lease that opts in (`replaceOutOfDate`) swaps an out-of-date bound
+/// proxy for a free, up-to-date one of its pool, taking the new one before it gives the old
+/// one back; an out-of-date spare is never taken for a swap.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_lease_that_opts_in_swaps_an_out_of_date_proxy_make_before_break() {
+    let _serial = SERIAL.lock().await;
+    let s = setup("lease-swap").await;
+    let (admin, ns) = (s.admin.clone(), s.ns.clone());
+    let metrics = LeaseMetrics::default();
+    let inst = instance(s.cp, &metrics, Arc::new(LivenessBoard::default())).await;
+    let pool = make_pool(&admin, &ns, "office", serde_json::json!({})).await;
+    let old = make_proxy(&admin, &ns, &pool, "office-a", "198.51.100.1").await;
+    create_lease(
+        &admin,
+        &ns,
+        "held",
+        "office",
+        serde_json::json!({"service": false, "replaceOutOfDate": true}),
+    )
+    .await;
+    wait_phase(&admin, &ns, "held", LeasePhase::Bound).await;
+
+    // office-a goes out of date; the only spare is out of date too: no swap.
+    let now = jiff::Timestamp::now().to_string();
+    let stale = |ip: &str| {
+        let cond = |t: &str, status: &str, reason: &str| {
+            serde_json::json!({"type": t, "status": status, "reason": reason, "message": "",
+                               "lastTransitionTime": now})
+        };
+        serde_json::json!({"status": {"phase": "Running", "host": "h1", "address": ip,
+            "addresses": [ip], "conditions": [
+            cond("Ready", "True", "ProbePassed"),
+            cond("Serving", "True", "ProbePassed"),
+            cond("UpToDate", "False", "InputsChanged"),
+        ]}})
+    };
+    let proxies = Api::<Proxy>::namespaced(admin.clone(), &ns);
+    make_proxy(&admin, &ns, &pool, "office-b", "198.51.100.2").await;
+    proxies
+        .patch_status(
+            "office-b",
+            &PatchParams::default(),
+            &Patch::Merge(&stale("198.51.100.2")),
+        )
+        .await
+        .unwrap();
+    proxies
+        .patch_status(
+            "office-a",
+            &PatchParams::default(),
+            &Patch::Merge(&stale("198.51.100.1")),
+        )
+        .await
+        .unwrap();
+    let lease = poll("the lease's UpToDate False", || async {
+        get_lease(&admin, &ns, "held").await.filter(|l| {
+            l.status.as_ref().is_some_and(|s| {
+                s.conditions
+                    .iter()
+                    .any(|c| c.type_ == "UpToDate" && c.status == "False")
+            })
+        })
+    })
+    .await;
+    let message = lease
+        .status
+        .as_ref()
+        .and_then(|s| s.conditions.iter().find(|c| c.type_ == "UpToDate"))
+        .map(|c| c.message.clone())
+        .unwrap_or_default();
+    assert!(message.contains("replaceOutOfDate"), "{message}");
+    // Give an eager swap the time to happen: it must not.
+    tokio::time::sleep(Duration::from_secs(3)).await;
+    let lease = get_lease(&admin, &ns, "held").await.unwrap();
+    assert_eq!(
+        listed(&lease),
+        vec![old.uid().unwrap()],
+        "no out-of-date spare taken"
+    );
+    assert_eq!(metrics.swaps(&ns), 0);
+
+    // An up-to-date spare appears: the lease takes it, then gives office-a back. A sampler
+    // reads the lease throughout: it never holds fewer than its count.
+    let (done, done_rx) = watch::channel(false);
+    let sampler = {
+        let (admin, ns) = (admin.clone(), ns.clone());
+        tokio::spawn(async move {
+            let (mut fewest, mut most) = (usize::MAX, 0);
+            while !*done_rx.borrow() {
+                if let Some(l) = get_lease(&admin, &ns, "held").await {
+                    let n = l.status.map_or(0, |s| s.proxies.len());
+                    (fewest, most) = (fewest.min(n), most.max(n));
+                }
+                tokio::time::sleep(Duration::from_millis(20)).await;
+            }
+            (fewest, most)
+        })
+    };
+    let fresh = make_proxy(&admin, &ns, &pool, "office-c", "198.51.100.3").await;
+    let lease = poll("the lease swapped to office-c", || async {
+        get_lease(&admin, &ns, "held")
+            .await
+            .filter(|l| listed(l) == vec![fresh.uid().unwrap()])
+    })
+    .await;
+    assert_eq!(phase(&lease), Some(LeasePhase::Bound));
+    let up = lease
+        .status
+        .as_ref()
+        .and_then(|s| s.conditions.iter().find(|c| c.type_ == "UpToDate"))
+        .cloned()
+        .unwrap();
+    assert_eq!(
+        (up.status.as_str(), up.reason.as_str()),
+        ("True", "Current")
+    );
+    assert_eq!(
+        lease.status.as_ref().unwrap().rebinds,
+        0,
+        "a swap is not a rebind"
+    );
+    let a =
+        poll("office-a given back", || async {
+            proxies.get_opt("office-a").await.unwrap().filter(|p| {
+                holder(p).is_none() || p.annotations().contains_key(DRAINING_ANNOTATION)
+            })
+        })
+        .await;
+    assert_ne!(
+        holder(&a).as_deref(),
+        lease.uid().as_deref(),
+        "office-a no longer names the lease"
+    );
+    let b = proxies.get("office-b").await.unwrap();
+    assert!(
+        holder(&b).is_none(),
+        "the out-of-date spare was never taken"
+    );
+    done.send(true).unwrap();
+    let (fewest, most) = sampler.await.unwrap();
+    assert!(
+        fewest >= 1,
+        "the lease held {fewest} proxies at some point during the swap"
+    );
+    assert_eq!(metrics.swaps(&ns), 1);
+    let events = Api::<k8s_openapi::api::events::v1::Event>::namespaced(admin.clone(), &ns)
+        .list(&ListParams::default())
+        .await
+        .unwrap()
+        .items;
+    let swap = events
+        .iter()
+        .find(|e| e.reason.as_deref() == Some("OutOfDateSwapped"))
+        .and_then(|e| e.note.clone())
+        .unwrap_or_default();
+    assert!(swap.contains("office-a"), "the swap is told: {swap:?}");
+    assert!(
+        !events
+            .iter()
+            .any(|e| e.reason.as_deref() == Some("ProxyLost")),
+        "a swap is not a loss"
+    );
+    println!("swapped office-a for office-c (sampled bound counts {fewest}..={most}): {swap}");
+
+    delete_leases(&admin, &ns).await;
+    inst.shutdown().await;
+}

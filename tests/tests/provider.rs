@@ -385,3 +385,139 @@ fn a_create_renders_with_a_domain_plugin_pulled_from_an_oci_registry() {
         rig.hosts.close().await;
     });
 }
+
+/// Issue 32, item 1: the provider's domain index on the real daemons. What another cluster
+/// or a person with virsh does to the host is seen by the next names-only check (a new
+/// domain read once, a removed one dropped); an edit in place (same UUID) by the next full
+/// listing, as every GC sweep makes. A Delete's search finds its instance with a
+/// names-only listing, never a full one.
+#[test]
+fn the_domain_index_follows_what_virsh_does_to_the_host() {
+    use egress_operator::instance::MetadataMark;
+    use egress_operator::provider::kvm2::index::Fresh;
+    let Some(rig) = Rig::start(vec![], Rig::base_image) else {
+        return;
+    };
+    let foreign = InstanceIdentity::for_uid(&uid(41)).unwrap();
+    let dir = tempfile::tempdir().unwrap();
+    let xml_path = dir.path().join("foreign.xml");
+    // `uuid`: the domain's own, to define it again in place (as `virsh edit` does).
+    let write_foreign = |mac: &str, uuid: Option<&str>| {
+        let mark = MetadataMark {
+            cluster_id: "another-cluster".into(),
+            cluster_uid: None,
+            namespace: "default".into(),
+            name: "theirs".into(),
+            uid: uid(41),
+            created_at: "2026-01-01T00:00:00Z".into(),
+            mac: Some(mac.into()),
+            address: None,
+        };
+        let xml = rig
+            .libvirtd
+            .minimal_domain_xml(&foreign.domain_name)
+            .replacen(
+                "<vcpu>",
+                &format!(
+                    "{}<metadata>{}</metadata>\n  <vcpu>",
+                    uuid.map(|u| format!("<uuid>{u}</uuid>\n  "))
+                        .unwrap_or_default(),
+                    mark.to_xml()
+                ),
+                1,
+            );
+        std::fs::write(&xml_path, xml).unwrap();
+        rig.virsh(&["define", xml_path.to_str().unwrap()]);
+    };
+    let mac_of = |list: &[egress_operator::provider::kvm2::ops::DomainRecord]| {
+        list.iter()
+            .find(|d| d.name == foreign.domain_name)
+            .and_then(|d| d.mark.as_ref())
+            .and_then(|m| m.mac.clone())
+    };
+    run(async {
+        let p = rig.provider(rig.ops.clone());
+        let inst = p.create(&request(&uid(40), "ours")).await.unwrap();
+        let m = p.index().metrics().clone();
+        let checks = |via: &str| m.checks("h1", via);
+        assert_eq!(
+            checks("full"),
+            1,
+            "the first look at the host is a full listing"
+        );
+        let (names0, full0, lookups0) = (checks("names"), checks("full"), m.read("h1", "lookup"));
+        assert!(
+            names0 >= 1,
+            "the Create's allocation checked the host by names"
+        );
+
+        // Another cluster defines a domain: the next check reads it, and only it.
+        write_foreign("52:54:00:aa:00:01", None);
+        let seen = p
+            .index()
+            .domains(rig.ops.as_ref(), "h1", Fresh::Now)
+            .await
+            .unwrap();
+        assert_eq!(mac_of(&seen).as_deref(), Some("52:54:00:aa:00:01"));
+        assert_eq!(seen.len(), 2);
+        assert_eq!(checks("names"), names0 + 1);
+        assert_eq!(checks("full"), full0, "no full listing");
+        assert_eq!(m.read("h1", "lookup"), lookups0 + 1, "one domain read");
+
+        // virsh edits it in place (same UUID): a names check cannot tell...
+        let uuid = rig.virsh(&["domuuid", &foreign.domain_name]);
+        write_foreign("52:54:00:aa:00:02", Some(uuid.trim()));
+        let seen = p
+            .index()
+            .domains(rig.ops.as_ref(), "h1", Fresh::Now)
+            .await
+            .unwrap();
+        assert_eq!(mac_of(&seen).as_deref(), Some("52:54:00:aa:00:01"));
+        // ...the full listing of a GC sweep does, and the index keeps it.
+        let listing = p.list().await;
+        assert_eq!(
+            listing[0].result.as_ref().unwrap().len(),
+            1,
+            "only ours is listed"
+        );
+        let seen = p
+            .index()
+            .domains(rig.ops.as_ref(), "h1", Fresh::Now)
+            .await
+            .unwrap();
+        assert_eq!(mac_of(&seen).as_deref(), Some("52:54:00:aa:00:02"));
+
+        // Undefined behind our back: dropped by the next check.
+        rig.virsh(&["undefine", &foreign.domain_name]);
+        let seen = p
+            .index()
+            .domains(rig.ops.as_ref(), "h1", Fresh::Now)
+            .await
+            .unwrap();
+        assert_eq!(seen.len(), 1);
+        assert!(mac_of(&seen).is_none());
+
+        // A Delete's search for instances its status does not name: names only.
+        let full = checks("full");
+        let found = p.instances_of(&uid(40)).await;
+        assert_eq!(found[0].result.as_ref().unwrap()[0].id, inst.id);
+        assert!(
+            p.instances_of(&uid(42)).await[0]
+                .result
+                .as_ref()
+                .unwrap()
+                .is_empty()
+        );
+        assert_eq!(checks("full"), full);
+
+        p.delete(&inst.id).await.unwrap();
+        let seen = p
+            .index()
+            .domains(rig.ops.as_ref(), "h1", Fresh::Now)
+            .await
+            .unwrap();
+        assert!(seen.is_empty(), "{seen:?}");
+        rig.hosts.close().await;
+    });
+    assert!(rig.domains().is_empty(), "{:?}", rig.domains());
+}

@@ -101,6 +101,15 @@ pub struct ProxyLeaseSpec {
     /// an EndpointSlice listing the bound proxies), so the workload survives a rebind.
     #[serde(default = "default_service")]
     pub service: bool,
+    /// Whether a bound proxy made from inputs that changed since (its `UpToDate` condition
+    /// is False: a new plugin, image or setting) is swapped for an up-to-date one while the
+    /// lease holds it. Off (the default), the lease keeps what it holds and its proxies are
+    /// replaced once released. On, the lease takes a free, serving, up-to-date proxy of the
+    /// pool first and only then gives the old one back: for a moment it holds one more
+    /// than `count` (its Service lists both), never fewer. The swap waits until the pool
+    /// has such a proxy; the address changes.
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub replace_out_of_date: bool,
 }
 
 fn default_count() -> i32 {

@@ -935,7 +935,7 @@ async fn cleanup(proxy: &Proxy, ctx: &Context) -> Result<Action, ControllerError
     // A Create that finished after a crash, before its status was written, left an
     // instance status does not name: find it by UID. A host whose listing fails is left
     // to the garbage collector (the Proxy will be gone, so it counts as an orphan).
-    for listing in provider.list().await {
+    for listing in provider.instances_of(&owner.uid).await {
         match listing.result {
             Ok(instances) => {
                 for i in instances.iter().filter(|i| i.proxy.uid == owner.uid) {

@@ -73,11 +73,8 @@ pub fn look(
     let members: Vec<Member> = mine
         .iter()
         .map(|p| {
-            let mut m = Member::of(p, &ctx.board);
+            let mut m = ctx.member(p);
             m.leased |= p.uid().is_some_and(|u| claimed.contains(&u));
-            if let Some(outdated) = ctx.member_outdated(p) {
-                m.outdated = outdated;
-            }
             m
         })
         .collect();

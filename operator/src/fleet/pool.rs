@@ -156,6 +156,17 @@ impl FleetContext {
     /// again yet would roll too late, or replace members a rollback just made current
     /// again. `None` when it cannot tell (no revision or host recorded, no provider, a
     /// plugin still loading): the condition decides then.
+    /// `p` as the fleet sees it: [`Member::of`] with its revision judged now
+    /// ([`Self::member_outdated`]). Every fleet controller (pool, at-rest check, leases)
+    /// reads members through this, so none acts on a stale `UpToDate` condition.
+    pub fn member(&self, p: &Proxy) -> Member {
+        let mut m = Member::of(p, &self.board);
+        if let Some(outdated) = self.member_outdated(p) {
+            m.outdated = outdated;
+        }
+        m
+    }
+
     pub fn member_outdated(&self, p: &Proxy) -> Option<bool> {
         let status = p.status.as_ref()?;
         let recorded = status.revision.as_ref()?;
@@ -367,12 +378,9 @@ pub async fn reconcile(pool: Arc<ProxyPool>, ctx: Arc<FleetContext>) -> Result<A
         // same rule discovery uses.
         .filter(|p| super::membership::controlled_by(p, &owner.uid))
         .map(|p| {
-            let mut m = Member::of(p, &ctx.board);
+            let mut m = ctx.member(p);
             // Claimed by a lease: the lease's to take, not the pool's to remove.
             m.leased |= demand.claimed.contains(&m.uid);
-            if let Some(outdated) = ctx.member_outdated(p) {
-                m.outdated = outdated;
-            }
             m
         })
         .collect();

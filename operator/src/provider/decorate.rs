@@ -72,6 +72,16 @@ async fn traced<T>(
     .await
 }
 
+/// Logs each target whose listing failed, and passes the listings on.
+fn warn_failed(provider: &str, listings: Vec<TargetListing>) -> Vec<TargetListing> {
+    for t in &listings {
+        if let Err(e) = &t.result {
+            tracing::warn!(provider, target = %t.target, error = %e, "listing failed");
+        }
+    }
+    listings
+}
+
 impl<P: Provider + ?Sized> Provider for Traced<P> {
     fn name(&self) -> &str {
         self.inner.name()
@@ -132,15 +142,12 @@ impl<P: Provider + ?Sized> Provider for Traced<P> {
         ))
     }
     fn list(&self) -> BoxFuture<'_, Vec<TargetListing>> {
-        Box::pin(async move {
-            let r = self.inner.list().await;
-            for t in &r {
-                if let Err(e) = &t.result {
-                    tracing::warn!(provider = self.inner.name(), target = %t.target, error = %e, "listing failed");
-                }
-            }
-            r
-        })
+        Box::pin(async move { warn_failed(self.inner.name(), self.inner.list().await) })
+    }
+    fn instances_of<'a>(&'a self, owner: &'a str) -> BoxFuture<'a, Vec<TargetListing>> {
+        Box::pin(
+            async move { warn_failed(self.inner.name(), self.inner.instances_of(owner).await) },
+        )
     }
     fn health(&self) -> Option<&dyn HealthCheck> {
         self.inner.health()
@@ -267,6 +274,26 @@ impl<P: Provider + ?Sized> Metered<P> {
     }
 }
 
+impl<P: Provider + ?Sized> Metered<P> {
+    /// Records a listing as `op`: `partial` when a target failed.
+    async fn measure_listing(
+        &self,
+        op: &'static str,
+        fut: impl std::future::Future<Output = Vec<TargetListing>>,
+    ) -> Vec<TargetListing> {
+        let started = Instant::now();
+        let r = fut.await;
+        let failed = r.iter().any(|t| t.result.is_err());
+        self.metrics.record(
+            self.inner.name(),
+            op,
+            if failed { "partial" } else { "ok" },
+            started.elapsed(),
+        );
+        r
+    }
+}
+
 impl<P: Provider + ?Sized> Provider for Metered<P> {
     fn name(&self) -> &str {
         self.inner.name()
@@ -298,18 +325,10 @@ impl<P: Provider + ?Sized> Provider for Metered<P> {
         Box::pin(self.measure("delete", self.inner.delete_owned(id, owner)))
     }
     fn list(&self) -> BoxFuture<'_, Vec<TargetListing>> {
-        Box::pin(async move {
-            let started = Instant::now();
-            let r = self.inner.list().await;
-            let failed = r.iter().any(|t| t.result.is_err());
-            self.metrics.record(
-                self.inner.name(),
-                "list",
-                if failed { "partial" } else { "ok" },
-                started.elapsed(),
-            );
-            r
-        })
+        Box::pin(self.measure_listing("list", self.inner.list()))
+    }
+    fn instances_of<'a>(&'a self, owner: &'a str) -> BoxFuture<'a, Vec<TargetListing>> {
+        Box::pin(self.measure_listing("instances-of", self.inner.instances_of(owner)))
     }
     fn health(&self) -> Option<&dyn HealthCheck> {
         self.inner.health()
@@ -471,6 +490,30 @@ impl<P: Provider + ?Sized> Fenced<P> {
             fut,
         )
         .await
+    }
+}
+
+impl<P: Provider + ?Sized> Fenced<P> {
+    /// A listing that needs the fence held and stops with it; a refusal or a cut is one
+    /// failed listing for every target.
+    async fn fenced_listing(
+        &self,
+        op: &'static str,
+        fut: impl std::future::Future<Output = Vec<TargetListing>>,
+    ) -> Vec<TargetListing> {
+        let failed = |e: ProviderError| {
+            vec![TargetListing {
+                target: ALL_TARGETS.to_string(),
+                result: Err(e),
+            }]
+        };
+        if let Err(e) = self.fence.check(op) {
+            return failed(refused(self.inner.name(), e));
+        }
+        match self.bounded(op, async { Ok(fut.await) }).await {
+            Ok(listing) => listing,
+            Err(e) => failed(e),
+        }
     }
 }
 
@@ -666,24 +709,10 @@ impl<P: Provider + ?Sized> Provider for Fenced<P> {
         Box::pin(self.bounded("delete", self.inner.delete_owned(id, owner)))
     }
     fn list(&self) -> BoxFuture<'_, Vec<TargetListing>> {
-        Box::pin(async move {
-            let failed = |e: ProviderError| {
-                vec![TargetListing {
-                    target: ALL_TARGETS.to_string(),
-                    result: Err(e),
-                }]
-            };
-            if let Err(e) = self.fence.check("list") {
-                return failed(refused(self.inner.name(), e));
-            }
-            match self
-                .bounded("list", async { Ok(self.inner.list().await) })
-                .await
-            {
-                Ok(listing) => listing,
-                Err(e) => failed(e),
-            }
-        })
+        Box::pin(self.fenced_listing("list", self.inner.list()))
+    }
+    fn instances_of<'a>(&'a self, owner: &'a str) -> BoxFuture<'a, Vec<TargetListing>> {
+        Box::pin(self.fenced_listing("instances-of", self.inner.instances_of(owner)))
     }
     fn health(&self) -> Option<&dyn HealthCheck> {
         self.inner.health()

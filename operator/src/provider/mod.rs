@@ -436,6 +436,22 @@ pub trait Provider: Send + Sync {
     /// Every instance carrying our mark for this cluster, per target.
     fn list(&self) -> BoxFuture<'_, Vec<TargetListing>>;
 
+    /// The instances of the Proxy with UID `owner`, per target: what [`Provider::list`]
+    /// lists of it. A Delete looks for instances its status does not name (a Create that
+    /// finished after a crash); a provider that can find them without listing every
+    /// instance overrides this, so a Delete's cost does not grow with the fleet.
+    fn instances_of<'a>(&'a self, owner: &'a str) -> BoxFuture<'a, Vec<TargetListing>> {
+        Box::pin(async move {
+            let mut listings = self.list().await;
+            for t in &mut listings {
+                if let Ok(found) = &mut t.result {
+                    found.retain(|i| i.proxy.uid == owner);
+                }
+            }
+            listings
+        })
+    }
+
     /// The health-check capability, when the provider has one.
     fn health(&self) -> Option<&dyn HealthCheck> {
         None

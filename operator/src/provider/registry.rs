@@ -76,6 +76,7 @@ impl Registry {
             Some(r) => {
                 options.sharing =
                     crate::provider::kvm2::domain::sharing::SharingMetrics::register(r);
+                options.index = crate::provider::kvm2::domain::index::IndexMetrics::register(r);
                 (
                     CallMetrics::register(r),
                     ImageMetrics::register(r),

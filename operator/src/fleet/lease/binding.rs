@@ -86,6 +86,9 @@ pub struct Step {
     pub release: Vec<String>,
     /// Proxies given up this step, with the reason (for events and metrics).
     pub lost: Vec<(String, String)>,
+    /// Out-of-date proxies given back this step because an up-to-date one took their
+    /// place (`replaceOutOfDate`), with what happened (for events and metrics).
+    pub swapped: Vec<(String, String)>,
     /// Bound proxies whose label someone else changed: the lease writes its label back
     /// (a guarded take) after the status write.
     pub restore: Vec<ProxyClaim>,
@@ -248,15 +251,49 @@ pub fn plan(
         }
     }
 
+    // 1b. Swaps (`replaceOutOfDate`): more bound than `count` means a replacement was
+    // bound beside an out-of-date proxy (make before break), so the excess goes back,
+    // out-of-date ones first, then the latest bound.
+    let outdated = |uid: &str| by_uid(uid).is_some_and(|s| s.member.outdated);
+    let mut swapped = Vec::new();
+    while proxies.len() > count {
+        let at = proxies
+            .iter()
+            .rposition(|b| outdated(&b.uid))
+            .unwrap_or(proxies.len() - 1);
+        let gone = proxies.remove(at);
+        let why = if outdated(&gone.uid) {
+            format!(
+                "proxy {} was made from inputs that changed since: given back, an up-to-date \
+                 proxy took its place",
+                gone.name
+            )
+        } else {
+            format!("proxy {} is beyond count {count}: given back", gone.name)
+        };
+        release.push(gone.name.clone());
+        swapped.push((gone.name, why));
+    }
+    // How many more than `count` the lease may hold for a moment: one per out-of-date
+    // bound proxy, each filled only by an up-to-date one.
+    let swaps = if spec.replace_out_of_date {
+        proxies.iter().filter(|b| outdated(&b.uid)).count()
+    } else {
+        0
+    };
+
     // 2. The claims: a taken one is bound (both sides agree), a free one is taken again,
-    // the rest are dropped.
+    // the rest are dropped. A claim past `count` (a swap) must still be up to date.
     for c in &status.claims {
         let Some(s) = by_uid(&c.uid) else { continue };
+        let have = proxies.len() + claims.len();
         if s.held_by(lease_uid) {
-            if proxies.len() < count && !proxies.iter().any(|p| p.uid == c.uid) {
+            if !proxies.iter().any(|p| p.uid == c.uid)
+                && (proxies.len() < count || (!s.member.outdated && proxies.len() < count + swaps))
+            {
                 proxies.push(bound_of(s, port));
             }
-        } else if s.free() && proxies.len() + claims.len() < count {
+        } else if s.free() && (have < count || (!s.member.outdated && have < count + swaps)) {
             claims.push(c.clone());
             take.push(c.clone());
         }
@@ -279,15 +316,27 @@ pub fn plan(
         release.push(s.member.name.clone());
     }
 
-    // 4. What is missing: free proxies, in the lease's own order.
-    let need = count.saturating_sub(proxies.len() + claims.len());
+    // 4. What is missing, and the swaps: free proxies, up-to-date ones first, then in the
+    // lease's own order. A swap is filled only by an up-to-date proxy.
+    let have = proxies.len() + claims.len();
+    let plain = count.saturating_sub(have);
+    let need = (count + swaps).saturating_sub(have);
     if need > 0 {
         let mut free: Vec<&Seen> = seen
             .iter()
             .filter(|s| s.free() && !listed(&s.member.uid, &proxies, &claims))
             .collect();
-        free.sort_by_key(|s| (preference(lease_uid, &s.member.uid), s.member.name.clone()));
-        for s in free.into_iter().take(need) {
+        free.sort_by_key(|s| {
+            (
+                s.member.outdated,
+                preference(lease_uid, &s.member.uid),
+                s.member.name.clone(),
+            )
+        });
+        for (i, s) in free.into_iter().take(need).enumerate() {
+            if i >= plain && s.member.outdated {
+                break;
+            }
             let c = ProxyClaim {
                 name: s.member.name.clone(),
                 uid: s.member.uid.clone(),
@@ -310,6 +359,7 @@ pub fn plan(
         take,
         release,
         lost,
+        swapped,
         restore,
         requeue,
     }
@@ -358,11 +408,20 @@ fn settle(
 ) {
     let bound = next.proxies.len();
     let was = prev.phase;
-    let (phase, reason, message) = if bound >= count && next.claims.is_empty() {
+    // `count` bound is Bound even with claims in flight: those are swaps, never a want.
+    let (phase, reason, message) = if bound >= count {
         (
             LeasePhase::Bound,
             "Bound",
-            format!("{bound} proxies of pool {pool} are bound"),
+            if next.claims.is_empty() {
+                format!("{bound} proxies of pool {pool} are bound")
+            } else {
+                format!(
+                    "{bound} proxies of pool {pool} are bound; taking {} up-to-date one(s) \
+                     to replace out-of-date ones",
+                    next.claims.len()
+                )
+            },
         )
     } else if !lost_now.is_empty() {
         (LeasePhase::Lost, "ProxyLost", lost_now.join("; "))
@@ -436,11 +495,21 @@ pub fn needs_others(
     let unlisted = seen
         .iter()
         .any(|s| s.held_by(lease_uid) && !lists(&s.member.uid));
+    let outdated = |uid: &str| {
+        seen.iter()
+            .any(|s| s.member.uid == uid && s.member.outdated)
+    };
+    let swap = spec.replace_out_of_date && status.proxies.iter().any(|b| outdated(&b.uid));
     let wants = status.proxies.len() < count || !status.claims.is_empty();
-    let candidate = seen
-        .iter()
-        .any(|s| s.in_pool && s.holder.is_none() && s.usable());
-    bound_mislabelled || unlisted || (may_take && wants && candidate)
+    let candidate = |up_to_date: bool| {
+        seen.iter().any(|s| {
+            s.in_pool && s.holder.is_none() && s.usable() && !(up_to_date && s.member.outdated)
+        })
+    };
+    bound_mislabelled
+        || unlisted
+        || (may_take && wants && candidate(false))
+        || (may_take && swap && candidate(true))
 }
 
 /// The bound proxies' addresses for `kubectl get`.

@@ -548,7 +548,8 @@ async fn bind_with(
         );
     }
     // The lease's proxies are never rolled while it holds them: it says when they were
-    // made from inputs that changed since (they are replaced once released).
+    // made from inputs that changed since (replaced once released, or swapped at once
+    // with `replaceOutOfDate`, see `binding::plan`).
     if !step.status.proxies.is_empty() {
         let outdated: Vec<&str> = step
             .status
@@ -571,11 +572,21 @@ async fn bind_with(
             (
                 false,
                 "InputsChanged",
-                format!(
-                    "bound proxies made from inputs that changed since (see their UpToDate \
-                     condition), replaced once released: {}",
-                    outdated.join(", ")
-                ),
+                if lease.spec.replace_out_of_date {
+                    format!(
+                        "bound proxies made from inputs that changed since (see their \
+                         UpToDate condition), swapped as soon as the pool has a free, \
+                         up-to-date proxy (replaceOutOfDate): {}",
+                        outdated.join(", ")
+                    )
+                } else {
+                    format!(
+                        "bound proxies made from inputs that changed since (see their \
+                         UpToDate condition), replaced once released (or set \
+                         replaceOutOfDate to swap them now): {}",
+                        outdated.join(", ")
+                    )
+                },
             )
         };
         set_condition(
@@ -611,6 +622,18 @@ async fn bind_with(
     for (proxy, why) in &step.lost {
         publish(ctx, &lease, EventType::Warning, "ProxyLost", why.clone()).await;
         tracing::info!(lease = %name, %proxy, %why, "lease gave up a proxy");
+    }
+    for (proxy, why) in &step.swapped {
+        publish(
+            ctx,
+            &lease,
+            EventType::Normal,
+            "OutOfDateSwapped",
+            why.clone(),
+        )
+        .await;
+        tracing::info!(lease = %name, %proxy, %why, "lease swapped an out-of-date proxy");
+        ctx.metrics.swapped(ns);
     }
     // 2. Give back what was dropped from the status (never before that write), once the
     // lease's slices no longer list it: the old holder's Service must not route to a
@@ -832,6 +855,18 @@ fn woken_by_verdicts(
         .collect()
 }
 
+/// Whether `lease` waits to swap an out-of-date proxy (`replaceOutOfDate`, and its own
+/// `UpToDate` condition is False): a proxy of its pool that changes may be its swap.
+fn swaps(lease: &ProxyLease) -> bool {
+    lease.spec.replace_out_of_date
+        && lease.status.as_ref().is_some_and(|s| {
+            s.phase == Some(LeasePhase::Bound)
+                && s.conditions.iter().any(|c| {
+                    c.type_ == crate::controller::status::UP_TO_DATE && c.status == "False"
+                })
+        })
+}
+
 /// Runs the lease controller until `shutdown`, with the orphan sweep beside it. Leases,
 /// the Proxies that name one (name annotation) or that a lease's status lists, every
 /// change of a pool's Proxies (a proxy freeing up or starting to serve wakes the leases of
@@ -936,12 +971,13 @@ where
                 // The holder (by the name annotation, and by its status: a label or
                 // annotation changed by hand must still wake the lease that holds
                 // the proxy), and the leases of the pool that still want a proxy (a
-                // Bound or Expired one has nothing to gain from another proxy's change).
+                // Bound or Expired one has nothing to gain from another proxy's change,
+                // unless it swaps out-of-date proxies and holds one: `swaps`).
                 .filter(|l| {
                     let wants = !matches!(
                         l.status.as_ref().and_then(|s| s.phase),
                         Some(LeasePhase::Bound | LeasePhase::Expired)
-                    );
+                    ) || swaps(l);
                     let lists = l.status.as_ref().is_some_and(|s| {
                         s.proxies.iter().any(|b| b.uid == uid)
                             || s.claims.iter().any(|c| c.uid == uid)

@@ -39,6 +39,7 @@ pub struct LeaseMetrics {
     pending: Histogram,
     rebinds: Family<NamespaceLabel, Counter>,
     expiries: Family<NamespaceLabel, Counter>,
+    swaps: Family<NamespaceLabel, Counter>,
     orphan_failures: Counter,
 }
 
@@ -57,6 +58,7 @@ impl Default for LeaseMetrics {
             pending: Histogram::new(BUCKETS),
             rebinds: Family::default(),
             expiries: Family::default(),
+            swaps: Family::default(),
             orphan_failures: Counter::default(),
         }
     }
@@ -90,6 +92,11 @@ impl LeaseMetrics {
             "egress_fleet_lease_expiries",
             "leases that expired, not renewed in time",
             m.expiries.clone(),
+        );
+        registry.register(
+            "egress_fleet_lease_out_of_date_swaps",
+            "out-of-date bound proxies swapped for up-to-date ones (leases with replaceOutOfDate)",
+            m.swaps.clone(),
         );
         registry.register(
             "egress_fleet_lease_orphan_release_failures",
@@ -172,6 +179,7 @@ impl LeaseMetrics {
         };
         self.rebinds.remove(&ns);
         self.expiries.remove(&ns);
+        self.swaps.remove(&ns);
     }
 
     /// Counts an orphan release that failed.
@@ -225,6 +233,23 @@ impl LeaseMetrics {
                 namespace: namespace.into(),
             })
             .inc();
+    }
+
+    pub(super) fn swapped(&self, namespace: &str) {
+        self.swaps
+            .get_or_create(&NamespaceLabel {
+                namespace: namespace.into(),
+            })
+            .inc();
+    }
+
+    /// Out-of-date swaps counted (for tests).
+    pub fn swaps(&self, namespace: &str) -> u64 {
+        self.swaps
+            .get(&NamespaceLabel {
+                namespace: namespace.into(),
+            })
+            .map_or(0, |c| c.get())
     }
 
     /// Expiries counted (for tests).

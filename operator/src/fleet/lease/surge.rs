@@ -114,6 +114,7 @@ mod tests {
                 renew_time: None,
                 rebind_after_seconds: 30,
                 service: false,
+                replace_out_of_date: false,
             },
         );
         l.status = Some(ProxyLeaseStatus {

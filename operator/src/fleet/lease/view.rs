@@ -20,7 +20,7 @@ use crate::api::proxy::Proxy;
 use crate::api::proxy_lease::{LEASE_LABEL, ProxyLease, RecyclePolicy};
 use crate::api::proxy_pool::ProxyPool;
 use crate::fleet::cache::Cache;
-use crate::fleet::{Member, pool_selector};
+use crate::fleet::pool_selector;
 
 use super::LeaseError;
 use super::binding::{self, Seen};
@@ -110,7 +110,7 @@ fn view(
     let seen = proxies
         .iter()
         .map(|p| Seen {
-            member: Member::of(p, &ctx.fleet.board),
+            member: ctx.fleet.member(p),
             holder: p
                 .labels()
                 .get(LEASE_LABEL)

@@ -22,7 +22,9 @@
 //! The provider itself: [`backend`] implements Create/Get/Delete/List over the
 //! operations of [`ops`] (real: [`ops::LibvirtOps`]; for tests: [`fake`]), [`image`]
 //! caches verified base images with a marker-volume commit protocol, [`volume`] makes the
-//! overlay and seed volumes, and [`locks`] serialises work per domain name and image.
+//! overlay and seed volumes, [`index`] keeps what each host holds of ours (so a Create
+//! or Delete does not list whole hosts), and [`locks`] serialises work per domain name and
+//! image.
 //!
 //! [`seed`] builds the cloud-init NoCloud seed ISO (`cidata`) of a VM in memory.
 //!
@@ -38,6 +40,6 @@ pub mod image;
 pub mod link;
 pub mod locks;
 
-pub use domain::{addresses, backend, fake, metadata, ops, seed, state, volume};
+pub use domain::{addresses, backend, fake, index, metadata, ops, seed, state, volume};
 pub use image::fetch;
 pub use link::{check, errors, hosts, known_hosts, libvirt, observe, ssh, tunnel, virt_error};

@@ -15,6 +15,7 @@ fn spec(count: i32) -> ProxyLeaseSpec {
         renew_time: None,
         rebind_after_seconds: 30,
         service: true,
+        replace_out_of_date: false,
     }
 }
 
@@ -545,4 +546,150 @@ fn while_the_probe_is_not_trusted_no_bound_proxy_is_given_up_for_not_serving() {
         false,
     );
     assert_eq!(step.release, ["p1"]);
+}
+
+fn outdated(mut s: Seen) -> Seen {
+    s.member.outdated = true;
+    s
+}
+
+fn bound_status(names: &[&str]) -> ProxyLeaseStatus {
+    let mut st = ProxyLeaseStatus {
+        phase: Some(LeasePhase::Bound),
+        proxies: names.iter().map(|n| bound(n)).collect(),
+        ..Default::default()
+    };
+    settle(
+        &mut st,
+        &ProxyLeaseStatus::default(),
+        names.len(),
+        "office",
+        &[],
+        Some(1),
+        t(0),
+    );
+    st
+}
+
+#[test]
+fn without_the_opt_in_an_out_of_date_bound_proxy_is_kept() {
+    let status = bound_status(&["p1"]);
+    let pool = [
+        outdated(seen("p1", true, Some(LEASE))),
+        seen("p2", true, None),
+    ];
+    let step = run(&spec(1), &status, &pool, 5);
+    assert!(step.take.is_empty() && step.release.is_empty() && step.swapped.is_empty());
+    assert_eq!(step.status.proxies, status.proxies);
+    assert!(!needs_others(LEASE, &spec(1), &status, &pool, true));
+}
+
+#[test]
+fn with_the_opt_in_an_out_of_date_proxy_is_swapped_make_before_break() {
+    let mut opted = spec(1);
+    opted.replace_out_of_date = true;
+    let status = bound_status(&["p1"]);
+    let pool = [
+        outdated(seen("p1", true, Some(LEASE))),
+        outdated(seen("p2", true, None)),
+        seen("p3", true, None),
+    ];
+    assert!(needs_others(LEASE, &opted, &status, &pool, true));
+
+    // 1. The up-to-date spare is claimed beside the bound proxy; nothing is given back
+    // yet and the lease stays Bound (a swap is not a want).
+    let step = run(&opted, &status, &pool, 5);
+    let names = |c: &[ProxyClaim]| c.iter().map(|c| c.name.clone()).collect::<Vec<_>>();
+    assert_eq!(names(&step.take), ["p3"], "only the up-to-date spare");
+    assert!(step.release.is_empty() && step.swapped.is_empty());
+    assert_eq!(step.status.phase, Some(LeasePhase::Bound));
+    assert_eq!(step.status.proxies.len(), 1);
+
+    // 2. Taken: both are bound for a moment (the Service lists both).
+    let after = promote(
+        &step.status,
+        &["uid-p3".to_string()],
+        &pool,
+        1,
+        "office",
+        3128,
+        Some(1),
+        t(5),
+    );
+    assert_eq!(after.phase, Some(LeasePhase::Bound));
+    assert_eq!(after.proxies.len(), 2);
+    assert!(after.claims.is_empty());
+
+    // 3. The next look gives the out-of-date one back.
+    let pool = [
+        outdated(seen("p1", true, Some(LEASE))),
+        outdated(seen("p2", true, None)),
+        seen("p3", true, Some(LEASE)),
+    ];
+    let step = run(&opted, &after, &pool, 6);
+    assert_eq!(step.release, ["p1"]);
+    assert_eq!(step.swapped.len(), 1);
+    assert!(
+        step.swapped[0].1.contains("changed since"),
+        "{:?}",
+        step.swapped
+    );
+    assert!(step.lost.is_empty(), "a swap is not a loss");
+    assert_eq!(step.status.proxies.len(), 1);
+    assert_eq!(step.status.proxies[0].name, "p3");
+    assert_eq!(step.status.phase, Some(LeasePhase::Bound));
+    assert_eq!(step.status.rebinds, 0);
+    assert!(step.take.is_empty());
+
+    // 4. Settled (office-a given back): nothing more to do.
+    let pool = [
+        outdated(seen("p1", true, None)),
+        outdated(seen("p2", true, None)),
+        seen("p3", true, Some(LEASE)),
+    ];
+    let settled = run(&opted, &step.status, &pool, 7);
+    assert!(settled.take.is_empty() && settled.release.is_empty());
+    assert_eq!(settled.status, step.status);
+}
+
+#[test]
+fn a_swap_waits_for_an_up_to_date_spare_and_never_takes_an_out_of_date_one() {
+    let mut opted = spec(2);
+    opted.replace_out_of_date = true;
+    let status = bound_status(&["p1", "p2"]);
+    let pool = [
+        outdated(seen("p1", true, Some(LEASE))),
+        seen("p2", true, Some(LEASE)),
+        outdated(seen("p3", true, None)),
+        seen("p4", false, None),
+    ];
+    let step = run(&opted, &status, &pool, 5);
+    assert!(step.take.is_empty(), "{:?}", step.take);
+    assert_eq!(step.status.proxies, status.proxies);
+    assert!(!needs_others(LEASE, &opted, &status, &pool, true));
+
+    // A stale swap claim whose proxy went out of date meanwhile is dropped, not taken.
+    let mut claimed = status.clone();
+    claimed.claims = vec![ProxyClaim {
+        name: "p3".into(),
+        uid: "uid-p3".into(),
+    }];
+    let step = run(&opted, &claimed, &pool, 6);
+    assert!(step.take.is_empty());
+    assert!(step.status.claims.is_empty());
+}
+
+#[test]
+fn a_lease_that_binds_prefers_up_to_date_proxies() {
+    let pool = [
+        outdated(seen("p1", true, None)),
+        outdated(seen("p2", true, None)),
+        seen("p3", true, None),
+    ];
+    let step = run(&spec(2), &ProxyLeaseStatus::default(), &pool, 0);
+    let mut names: Vec<String> = step.take.iter().map(|c| c.name.clone()).collect();
+    assert_eq!(names.len(), 2);
+    assert_eq!(names.remove(0), "p3", "the up-to-date one first");
+    // Short of up-to-date ones, an out-of-date proxy still fills `count`.
+    assert!(names[0] == "p1" || names[0] == "p2");
 }

@@ -24,6 +24,7 @@ use futures_util::stream::{FuturesUnordered, StreamExt as _};
 use tokio::sync::Semaphore;
 
 use super::addresses::{self, AddressSource};
+use super::index::{self, DomainIndex, Fresh};
 use super::ippool::{AddressBook, AllocError};
 use super::ops::{Created, DomainRecord, HostOps, OpsError, VolumeEntry};
 use super::seed::{self, SeedError, SeedFiles, StaticNet};
@@ -290,6 +291,8 @@ pub struct Kvm2Options {
     pub clock: StampClock,
     /// What other clusters leave on the hosts (unregistered unless the registry sets it).
     pub sharing: super::sharing::SharingMetrics,
+    /// The domain index's counters (unregistered unless the registry sets them).
+    pub index: super::index::IndexMetrics,
 }
 
 /// The wall clock that stamps a domain's mark at define time; replaceable so a test can
@@ -331,6 +334,7 @@ impl Default for Kvm2Options {
             health: HealthBoard::default(),
             clock: StampClock::default(),
             sharing: Default::default(),
+            index: Default::default(),
         }
     }
 }
@@ -350,7 +354,8 @@ pub struct Kvm2Provider {
     /// Creates in flight per host that have passed the room check: they count against
     /// `maxDomains` before their domain exists.
     reserved: Arc<std::sync::Mutex<BTreeMap<String, usize>>>,
-    /// MACs and static addresses: per-host allocation and the MAC census.
+    /// MACs and static addresses: per-host allocation, the MAC census, and the index of
+    /// what each host holds of ours (so a Create or Delete does not list whole hosts).
     book: AddressBook,
     options: Kvm2Options,
     /// Image upload heartbeats the garbage collector saw, by host and volume name: the
@@ -496,12 +501,17 @@ impl Kvm2Provider {
             names: KeyedLocks::new(),
             creates,
             reserved: Arc::default(),
-            book: AddressBook::new(),
+            book: AddressBook::with_index(DomainIndex::new(options.index.clone())),
             options,
             beats: Default::default(),
             bridge_nets: Default::default(),
             uses,
         }
+    }
+
+    /// The domain index (its metrics are read by tests).
+    pub fn index(&self) -> &DomainIndex {
+        self.book.index()
     }
 
     /// What other clusters leave on the hosts (its metrics are read by tests).
@@ -601,7 +611,9 @@ impl Kvm2Provider {
     /// Picks the host: the pinned one, the one already holding this domain, or the
     /// reachable host with the fewest of our domains that still has room.
     ///
-    /// Hosts the health board marks unhealthy are not listed (a dead host would hold the
+    /// Healthy hosts are ranked on the domain index (checked within
+    /// [`index::RECENT`]), and the winner is checked again now before it is chosen.
+    /// Hosts the health board marks unhealthy are not looked at (a dead host would hold the
     /// Create for its whole call deadline). They are only asked, concurrently with the
     /// listings and without waiting for them, whether they hold this domain: a host
     /// marked unhealthy that still answers keeps its domain (adopted, not duplicated).
@@ -641,11 +653,13 @@ impl Kvm2Provider {
                 )
             })
             .collect();
-        let listings = futures_util::future::join_all(
-            healthy
-                .iter()
-                .map(|host| async move { (*host, self.ops.list_domains(&host.name).await) }),
-        );
+        let listings = futures_util::future::join_all(healthy.iter().map(|host| async move {
+            let found = self
+                .index()
+                .domains(self.ops.as_ref(), &host.name, Fresh::Within(index::RECENT))
+                .await;
+            (*host, found)
+        }));
         let mut listings = std::pin::pin!(listings);
         let mut held_by_unhealthy: Option<String> = None;
         let mut note = |(host, found): (&str, Result<Option<DomainRecord>, OpsError>)| {
@@ -666,22 +680,20 @@ impl Kvm2Provider {
         }
         drop(probes);
 
-        let mut best: Option<(usize, String)> = None;
+        // Ranked on the index (checked within the last few seconds), then the winner is
+        // checked now: one names-only listing, which also proves the host answers (a
+        // recent index says nothing of that) and that it still has room.
+        let mut candidates: Vec<(usize, usize, &HostConfig)> = Vec::new();
         let mut failures = Vec::new();
-        for (host, result) in listed {
+        for (order, (host, result)) in listed.into_iter().enumerate() {
             match result {
                 Ok(list) => {
                     if list.iter().any(|d| d.name == domain) {
                         return Ok(host.name.clone());
                     }
-                    let ours = list
-                        .iter()
-                        .filter(|d| d.mark.as_ref().is_some_and(|m| self.is_ours(m)))
-                        .count()
-                        + self.in_flight(&host.name);
-                    let room = u32::try_from(ours).unwrap_or(u32::MAX) < host.max_domains;
-                    if room && best.as_ref().is_none_or(|(n, _)| ours < *n) {
-                        best = Some((ours, host.name.clone()));
+                    let ours = self.ours_on(host, &list);
+                    if u32::try_from(ours).unwrap_or(u32::MAX) < host.max_domains {
+                        candidates.push((ours, order, host));
                     }
                 }
                 Err(e) => {
@@ -693,6 +705,30 @@ impl Kvm2Provider {
         if let Some(h) = held_by_unhealthy {
             tracing::info!(host = %h, domain, "host is marked unhealthy but holds this domain");
             return Ok(h);
+        }
+        candidates.sort_by_key(|(ours, order, _)| (*ours, *order));
+        let mut best: Option<(usize, String)> = None;
+        for (_, _, host) in candidates {
+            match self
+                .index()
+                .domains(self.ops.as_ref(), &host.name, Fresh::Now)
+                .await
+            {
+                Ok(list) => {
+                    if list.iter().any(|d| d.name == domain) {
+                        return Ok(host.name.clone());
+                    }
+                    let ours = self.ours_on(host, &list);
+                    if u32::try_from(ours).unwrap_or(u32::MAX) < host.max_domains {
+                        best = Some((ours, host.name.clone()));
+                        break;
+                    }
+                }
+                Err(e) => {
+                    tracing::warn!(host = %host.name, error = %e, "host skipped in placement");
+                    failures.push(format!("{}: {}", host.name, e.class()));
+                }
+            }
         }
         match best {
             Some((_, h)) => Ok(h),
@@ -733,6 +769,15 @@ impl Kvm2Provider {
             Ok(())
         })
         .await
+    }
+
+    /// Our domains in `list` plus the Creates in flight on `host`: what counts against
+    /// its `maxDomains`.
+    fn ours_on(&self, host: &HostConfig, list: &[DomainRecord]) -> usize {
+        list.iter()
+            .filter(|d| d.mark.as_ref().is_some_and(|m| self.is_ours(m)))
+            .count()
+            + self.in_flight(&host.name)
     }
 
     fn in_flight(&self, host: &str) -> usize {
@@ -955,8 +1000,8 @@ impl Kvm2Provider {
     /// `maxDomains`; the slot is held until the returned guard drops.
     async fn reserve(&self, host: &HostConfig) -> Result<Reservation, Kvm2Error> {
         let list = self
-            .ops
-            .list_domains(&host.name)
+            .index()
+            .domains(self.ops.as_ref(), &host.name, Fresh::Within(index::RECENT))
             .await
             .map_err(step("domain list"))?;
         self.book.census().note(&host.name, &list);
@@ -1186,6 +1231,7 @@ impl Kvm2Provider {
                     name: identity.domain_name.clone(),
                 })
             })?;
+        self.index().defined(h, rec.clone());
         let mark = rec.mark.clone().ok_or_else(|| {
             Kvm2Error::InvalidRequest(
                 "the domain plugin's XML dropped the operator's metadata mark".into(),
@@ -1371,7 +1417,11 @@ impl Kvm2Provider {
         if let Some(shared) = self.book.census().shared(host, mac, name) {
             return shared;
         }
-        match self.ops.list_domains(host).await {
+        match self
+            .index()
+            .domains(self.ops.as_ref(), host, Fresh::Within(index::RECENT))
+            .await
+        {
             Ok(list) => {
                 self.book.census().note(host, &list);
                 self.book
@@ -1436,6 +1486,7 @@ impl Kvm2Provider {
             .undefine(host, name)
             .await
             .map_err(step("domain undefine"))?;
+        self.index().undefined(host, name);
         Ok(())
     }
 
@@ -1545,8 +1596,8 @@ impl Kvm2Provider {
         let config = self.config();
         let futures = config.kvm2.hosts.iter().map(|host| async move {
             let result = self
-                .ops
-                .list_domains(&host.name)
+                .index()
+                .domains(self.ops.as_ref(), &host.name, Fresh::Full)
                 .await
                 .map_err(|e| {
                     ProviderError::new(Kvm2Error::Ops {
@@ -1616,6 +1667,48 @@ impl Provider for Kvm2Provider {
 
     fn list(&self) -> BoxFuture<'_, Vec<TargetListing>> {
         Box::pin(self.list_inner())
+    }
+
+    /// From the domain index, checked now on every host (one names-only listing each),
+    /// never a full listing: the domain's name carries the owner's UID. The states are as
+    /// the index last read them (a Delete needs only the IDs).
+    fn instances_of<'a>(&'a self, owner: &'a str) -> BoxFuture<'a, Vec<TargetListing>> {
+        Box::pin(async move {
+            let name = format!("{}{owner}", crate::instance::NAME_PREFIX);
+            let config = self.config();
+            let futures = config.kvm2.hosts.iter().map(|host| {
+                let name = name.clone();
+                async move {
+                    let result = self
+                        .index()
+                        .domains(self.ops.as_ref(), &host.name, Fresh::Now)
+                        .await
+                        .map_err(|e| {
+                            ProviderError::new(Kvm2Error::Ops {
+                                step: "domain list",
+                                source: e,
+                            })
+                        })
+                        .map(|list| {
+                            list.iter()
+                                .filter(|rec| rec.name == name)
+                                .filter_map(|rec| {
+                                    let mark = rec
+                                        .mark
+                                        .as_ref()
+                                        .filter(|m| self.is_ours(m) && m.uid == owner)?;
+                                    Some(self.instance(&host.name, rec, mark))
+                                })
+                                .collect()
+                        });
+                    TargetListing {
+                        target: host.name.clone(),
+                        result,
+                    }
+                }
+            });
+            futures_util::future::join_all(futures).await
+        })
     }
 
     fn health(&self) -> Option<&dyn HealthCheck> {
@@ -1744,8 +1837,8 @@ impl Kvm2Provider {
     ) -> Result<Vec<VolumeCandidate>, Kvm2Error> {
         let (h, pool) = (host.name.as_str(), host.storage_pool.as_str());
         let domains = self
-            .ops
-            .list_domains(h)
+            .index()
+            .domains(self.ops.as_ref(), h, Fresh::Full)
             .await
             .map_err(step("domain list"))?;
         let volumes = self

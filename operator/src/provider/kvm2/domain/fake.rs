@@ -12,8 +12,8 @@ use std::time::Duration;
 use super::addresses::{AddressSource, NicAddrs};
 use super::metadata;
 use super::ops::{
-    Created, DefinedDomain, DomainRecord, HostOps, OpsError, PoolSpace, UploadChunks, VolumeEntry,
-    VolumeInfo, backing_path,
+    Created, DefinedDomain, DomainName, DomainRecord, HostOps, OpsError, PoolSpace, UploadChunks,
+    VolumeEntry, VolumeInfo, backing_path,
 };
 use crate::error::ErrorClass;
 use crate::provider::{BoxFuture, InstanceState};
@@ -30,6 +30,8 @@ struct FakeVolume {
 #[derive(Debug, Clone)]
 struct FakeDomain {
     xml: String,
+    /// As libvirt's: kept when the domain is defined again, new when it is made anew.
+    uuid: String,
     state: InstanceState,
     /// What each address source reports (nothing unless a test says).
     nics: BTreeMap<AddressSource, Vec<NicAddrs>>,
@@ -39,8 +41,11 @@ struct FakeDomain {
 
 impl FakeDomain {
     fn new(xml: String, state: InstanceState) -> Self {
+        static NEXT: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(1);
+        let n = NEXT.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
         Self {
             xml,
+            uuid: format!("00000000-0000-4000-8000-{n:012x}"),
             state,
             nics: BTreeMap::new(),
             agent_hostname: None,
@@ -207,8 +212,12 @@ impl FakeOps {
         if let Ok(mut hosts) = self.hosts.lock()
             && let Some(h) = hosts.get_mut(host)
         {
-            h.domains
-                .insert(name.into(), FakeDomain::new(xml.into(), state));
+            // As `virsh define` over an existing domain: its UUID stays.
+            let mut d = FakeDomain::new(xml.into(), state);
+            if let Some(b) = h.domains.get(name) {
+                d.uuid = b.uuid.clone();
+            }
+            h.domains.insert(name.into(), d);
         }
     }
 
@@ -344,6 +353,7 @@ fn capacity(xml: &str) -> u64 {
 fn record(name: &str, d: &FakeDomain) -> DomainRecord {
     let mark = metadata::mark_from_domain_xml(&d.xml);
     DomainRecord {
+        uuid: d.uuid.clone(),
         name: name.to_string(),
         state: d.state,
         damaged_mark: mark.is_err(),
@@ -576,12 +586,13 @@ impl HostOps for FakeOps {
                 return Err(injected("domain-define", host, ErrorClass::Permanent));
             };
             self.with(host, "domain-define", |h| {
-                let state = h
-                    .domains
-                    .get(&name)
-                    .map_or(InstanceState::ShutOff, |d| d.state);
-                h.domains
-                    .insert(name.clone(), FakeDomain::new(xml.clone(), state));
+                let before = h.domains.get(&name);
+                let state = before.map_or(InstanceState::ShutOff, |d| d.state);
+                let mut d = FakeDomain::new(xml.clone(), state);
+                if let Some(b) = before {
+                    d.uuid = b.uuid.clone();
+                }
+                h.domains.insert(name.clone(), d);
                 DefinedDomain {
                     name,
                     inactive_xml: xml,
@@ -683,6 +694,24 @@ impl HostOps for FakeOps {
                     .iter()
                     .filter(|(n, _)| n.starts_with(crate::instance::NAME_PREFIX))
                     .map(|(n, d)| record(n, d))
+                    .collect()
+            })
+        })
+    }
+
+    fn list_domain_names<'a>(
+        &'a self,
+        host: &'a str,
+    ) -> BoxFuture<'a, Result<Vec<DomainName>, OpsError>> {
+        Box::pin(async move {
+            self.with(host, "domain-names", |h| {
+                h.domains
+                    .iter()
+                    .filter(|(n, _)| n.starts_with(crate::instance::NAME_PREFIX))
+                    .map(|(n, d)| DomainName {
+                        name: n.clone(),
+                        uuid: d.uuid.clone(),
+                    })
                     .collect()
             })
         })
@@ -1074,6 +1103,18 @@ impl<H: OpHook> HostOps for Hooked<H> {
             host,
             None,
             self.inner.list_domains(host)
+        )
+    }
+    fn list_domain_names<'a>(
+        &'a self,
+        host: &'a str,
+    ) -> BoxFuture<'a, Result<Vec<DomainName>, OpsError>> {
+        hooked!(
+            self,
+            "domain-names",
+            host,
+            None,
+            self.inner.list_domain_names(host)
         )
     }
     fn wake<'a>(&'a self, host: &'a str, name: &'a str) -> BoxFuture<'a, Result<(), OpsError>> {

@@ -35,6 +35,7 @@ use std::time::Duration;
 use sha2::{Digest, Sha256};
 use tokio::time::Instant;
 
+use super::index::{DomainIndex, Fresh};
 use super::ops::{DomainRecord, HostOps, OpsError};
 use crate::config::AddressPool;
 use crate::error::{Classified, ErrorClass};
@@ -137,13 +138,14 @@ fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
     }
 }
 
-/// Allocations of one provider: per-host locks, the claims of Creates in flight, and the
-/// MAC census.
+/// Allocations of one provider: per-host locks, the claims of Creates in flight, the MAC
+/// census, and the index of the hosts' domains that allocation reads.
 #[derive(Debug, Default)]
 pub struct AddressBook {
     locks: KeyedLocks,
     claims: Claims,
     census: MacCensus,
+    index: DomainIndex,
 }
 
 /// A network identity claimed for one Create; the claim ends when this drops (by then the
@@ -175,6 +177,19 @@ impl AddressBook {
         Self::default()
     }
 
+    /// A book that reads the hosts' domains through `index`.
+    pub fn with_index(index: DomainIndex) -> Self {
+        Self {
+            index,
+            ..Self::default()
+        }
+    }
+
+    /// The index of the hosts' domains that allocation reads.
+    pub fn index(&self) -> &DomainIndex {
+        &self.index
+    }
+
     /// The census the book keeps up to date.
     pub fn census(&self) -> &MacCensus {
         &self.census
@@ -204,8 +219,11 @@ impl AddressBook {
             .filter(|(other, _)| other.as_str() != uid)
             .map(|(_, c)| c.clone())
             .collect();
-        let domains = ops
-            .list_domains(host)
+        // Checked now (a names-only listing begun after the claims were read): a domain
+        // another cluster defined before this point is seen, whatever the index held.
+        let domains = self
+            .index
+            .domains(ops, host, Fresh::Now)
             .await
             .map_err(|source| AllocError::List {
                 host: host.into(),
@@ -542,6 +560,7 @@ mod tests {
             let census = MacCensus::default();
             assert_eq!(census.shared("h1", "02:00:00:00:00:01", "egress-a"), None);
             let rec = |name: &str, u: &str, mac: &str| DomainRecord {
+                uuid: format!("uuid-{name}"),
                 name: name.into(),
                 state: InstanceState::Running,
                 mark: crate::provider::kvm2::metadata::mark_from_domain_xml(&mark_xml(

@@ -10,6 +10,7 @@ pub mod addresses;
 pub mod backend;
 pub mod bridgenet;
 pub mod fake;
+pub mod index;
 pub mod ippool;
 pub mod metadata;
 pub mod ops;

@@ -68,6 +68,8 @@ pub struct VolumeEntry {
 pub struct DomainRecord {
     /// Domain name.
     pub name: String,
+    /// Its UUID (new when a domain is undefined and defined again under the name).
+    pub uuid: String,
     /// Run state.
     pub state: InstanceState,
     /// Our ownership mark, if the domain carries a valid one.
@@ -75,6 +77,17 @@ pub struct DomainRecord {
     /// The domain carries a mark in our namespace that does not parse: it is not treated
     /// as ours, but its MAC and static address are unknown, so they may be in use.
     pub damaged_mark: bool,
+}
+
+/// A domain's name and UUID, from a names-only listing. A domain undefined and defined
+/// again under its name gets a new UUID, so the pair tells the index whether what it read
+/// before is still the domain there.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct DomainName {
+    /// Domain name.
+    pub name: String,
+    /// Its UUID as libvirt prints it.
+    pub uuid: String,
 }
 
 /// A domain libvirt has just defined, as libvirt read it.
@@ -290,6 +303,14 @@ pub trait HostOps: Send + Sync {
         &'a self,
         host: &'a str,
     ) -> BoxFuture<'a, Result<Vec<DomainRecord>, OpsError>>;
+    /// The name and UUID of every domain on the host whose name has our prefix: one round
+    /// trip whatever the count (`virConnectListAllDomains` returns both with each handle),
+    /// where [`HostOps::list_domains`] reads each domain's state and XML, two more per
+    /// domain. The domain index ([`super::index`]) checks for changes with this.
+    fn list_domain_names<'a>(
+        &'a self,
+        host: &'a str,
+    ) -> BoxFuture<'a, Result<Vec<DomainName>, OpsError>>;
 
     // Lifecycle and collection additions (issue 12): adoption wakes a paused or
     // suspended domain, the collector lists a pool's volumes.
@@ -475,6 +496,7 @@ fn record(dom: &Domain, name: String) -> Result<DomainRecord, virt::error::Error
         }
     };
     Ok(DomainRecord {
+        uuid: dom.get_uuid_string()?,
         name,
         state: instance_state(state),
         mark,
@@ -1198,6 +1220,32 @@ impl HostOps for LibvirtOps {
                             // Undefined while we listed: not there.
                             Err(e) if absent(&e) => {}
                             Err(e) => return Err(e),
+                        }
+                    }
+                    Ok(out)
+                })
+                .await?)
+        })
+    }
+
+    fn list_domain_names<'a>(
+        &'a self,
+        host: &'a str,
+    ) -> BoxFuture<'a, Result<Vec<DomainName>, OpsError>> {
+        Box::pin(async move {
+            Ok(self
+                .hosts
+                .call(host, "domain-names", |c| {
+                    let mut out = Vec::new();
+                    // Name and UUID come with each handle: no further round trip.
+                    for d in c.list_all_domains(0)? {
+                        let (name, uuid) = match (d.get_name(), d.get_uuid_string()) {
+                            (Ok(n), Ok(u)) => (n, u),
+                            (Err(e), _) | (_, Err(e)) if absent(&e) => continue,
+                            (Err(e), _) | (_, Err(e)) => return Err(e),
+                        };
+                        if name.starts_with(crate::instance::NAME_PREFIX) {
+                            out.push(DomainName { name, uuid });
                         }
                     }
                     Ok(out)
