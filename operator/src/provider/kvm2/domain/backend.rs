@@ -1197,6 +1197,9 @@ impl Kvm2Provider {
             })
             .await?;
         req.fence.check("domain define")?;
+        // Until the define is read back and recorded, other Creates' checks of the host
+        // leave this name to us (the allocation's claim holds its MAC and address).
+        let _defining = self.index().defining(h, &identity.domain_name);
         let defined = self
             .ops
             .define(h, xml)

@@ -135,6 +135,11 @@ struct HostState {
     /// use a check only if it began after the call (a number above what had begun then).
     begun: u64,
     completed: u64,
+    /// Names this process is defining now ([`DomainIndex::defining`]): a check does not
+    /// read them, as [`DomainIndex::defined`] records them in a moment. Their MACs and
+    /// addresses are held by the allocation's claims meanwhile, their slots by the room
+    /// check's reservations.
+    pending: HashMap<String, usize>,
 }
 
 #[derive(Debug, Default)]
@@ -222,6 +227,7 @@ impl DomainIndex {
             let st = lock(&index.state);
             names
                 .iter()
+                .filter(|n| !st.pending.contains_key(&n.name))
                 .filter(|n| st.domains.get(&n.name).is_none_or(|e| e.uuid != n.uuid))
                 .map(|n| n.name.as_str())
                 .collect()
@@ -259,6 +265,20 @@ impl DomainIndex {
         let epoch = st.epoch;
         st.touched.insert(record.name.clone(), epoch);
         st.domains.insert(record.name.clone(), record);
+    }
+
+    /// Marks `name` as being defined on `host` by this process until the guard drops (after
+    /// [`DomainIndex::defined`], or on a failure): checks meanwhile do not read it.
+    pub fn defining(&self, host: &str, name: &str) -> Defining {
+        let index = self.host(host);
+        *lock(&index.state)
+            .pending
+            .entry(name.to_string())
+            .or_default() += 1;
+        Defining {
+            index,
+            name: name.to_string(),
+        }
     }
 
     /// Records a domain this process has just undefined.
@@ -322,6 +342,25 @@ fn apply_check(
             // Undefined between the listing and the read.
             None => {
                 st.domains.remove(&name);
+            }
+        }
+    }
+}
+
+/// A name being defined ([`DomainIndex::defining`]).
+#[derive(Debug)]
+pub struct Defining {
+    index: Arc<HostIndex>,
+    name: String,
+}
+
+impl Drop for Defining {
+    fn drop(&mut self) {
+        let mut st = lock(&self.index.state);
+        if let Some(n) = st.pending.get_mut(&self.name) {
+            *n = n.saturating_sub(1);
+            if *n == 0 {
+                st.pending.remove(&self.name);
             }
         }
     }

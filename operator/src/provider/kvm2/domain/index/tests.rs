@@ -257,3 +257,35 @@ fn a_failed_check_changes_nothing() {
         assert_eq!(cost(&fake, before), (1, 0, 0));
     });
 }
+
+#[test]
+fn a_name_being_defined_here_is_left_to_its_create() {
+    rt().block_on(async {
+        let fake = FakeOps::new(&[H], 1 << 30);
+        let index = DomainIndex::default();
+        index.domains(&fake, H, Fresh::Now).await.unwrap();
+        let defining = index.defining(H, &name(7));
+        put(&fake, 7, "52:54:00:00:00:07");
+        let before = calls(&fake);
+        let seen = index.domains(&fake, H, Fresh::Now).await.unwrap();
+        assert!(seen.is_empty(), "not read while its Create defines it");
+        assert_eq!(cost(&fake, before), (1, 0, 0));
+        // The Create records what it read back; nothing is read for it.
+        let rec = fake.domain(H, &name(7)).await.unwrap().unwrap();
+        index.defined(H, rec);
+        drop(defining);
+        let before = calls(&fake);
+        let seen = index.domains(&fake, H, Fresh::Now).await.unwrap();
+        assert_eq!(macs(&seen), ["52:54:00:00:00:07"]);
+        assert_eq!(cost(&fake, before), (1, 0, 0));
+
+        // A Create that failed before recording: the next check reads the domain.
+        let defining = index.defining(H, &name(8));
+        put(&fake, 8, "52:54:00:00:00:08");
+        drop(defining);
+        let before = calls(&fake);
+        let seen = index.domains(&fake, H, Fresh::Now).await.unwrap();
+        assert_eq!(seen.len(), 2);
+        assert_eq!(cost(&fake, before), (1, 0, 1));
+    });
+}
