@@ -6,7 +6,7 @@
 //! per Proxy, the GC sweep time, time to all gone and leftovers; each figure beside its
 //! goal (issue 22). Then (issue 32) the flat-cost run: one host, 250 Proxies and then 750
 //! more, a Create's libvirt round trips and mean time in each wave side by side
-//! (`EGRESS_FLAT_PROXIES` changes its size). Wall-clock values are printed, never
+//! (`EGRESS_FLAT_PROXIES` changes its size; `EGRESS_FLAT_ONLY` runs only this part). Wall-clock values are printed, never
 //! asserted; a leftover or a refused request fails the bench.
 //!
 //! `EGRESS_SCALE_PROXIES`, `EGRESS_SCALE_HOSTS`, `EGRESS_SCALE_REST_SECONDS` (600 in the
@@ -58,6 +58,10 @@ fn main() {
         .build()
         .unwrap();
     rt.block_on(async {
+        if bench::full() && std::env::var_os("EGRESS_FLAT_ONLY").is_some() {
+            flat_cost(binary).await;
+            return;
+        }
         let rig = ScaleRig::start(binary.clone(), options)
             .await
             .unwrap_or_else(|e| panic!("{e:#}"));
