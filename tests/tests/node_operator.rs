@@ -174,9 +174,15 @@ fn the_deployment_from_config_default_runs_the_image_leads_and_carries_traffic()
     })
     .unwrap_or_else(|e| panic!("{e:#}"));
     let to_round = deleted.elapsed();
-    let log = node
-        .kubectl_run(&["logs", "-n", NAMESPACE, &new_leader])
-        .unwrap();
+    // The replacement pod's container can start and take the Lease before the kubelet
+    // reports the pod running; until then `kubectl logs` refuses (ContainerCreating).
+    let log = lab
+        .wait_for("the new leader's log", GUARD, || {
+            node.kubectl_run(&["logs", "-n", NAMESPACE, &new_leader])
+                .ok()
+                .filter(|l| l.contains("acquired leadership"))
+        })
+        .unwrap_or_else(|e| panic!("{e:#}"));
     assert!(log.contains("acquired leadership"), "{log}");
     println!(
         "leader pod deleted: new leader {new_leader} ({by}) after {:.1}s, its first health round after {:.1}s",

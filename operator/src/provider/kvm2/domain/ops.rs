@@ -454,6 +454,24 @@ fn absent(e: &virt::error::Error) -> bool {
     )
 }
 
+/// Refreshes a pool, so volumes made behind libvirt's back are seen. libvirt refuses the
+/// refresh while it builds a volume in the pool ("pool '...' has asynchronous jobs
+/// running": another Create, another replica or cluster); the pool is then read as libvirt
+/// knows it, which includes the volume being built.
+fn refresh_pool(p: &StoragePool) -> Result<(), virt::error::Error> {
+    match p.refresh(0) {
+        Ok(_) => Ok(()),
+        Err(e) if e.message().contains("asynchronous jobs running") => Ok(()),
+        Err(e) => Err(e),
+    }
+}
+
+/// libvirt refuses a stream from a volume it is still creating (`OperationInvalid`,
+/// "volume '...' is still being allocated"); no error code of its own tells it apart.
+fn being_allocated(e: &virt::error::Error) -> bool {
+    is(e, ErrorNumber::OperationInvalid) && e.message().contains("being allocated")
+}
+
 /// `absent_value` when the object turned out not to exist, else the result as is.
 fn or_absent<T>(
     r: Result<T, virt::error::Error>,
@@ -546,7 +564,7 @@ impl LibvirtOps {
                 .hosts
                 .call(host, "volume-list", move |c| {
                     let p = StoragePool::lookup_by_name(c, &pool)?;
-                    p.refresh(0)?;
+                    refresh_pool(&p)?;
                     let mut out = Vec::new();
                     for v in p.list_all_volumes(0)? {
                         let read = v.get_name().and_then(|name| {
@@ -656,7 +674,7 @@ impl HostOps for LibvirtOps {
                 .with_dedicated_link(host, "health", deadline, move |c| {
                     c.get_lib_version()?;
                     let p = StoragePool::lookup_by_name(c, &pool)?;
-                    p.refresh(0)?;
+                    refresh_pool(&p)?;
                     p.get_info()
                 })
                 .await?;
@@ -678,7 +696,7 @@ impl HostOps for LibvirtOps {
                 .hosts
                 .call(host, "pool-info", move |c| {
                     let p = StoragePool::lookup_by_name(c, &pool)?;
-                    p.refresh(0)?;
+                    refresh_pool(&p)?;
                     p.get_info()
                 })
                 .await?;
@@ -919,7 +937,15 @@ impl HostOps for LibvirtOps {
                         Err(e) => return Err(e),
                     };
                     let stream = Stream::new(c, 0)?;
-                    v.download(&stream, 0, max_len as u64, 0)?;
+                    match v.download(&stream, 0, max_len as u64, 0) {
+                        Ok(()) => {}
+                        // Another process created the volume a moment ago and libvirt is
+                        // still building it: nothing is written in it yet, which the
+                        // caller reads as it reads a torn record (the image cache's
+                        // heartbeat: "not a token", and a beat to come).
+                        Err(e) if being_allocated(&e) => return Ok(Some(Vec::new())),
+                        Err(e) => return Err(e),
+                    }
                     let mut out = vec![0u8; max_len];
                     let mut got = 0;
                     while got < max_len {
